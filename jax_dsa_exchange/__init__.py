@@ -1,0 +1,1 @@
+"""jax-dsa-exchange: exact top-K merge of DSA candidates across the GPUs of one node."""

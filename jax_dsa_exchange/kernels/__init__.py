@@ -1,0 +1,1 @@
+"""CuTe DSL kernels (no JAX import): select+push and the exchange merge."""

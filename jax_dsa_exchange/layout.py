@@ -1,0 +1,175 @@
+"""Encodings and memory layout shared by every layer (SPEC §5-§6).
+
+One module, no JAX and no CUDA import, so the NumPy reference, the CuTe DSL
+kernels, the FFI launcher's Python side and the exchange allocator all agree on
+the same numbers.  Nothing here allocates.
+
+Packed candidate row (SPEC §5): a list of ``n`` candidates is ``n`` words
+``ord16 << 16 | (0xFFFF - (l & 0xFFFF))`` (0 = empty) followed by ``n // 32``
+mask words holding bit 16 of ``l`` (candidate ``j``: word ``n + j // 32``, bit
+``j % 32``), padded with zero words to a multiple of 4 words.  Lists are stored
+in ascending local index ``l`` with their empty (zero) words last, so an
+order-preserving compaction of a list gives its tokens in ``l`` order.
+
+Symmetric buffer of one rank (one cudaMalloc, shared over CUDA IPC), byte
+offsets from :class:`BufferLayout`:
+
+* ``ll``: int32 ``[2 (parity), W (source rank), max_rows, 2 * words(N)]``; word
+  ``j`` of a row sits at byte ``(j // 2) * 16 + (j % 2) * 8`` as the LL pair
+  ``(word, epoch)``, so one 16-byte store carries ``(w0, e, w1, e)``.
+* ``rescue``: int32 ``[max_rows, slots, words(K)]`` (plain packed rows, guarded
+  by ``flags``).
+* ``flags``: int32 ``[W (source rank), max_rows]``, the rescue sequence numbers.
+
+Local (not shared) state, int32, from :class:`StateLayout`: ``epoch[max_rows]``,
+``seq[max_rows]`` (rescue sequence per row) and ``status[STATUS_WORDS]``
+(``[code, row, epoch, rank, ...]``, 0 = healthy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+LOCAL_INDEX_BITS = 17  # SPEC §2: L <= 2**17
+MAX_LOCAL_LEN = 1 << LOCAL_INDEX_BITS
+MAX_WORLD = 16
+MIN_TOPK, MAX_TOPK = 64, 4096
+ALIGN = 2 << 20  # cudaMalloc sizes are rounded to 2 MiB (SPEC §7)
+REGION_ALIGN = 256
+STATUS_WORDS = 8
+
+# status[0] codes written by the merge kernel (0 = healthy).
+STATUS_OK = 0
+STATUS_TIMEOUT_ROUND1 = 1  # a peer's LL words of the current epoch never came
+STATUS_TIMEOUT_RESCUE = 2  # a saturated peer's rescue flag never came
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def check_config(world: int, topk: int, local_topk: int) -> None:
+    """SPEC §2 limits on the static configuration; ValueError names the value."""
+    for name, v in (("world", world), ("topk", topk), ("local_topk", local_topk)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"world={world} must be in [1, {MAX_WORLD}]")
+    if topk % 32 or not MIN_TOPK <= topk <= MAX_TOPK:
+        raise ValueError(f"topk={topk} must be a multiple of 32 in [{MIN_TOPK}, {MAX_TOPK}]")
+    if local_topk % 32 or not 32 <= local_topk <= topk:
+        raise ValueError(f"local_topk={local_topk} must be a multiple of 32 in [32, topk={topk}]")
+
+
+def row_words(n: int) -> int:
+    """Words of a packed row of ``n`` candidates (SPEC §5)."""
+    return _round_up(n + n // 32, 4)
+
+
+def ll_row_bytes(n: int) -> int:
+    """Bytes of one LL row: every word travels with its epoch."""
+    return row_words(n) * 8
+
+
+def ll_offset(j: int) -> int:
+    """Byte offset of word ``j`` inside an LL row."""
+    return (j >> 1) * 16 + (j & 1) * 8
+
+
+def rescue_slots(topk: int, local_topk: int) -> int:
+    """Most ranks that can be saturated in one row: floor((K-1)/N) (SPEC §6.4)."""
+    return (topk - 1) // local_topk
+
+
+def gid_bits(world: int) -> int:
+    """G: bits of a global position g = l * W + q < 2**17 * W."""
+    return LOCAL_INDEX_BITS + (world - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+    """Byte layout of one rank's symmetric buffer."""
+
+    world: int
+    topk: int
+    local_topk: int
+    max_rows: int
+
+    def __post_init__(self):
+        check_config(self.world, self.topk, self.local_topk)
+        if not isinstance(self.max_rows, int) or self.max_rows < 1:
+            raise ValueError(f"max_rows={self.max_rows!r} must be a positive int")
+
+    @property
+    def slots(self) -> int:
+        return rescue_slots(self.topk, self.local_topk)
+
+    @property
+    def ll_row_bytes(self) -> int:
+        return ll_row_bytes(self.local_topk)
+
+    @property
+    def rescue_row_bytes(self) -> int:
+        return row_words(self.topk) * 4
+
+    @property
+    def ll_off(self) -> int:
+        return 0
+
+    @property
+    def ll_bytes(self) -> int:
+        return 2 * self.world * self.max_rows * self.ll_row_bytes
+
+    @property
+    def rescue_off(self) -> int:
+        return _round_up(self.ll_off + self.ll_bytes, REGION_ALIGN)
+
+    @property
+    def rescue_bytes(self) -> int:
+        return self.max_rows * self.slots * self.rescue_row_bytes
+
+    @property
+    def flags_off(self) -> int:
+        return _round_up(self.rescue_off + self.rescue_bytes, REGION_ALIGN)
+
+    @property
+    def flags_bytes(self) -> int:
+        return self.world * self.max_rows * 4
+
+    @property
+    def nbytes(self) -> int:
+        """Allocation size, rounded to 2 MiB."""
+        return _round_up(self.flags_off + self.flags_bytes, ALIGN)
+
+    def ll_row(self, parity: int, src: int, row: int) -> int:
+        """Byte offset of LL row [parity, src, row]."""
+        return self.ll_off + ((parity * self.world + src) * self.max_rows + row) * self.ll_row_bytes
+
+    def rescue_row(self, row: int, slot: int) -> int:
+        return self.rescue_off + (row * self.slots + slot) * self.rescue_row_bytes
+
+    def flag(self, src: int, row: int) -> int:
+        return self.flags_off + (src * self.max_rows + row) * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Int32 word offsets of one rank's local state buffer."""
+
+    max_rows: int
+
+    @property
+    def epoch_off(self) -> int:
+        return 0
+
+    @property
+    def seq_off(self) -> int:
+        return self.max_rows
+
+    @property
+    def status_off(self) -> int:
+        return 2 * self.max_rows
+
+    @property
+    def words(self) -> int:
+        return 2 * self.max_rows + STATUS_WORDS

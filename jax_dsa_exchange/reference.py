@@ -200,3 +200,218 @@ def topk_merge(logits, row_ends, req_id, block_tables, *, topk, block_size):
         order = np.lexsort((g, -s + np.float32(0.0)))
         selected.append(g[order[:topk]])
     return _build_results(selected, world, rows, topk, reqs, tables, block_size)
+
+
+# ---------------------------------------------------------------------------
+# The protocol model (SPEC §5-§6), piece by piece as the kernels do it
+
+
+def bf16_bits(x) -> np.ndarray:
+    """The raw uint16 bit patterns of a bfloat16 array (a view, no copy)."""
+    x = np.asarray(x)
+    if x.dtype != BF16:
+        raise TypeError(f"expected a bfloat16 array, got dtype {x.dtype}")
+    return x.view(np.uint16)
+
+
+def _bits(x) -> np.ndarray:
+    """Accept bf16 values or their uint16 bits; return the uint16 bits."""
+    x = np.asarray(x)
+    if x.dtype == BF16:
+        return x.view(np.uint16)
+    if x.dtype != np.uint16:
+        if not np.issubdtype(x.dtype, np.integer) or (x.size and (x.min() < 0 or x.max() > 0xFFFF)):
+            raise TypeError(f"expected bfloat16 values or uint16 bits, got dtype {x.dtype}")
+        x = x.astype(np.uint16)
+    return x
+
+
+def is_nan_bits(bits) -> np.ndarray:
+    """NaN test on bf16 bits (SPEC §5): exponent all ones and a nonzero mantissa."""
+    b = _bits(bits).astype(np.uint32)
+    return (b & 0x7FFF) > 0x7F80
+
+
+def ord16(bits) -> np.ndarray:
+    """Order-preserving map of bf16 bits into 1..0xFFFF (SPEC §5), as uint32.
+
+    -0 is canonicalized to +0 first, so both map to 0x8000.  Positive values set
+    the top bit (above every negative); negative values are bit-inverted so a
+    larger magnitude gives a smaller code.  -inf -> 0x007F, +inf -> 0xFF80.
+    NaN (either sign, any payload) is not a candidate and maps to 0, the code
+    reserved for "no candidate".  Accepts bf16 values or uint16 bits.
+    """
+    b = _bits(bits).astype(np.uint32)
+    b = np.where(b == 0x8000, 0, b)  # -0 -> +0
+    code = np.where(b & 0x8000, ~b & 0xFFFF, b | 0x8000)
+    return np.where(is_nan_bits(b), 0, code).astype(np.uint32)
+
+
+def local_topk_indices(logits_row, row_end, n) -> np.ndarray:
+    """Local indices l of a rank's top-n of one row (SPEC §6.1), ascending l.
+
+    Valid tokens are l < clamp(row_end, 0, L) with a non-NaN score; order is
+    ord16 descending, then l ascending (= g ascending within one rank).  Fewer
+    than n if fewer are valid.  ``logits_row``: bf16 values or uint16 bits [L].
+    """
+    code = ord16(logits_row).astype(np.int64)
+    end = int(np.clip(int(row_end), 0, code.size))
+    l = np.arange(end, dtype=np.int64)
+    code = code[:end]
+    l = l[code != 0]
+    code = code[code != 0]
+    order = np.lexsort((l, -code))  # primary: code descending; then l ascending
+    return np.sort(l[order[:n]])
+
+
+def pack_local_topk(logits_row_bits, row_end, n) -> np.ndarray:
+    """Packed words of a rank's local top-n of one row (SPEC §5, layout.py).
+
+    Returns uint32 [layout.row_words(n)]: candidate j (ascending local index l,
+    empty zero words last) is ``ord16 << 16 | (0xFFFF - (l & 0xFFFF))``; bit 16
+    of l is bit ``j % 32`` of word ``n + j // 32``; the rest is zero padding.
+    """
+    if not isinstance(n, (int, np.integer)) or n < 1 or n % 32:
+        raise ValueError(f"n={n!r} must be a positive multiple of 32")
+    bits = _bits(logits_row_bits)
+    if bits.ndim != 1:
+        raise ValueError(f"logits_row_bits must be 1-D, got shape {bits.shape}")
+    if bits.size > layout.MAX_LOCAL_LEN:
+        raise ValueError(f"L={bits.size} exceeds {layout.MAX_LOCAL_LEN} (17-bit local index)")
+    l = local_topk_indices(bits, row_end, n).astype(np.uint32)
+    words = np.zeros(layout.row_words(n), np.uint32)
+    j = np.arange(l.size)
+    words[: l.size] = (ord16(bits[l]) << 16) | (0xFFFF - (l & 0xFFFF))
+    # np.bitwise_or.at: several candidates share one mask word.
+    np.bitwise_or.at(words, n + j // 32, ((l >> 16) & 1) << (j % 32).astype(np.uint32))
+    return words
+
+
+def decode_keys(words, n, rank, world) -> np.ndarray:
+    """Global 64-bit keys of a packed row from ``rank`` (SPEC §5); 0 = empty.
+
+    ``ord16 << G | (2**G - 1 - g)`` with g = l * world + rank and
+    G = layout.gid_bits(world).  Returns uint64 [n], in the list's order.
+    """
+    words = np.asarray(words, np.uint32)
+    if words.shape != (layout.row_words(n),):
+        raise ValueError(f"words has shape {words.shape}, expected ({layout.row_words(n)},) for n={n}")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must be in [0, world={world})")
+    G = layout.gid_bits(world)
+    w = words[:n].astype(np.uint64)
+    j = np.arange(n)
+    hi = (words[n + j // 32].astype(np.uint64) >> (j % 32).astype(np.uint64)) & 1
+    l = (np.uint64(0xFFFF) - (w & np.uint64(0xFFFF))) | (hi << np.uint64(16))
+    g = l * np.uint64(world) + np.uint64(rank)
+    keys = ((w >> np.uint64(16)) << np.uint64(G)) | (np.uint64((1 << G) - 1) - g)
+    return np.where(w == 0, np.uint64(0), keys)
+
+
+def key_to_gid(keys, world) -> np.ndarray:
+    """Global positions g of (nonzero) 64-bit keys, int64."""
+    G = layout.gid_bits(world)
+    mask = np.uint64((1 << G) - 1)
+    return (mask - (np.asarray(keys, np.uint64) & mask)).astype(np.int64)
+
+
+def top_keys(keys, k) -> np.ndarray:
+    """The k largest nonzero keys, descending (fewer if fewer exist)."""
+    keys = np.asarray(keys, np.uint64)
+    keys = keys[keys != 0]
+    return np.sort(keys)[::-1][:k]
+
+
+def kth_key(keys, k) -> int:
+    """T of round 1 (SPEC §6.3): the k-th largest nonzero key, 0 if fewer than k."""
+    top = top_keys(keys, k)
+    return int(top[k - 1]) if top.size == k else 0
+
+
+def saturated_mask(lists, topk, local_topk) -> tuple[int, int]:
+    """Round 1 and the exact saturation rule (SPEC §6.3-§6.4) for one row.
+
+    ``lists[q]``: uint64 [N] decoded round-1 keys of rank q (0 = empty).
+    Returns ``(mask, T)``: rank q's bit is set iff its list is full (N nonzero
+    keys) and its smallest key is strictly greater than T (full 64-bit keys).
+    """
+    T = kth_key(np.concatenate([np.asarray(x, np.uint64) for x in lists]), topk)
+    mask = 0
+    for q, keys in enumerate(lists):
+        keys = np.asarray(keys, np.uint64)
+        valid = keys[keys != 0]
+        if valid.size == local_topk and int(valid.min()) > T:
+            mask |= 1 << q
+    # Each saturated rank puts N keys above T into the top K, so s * N <= K - 1.
+    assert bin(mask).count("1") <= layout.rescue_slots(topk, local_topk), (mask, T)
+    return mask, T
+
+
+def saturated_masks(logits, row_ends, *, topk, local_topk) -> np.ndarray:
+    """Saturated bitmask of every row (int32 [R]), from per-rank logits and row_ends."""
+    world = len(logits)
+    per_rank = []
+    for q in range(world):
+        bits = bf16_bits(logits[q])
+        per_rank.append([decode_keys(pack_local_topk(bits[i], row_ends[q][i], local_topk),
+                                    local_topk, q, world) for i in range(bits.shape[0])])
+    rows = np.asarray(logits[0]).shape[0]
+    return np.array([saturated_mask([per_rank[q][i] for q in range(world)], topk, local_topk)[0]
+                     for i in range(rows)], np.int32)
+
+
+def round2_keys(lists, rescue, mask, T, topk) -> np.ndarray:
+    """Final selection (SPEC §6.5): top-K keys, descending.
+
+    Non-saturated ranks contribute their round-1 keys >= T (keys below T can
+    never make the top K: at least K keys >= T are already in round 1, and each
+    saturated rank's K-list contains its round-1 list); saturated ranks
+    contribute their rescue K-lists ``rescue[q]``.  With mask == 0 this is the
+    round-1 top K.
+    """
+    parts = []
+    for q, keys in enumerate(lists):
+        if mask >> q & 1:
+            parts.append(np.asarray(rescue[q], np.uint64))
+        else:
+            keys = np.asarray(keys, np.uint64)
+            parts.append(keys[keys >= np.uint64(T)])
+    return top_keys(np.concatenate(parts), topk)
+
+
+def protocol_merge(logits, row_ends, req_id, block_tables, *, topk, local_topk, block_size):
+    """CPU model of the two-round protocol (SPEC §5-§6); equals :func:`topk_merge`.
+
+    Per row: every rank packs its local top-N (:func:`pack_local_topk`), every
+    rank decodes the W lists (:func:`decode_keys`) and runs round 1 and the
+    saturation rule (:func:`saturated_mask`); saturated ranks pack their local
+    top-K, decoded like the round-1 lists; round 2 (:func:`round2_keys`) gives
+    the final keys.  Returns one :class:`MergeResult` per rank with
+    ``saturated`` = the bitmask of saturated ranks of each row.  Configuration
+    limits are SPEC §2 (layout.check_config, L <= 2**17); input checks and the
+    IndexError on bad block-table lookups are as in :func:`topk_merge`.
+    """
+    if not isinstance(logits, Sequence) or isinstance(logits, np.ndarray):
+        raise TypeError(f"logits must be a sequence of W per-rank arrays, got {type(logits).__name__}")
+    layout.check_config(len(logits), topk, local_topk)
+    world, rows, lg, ends, reqs, tables = _check_inputs(
+        logits, row_ends, req_id, block_tables, topk, block_size)
+    for q, x in enumerate(lg):
+        if not 1 <= x.shape[1] <= layout.MAX_LOCAL_LEN:
+            raise ValueError(f"logits[{q}] has L={x.shape[1]}, must be in [1, {layout.MAX_LOCAL_LEN}]")
+    bits = [x.view(np.uint16) for x in lg]
+    n = local_topk
+
+    selected, sat = [], np.zeros(rows, np.int32)
+    for i in range(rows):
+        # Round 1: what every rank receives from every rank (its own included).
+        words = [pack_local_topk(bits[q][i], ends[q][i], n) for q in range(world)]
+        lists = [decode_keys(words[q], n, q, world) for q in range(world)]
+        mask, T = saturated_mask(lists, topk, n)
+        # Rescue: saturated ranks push their local top-K lists.
+        rescue = {q: decode_keys(pack_local_topk(bits[q][i], ends[q][i], topk), topk, q, world)
+                  for q in range(world) if mask >> q & 1}
+        final = round2_keys(lists, rescue, mask, T, topk)
+        selected.append(key_to_gid(final, world))
+        sat[i] = mask
+    return _build_results(selected, world, rows, topk, reqs, tables, block_size, saturated=sat)

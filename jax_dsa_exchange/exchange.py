@@ -1,0 +1,377 @@
+"""Symmetric memory of the exchange: one ``Exchange`` per rank (SPEC §6-§7).
+
+An ``Exchange`` owns, on its GPU:
+
+* the symmetric buffer (LL slots, rescue slots, rescue flags; ``layout.BufferLayout``),
+  one plain ``cudaMalloc`` (CuPy's unpooled ``cupy.cuda.Memory``, 2 MiB rounded) that
+  every peer writes into;
+* the local state (per-row epochs and rescue sequence numbers, the status words the
+  merge kernel writes on a timeout; ``layout.StateLayout``);
+* the peers table: a device ``int64[W]`` of every rank's symmetric-buffer address as
+  mapped in this process (its own rank: the local pointer; others: CUDA IPC mappings
+  opened with ``cudaIpcOpenMemHandle``, or plain pointers with peer access when one
+  process drives all ranks).
+
+Nothing here changes per call: the kernels advance the epochs on the device, so a
+jitted step that uses the exchange can be replayed (CUDA graphs) without host work.
+
+Creation is collective.  ``Exchange.create`` (one rank per process) publishes each
+rank's configuration and IPC handle through the jax.distributed key-value store,
+checks that W, K, N, max_rows, the exchange id and the kernel build agree, opens the
+peers' handles, and confirms in a second phase that every rank succeeded: any
+mismatch, missing peer or IPC failure becomes a ``RendezvousError`` on every rank
+within ``timeout_s``.  ``Exchange.create_local`` builds the W ranks of one process
+that drives W GPUs.
+
+One exchange serves every layer of the model; several may coexist (each has its
+own id, agreed by creation order, which the ranks check).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import socket
+import threading
+import weakref
+from typing import Sequence
+
+import numpy as np
+
+from . import layout
+from .rendezvous import Rendezvous, RendezvousError, check_agreement, distributed_client
+
+DEFAULT_TIMEOUT_US = 5_000_000  # a kernel wait gives up after 5 s (SPEC §6.7)
+_ids = itertools.count(1)
+_ids_lock = threading.Lock()
+_live: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
+
+
+def _next_id() -> int:
+    with _ids_lock:
+        return next(_ids)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError(
+            "the GPU exchange needs CuPy (pip install 'jax-dsa-exchange[cuda13]' or "
+            "'[cuda12]'); without a GPU use the XLA path (path='xla')"
+        ) from e
+    return cupy
+
+
+def kernel_build_id(arch: str, world: int, topk: int, local_topk: int) -> str:
+    """The kernel version the ranks must agree on (hash of the kernel sources)."""
+    from .kernels import cache
+
+    return cache.source_hash()
+
+
+class _DeviceMemory:
+    """One unpooled cudaMalloc on ``ordinal``, zeroed."""
+
+    def __init__(self, ordinal: int, nbytes: int):
+        cp = _cupy()
+        with cp.cuda.Device(ordinal):
+            self.mem = cp.cuda.Memory(nbytes)  # direct cudaMalloc: IPC needs an allocation of its own
+            cp.cuda.runtime.memset(self.mem.ptr, 0, nbytes)
+        self.ptr, self.nbytes = self.mem.ptr, nbytes
+
+    def free(self):
+        self.mem = None
+
+
+class Exchange:
+    """One rank's symmetric memory and its registration with the FFI launcher."""
+
+    def __init__(self, *, exchange_id, world, rank, topk, local_topk, max_rows, ordinal,
+                 timeout_us, arch):
+        self.id, self.world, self.rank = exchange_id, world, rank
+        self.topk, self.local_topk, self.max_rows = topk, local_topk, max_rows
+        self.ordinal, self.timeout_us, self.arch = ordinal, timeout_us, arch
+        self.layout = layout.BufferLayout(world, topk, local_topk, max_rows)
+        self.state_layout = layout.StateLayout(max_rows)
+        self.closed = False
+        self._buffer = _DeviceMemory(ordinal, self.layout.nbytes)
+        self._state = _DeviceMemory(ordinal, self.state_layout.words * 4)
+        self._peers_table = _DeviceMemory(ordinal, 8 * world)
+        self._ipc_opened: list[int] = []  # peer pointers this process must close
+        self._rdv: Rendezvous | None = None
+        self._registered = False
+
+    # -- creation ---------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, *, topk: int, local_topk: int, max_rows: int, world: int | None = None,
+               rank: int | None = None, device=None, timeout_s: float = 60.0,
+               timeout_us: int = DEFAULT_TIMEOUT_US, arch: str = "sm_90a") -> "Exchange":
+        """This process's rank of a W-process exchange (collective over jax.distributed).
+
+        ``world``/``rank`` default to ``jax.process_count()``/``jax.process_index()`` and
+        ``device`` to this process's first local GPU.
+        """
+        import jax
+
+        world = jax.process_count() if world is None else world
+        rank = jax.process_index() if rank is None else rank
+        _check_create_args(topk, local_topk, max_rows, world, rank, timeout_us)
+        ordinal = _device_ordinal(device)
+        exchange_id = _next_id()
+        rdv = Rendezvous(distributed_client(), world=world, rank=rank,
+                         prefix=f"jax_dsa_exchange/{exchange_id}", timeout_s=timeout_s)
+        cp = _cupy()
+        build = kernel_build_id(arch, world, topk, local_topk)
+        ex = None
+        error = None
+        try:
+            ex = cls(exchange_id=exchange_id, world=world, rank=rank, topk=topk,
+                     local_topk=local_topk, max_rows=max_rows, ordinal=ordinal,
+                     timeout_us=timeout_us, arch=arch)
+            handle = bytes(cp.cuda.runtime.ipcGetMemHandle(ex._buffer.ptr)).hex()
+        except Exception as e:  # tell the peers instead of leaving them waiting
+            error, handle = f"{type(e).__name__}: {e}", ""
+        record = dict(world=world, rank=rank, topk=topk, local_topk=local_topk,
+                      max_rows=max_rows, exchange_id=exchange_id, kernels=build, arch=arch,
+                      host=socket.gethostname(), pid=os.getpid(), bus=_bus_id(ordinal),
+                      handle=handle, error=error)
+        records = rdv.allgather("config", record)
+        try:
+            failed = [(q, r["error"]) for q, r in enumerate(records) if r["error"]]
+            if failed:
+                raise RendezvousError("exchange creation failed: " + "; ".join(
+                    f"rank {q}: {m}" for q, m in failed))
+            check_agreement(records, ("world", "topk", "local_topk", "max_rows", "exchange_id",
+                                      "kernels", "arch"), f"exchange {exchange_id}")
+            bad_rank = [q for q, r in enumerate(records) if r["rank"] != q]
+            if bad_rank:
+                raise RendezvousError(f"exchange {exchange_id}: ranks {bad_rank} published under "
+                                      "another rank's number (two processes with the same rank?)")
+        except RendezvousError:
+            if ex is not None:
+                ex._free()
+            raise
+        ex._rdv = rdv
+        error = None
+        try:
+            peers = []
+            for q, r in enumerate(records):
+                if q == rank:
+                    peers.append(ex._buffer.ptr)
+                elif r["pid"] == os.getpid() and r["host"] == record["host"]:
+                    raise RendezvousError(f"rank {q} lives in this process: use Exchange.create_local")
+                else:
+                    with cp.cuda.Device(ordinal):
+                        ptr = cp.cuda.runtime.ipcOpenMemHandle(
+                            bytes.fromhex(r["handle"]), cp.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+                    ex._ipc_opened.append(ptr)
+                    peers.append(ptr)
+            ex._write_peers(peers)
+            ex._ranks_on_gpu = sum(1 for r in records if (r["host"], r["bus"]) == (record["host"], record["bus"]))
+            ex._register()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        try:
+            # Every rank opened its peers and zeroed its buffer before anyone may push.
+            rdv.check_all_ok("opened", error)
+        except RendezvousError:
+            ex._free()
+            raise
+        _live.add(ex)
+        return ex
+
+    @classmethod
+    def create_local(cls, devices: Sequence, *, topk: int, local_topk: int, max_rows: int,
+                     timeout_us: int = DEFAULT_TIMEOUT_US, arch: str = "sm_90a") -> list["Exchange"]:
+        """The W ranks of one process driving W GPUs (``devices``: jax devices or CUDA
+        ordinals, rank q on ``devices[q]``).  Peers use direct peer access, no IPC.  All
+        ranks share one exchange id, so the same jitted code (e.g. inside shard_map)
+        finds each rank's state by the device it runs on."""
+        world = len(devices)
+        _check_create_args(topk, local_topk, max_rows, world, 0, timeout_us)
+        ordinals = [_device_ordinal(d) for d in devices]
+        if len(set(ordinals)) != world:
+            raise ValueError(f"create_local needs {world} distinct GPUs, got ordinals {ordinals}")
+        cp = _cupy()
+        for a in ordinals:
+            with cp.cuda.Device(a):
+                for b in ordinals:
+                    if a != b:
+                        if not cp.cuda.runtime.deviceCanAccessPeer(a, b):
+                            raise RuntimeError(f"GPU {a} cannot access GPU {b} (no peer access)")
+                        try:
+                            cp.cuda.runtime.deviceEnablePeerAccess(b)
+                        except cp.cuda.runtime.CUDARuntimeError as e:
+                            if "AlreadyEnabled" not in str(e):
+                                raise
+        exchange_id = _next_id()
+        exs = [cls(exchange_id=exchange_id, world=world, rank=q, topk=topk, local_topk=local_topk,
+                   max_rows=max_rows, ordinal=o, timeout_us=timeout_us, arch=arch)
+               for q, o in enumerate(ordinals)]
+        peers = [ex._buffer.ptr for ex in exs]
+        for ex in exs:
+            ex._write_peers(peers)
+            ex._ranks_on_gpu = 1
+            ex._register()
+            _live.add(ex)
+        return exs
+
+    # -- device state -----------------------------------------------------------------
+
+    def _write_peers(self, peers: Sequence[int]) -> None:
+        cp = _cupy()
+        table = np.asarray(peers, dtype=np.int64)
+        with cp.cuda.Device(self.ordinal):
+            cp.cuda.runtime.memcpy(self._peers_table.ptr, table.ctypes.data, table.nbytes,
+                                   cp.cuda.runtime.memcpyHostToDevice)
+            cp.cuda.runtime.deviceSynchronize()
+        self.peers = list(peers)
+
+    @property
+    def merge_grid(self) -> int:
+        """CTAs of the merge grid: one per SM, shared among the ranks on this GPU, so
+        every waiting CTA is resident at once (SPEC §6.7)."""
+        cp = _cupy()
+        sms = cp.cuda.Device(self.ordinal).attributes["MultiProcessorCount"]
+        return max(1, sms // max(1, self._ranks_on_gpu))
+
+    def _register(self) -> None:
+        from . import _ffi
+        from .kernels import cache
+
+        images = cache.load_kernels(self.arch, self.world, self.topk, self.local_topk)
+        keys = {}
+        for name, img in images.items():
+            keys[name] = f"{name}/{self.arch}/w{self.world}k{self.topk}n{self.local_topk}/{img.source_hash}"
+            _ffi.load_kernel(keys[name], img.cubin, img.ptx, img.entry, self.ordinal, img.block, img.smem)
+        _ffi.register_exchange(
+            self.id, self.ordinal, rank=self.rank, world=self.world, topk=self.topk,
+            local_topk=self.local_topk, max_rows=self.max_rows, peers=self._peers_table.ptr,
+            local=self._buffer.ptr, state=self._state.ptr, rescue_off=self.layout.rescue_off,
+            flags_off=self.layout.flags_off, timeout_us=self.timeout_us,
+            merge_grid=self.merge_grid, select_key=keys["select_push"], merge_key=keys["merge"])
+        self._registered = True
+
+    def read_state(self) -> dict:
+        """Host copy of the local state (synchronizes the device): epochs, rescue
+        sequence numbers and the status words."""
+        cp = _cupy()
+        host = np.empty(self.state_layout.words, dtype=np.int32)
+        with cp.cuda.Device(self.ordinal):
+            cp.cuda.runtime.deviceSynchronize()
+            cp.cuda.runtime.memcpy(host.ctypes.data, self._state.ptr, host.nbytes,
+                                   cp.cuda.runtime.memcpyDeviceToHost)
+        s = self.state_layout
+        return dict(epoch=host[s.epoch_off:s.epoch_off + self.max_rows],
+                    seq=host[s.seq_off:s.seq_off + self.max_rows],
+                    status=host[s.status_off:s.status_off + layout.STATUS_WORDS])
+
+    def check(self) -> None:
+        """Raise if a kernel of this exchange timed out waiting for a peer (synchronizes)."""
+        st = self.read_state()["status"]
+        code, row, epoch, peer = (int(x) for x in st[:4])
+        if code != layout.STATUS_OK:
+            what = {layout.STATUS_TIMEOUT_ROUND1: "its candidates",
+                    layout.STATUS_TIMEOUT_RESCUE: "its rescue list"}.get(code, f"status {code}")
+            self.closed = True  # refuse further calls: the ranks' epochs no longer agree
+            raise RuntimeError(
+                f"exchange {self.id} rank {self.rank}: rank {peer} did not deliver {what} for "
+                f"row {row} at epoch {epoch} within {self.timeout_us} us; recreate the exchange")
+
+    # -- teardown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the IPC mappings and the memory (idempotent).  In a multi-process
+        exchange every rank first unmaps its peers, then all meet (with a timeout, so a
+        dead peer cannot hang the exit) before anyone frees the memory others mapped."""
+        if getattr(self, "_freed", False):
+            return
+        self.closed = True
+        if self._registered:
+            from . import _ffi
+
+            try:
+                _ffi.unregister_exchange(self.id, self.ordinal)
+            except Exception:
+                pass
+            self._registered = False
+        cp = _cupy()
+        with cp.cuda.Device(self.ordinal):
+            try:
+                cp.cuda.runtime.deviceSynchronize()  # no kernel of ours still writes to a peer
+            except Exception:
+                pass
+            for ptr in self._ipc_opened:
+                try:
+                    cp.cuda.runtime.ipcCloseMemHandle(ptr)
+                except Exception:
+                    pass
+            self._ipc_opened = []
+        if self._rdv is not None:
+            try:
+                self._rdv.client.wait_at_barrier(f"{self._rdv.prefix}/close", 10_000)
+            except Exception:
+                pass  # a peer that already exited has unmapped us too
+        self._free()
+
+    def _free(self) -> None:
+        for m in (getattr(self, "_buffer", None), getattr(self, "_state", None),
+                  getattr(self, "_peers_table", None)):
+            if m is not None:
+                m.free()
+        self._freed = True
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"Exchange(id={self.id}, rank={self.rank}/{self.world}, K={self.topk}, "
+                f"N={self.local_topk}, max_rows={self.max_rows}, gpu={self.ordinal}, "
+                f"{'closed' if self.closed else 'open'})")
+
+
+def _check_create_args(topk, local_topk, max_rows, world, rank, timeout_us):
+    layout.check_config(world, topk, local_topk)
+    if not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r} must be a positive int")
+    if not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank={rank!r} must be in [0, world={world})")
+    if not isinstance(timeout_us, int) or not 0 < timeout_us < 2**31:
+        raise ValueError(f"timeout_us={timeout_us!r} must be a positive int32")
+
+
+def _device_ordinal(device) -> int:
+    """CUDA ordinal of a jax device, an int, or this process's first GPU."""
+    if device is None:
+        import jax
+
+        gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+        if not gpus:
+            raise RuntimeError("no local GPU: the exchange needs one (use the XLA path on CPU)")
+        device = gpus[0]
+    if isinstance(device, int):
+        return device
+    return int(device.local_hardware_id)
+
+
+def _bus_id(ordinal: int) -> str:
+    try:
+        return _cupy().cuda.runtime.deviceGetPCIBusId(ordinal)
+    except Exception:
+        return f"ordinal-{ordinal}"
+
+
+@atexit.register
+def _close_all():
+    for ex in list(_live):
+        try:
+            ex.close()
+        except Exception:
+            pass

@@ -1,0 +1,206 @@
+"""Pure-XLA exact top-K merge (SPEC §7 "pure-XLA path"): all_gather + top-k.
+
+Runs on any backend (CPU included) inside ``jax.jit`` and ``shard_map`` over the
+DCP mesh axis, needs no 64-bit integers (``jax_enable_x64`` may stay off) and
+gives results bit-identical to ``reference.topk_merge`` (SPEC §4).
+
+How it stays exact without 64-bit keys: a score key ``ord16`` (16 bits) and a
+position (17-21 bits) do not fit one int32, so no single ``top_k`` can order by
+(score desc, position asc).  Instead every selection is done in two exact steps
+that never depend on how ``lax.top_k`` orders equal values:
+
+1. ``T`` = the K-th largest ``ord16`` (a value, so tie order is irrelevant).
+   Everything strictly above ``T`` is selected.
+2. The remaining ``need = K - #(ord > T)`` slots go to the tokens with
+   ``ord == T`` and the lowest positions: the positions of the tied tokens are
+   distinct, so a ``top_k`` over ``-position`` (again distinct values) finds the
+   cut.
+
+Protocol: each rank selects its exact local top-K (not top-N: this path has no
+rescue round, so it sends K candidates and is always exact), all-gathers the
+(ord16, global position) lists, and every rank runs the same exact global
+selection, so ``ids`` and ``saturated`` are identical on every rank.
+
+Layout convention for the convenience wrapper :func:`xla_topk_merge_sharded`:
+every array carries a leading rank axis of size W, sharded over the mesh axis:
+``logits`` [W, R, L], ``row_ends`` [W, R], ``req_id`` [W, R], ``block_table``
+[W, num_req, max_pages]; outputs ``kv_rows`` [W, R, K], ``counts`` [W, R],
+``ids`` [W, R, K], ``saturated`` [W, R].  Index ``q`` of the leading axis is
+rank ``q``'s data, i.e. ``np.stack`` of the per-rank lists ``reference``
+takes.  All ranks have the same L (shard_map needs equal shapes); shorter ranks
+express their length through ``row_ends``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from . import layout
+
+# jax >= 0.7 exports shard_map at top level; older releases only have the
+# experimental one.  The two spell the replication check differently, which we
+# never pass, so both call the same way.
+try:
+    shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - old jax
+    from jax.experimental.shard_map import shard_map
+
+
+def _axis_size(axis_name) -> int:
+    """Static size of a mesh axis inside shard_map (lax.axis_size is newer)."""
+    if hasattr(lax, "axis_size"):
+        return int(lax.axis_size(axis_name))
+    return int(lax.psum(1, axis_name))  # a Python int for a constant operand
+
+
+class MergeResult(NamedTuple):
+    kv_rows: jax.Array  # int32 [R, K]
+    counts: jax.Array  # int32 [R]
+    ids: jax.Array | None = None  # int32 [R, K] (with_ids)
+    saturated: jax.Array | None = None  # int32 [R] (with_saturated), always 0 here
+
+
+def ord16(logits: jax.Array) -> jax.Array:
+    """SPEC §5 order-preserving map of bf16 scores to int32 in [1, 0xFFFF]; NaN -> 0."""
+    bits = lax.bitcast_convert_type(logits.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
+    bits = jnp.where(bits == 0x8000, 0, bits)  # -0 == +0
+    key = jnp.where(bits & 0x8000, (~bits) & 0xFFFF, bits | 0x8000)
+    is_nan = (bits & 0x7FFF) > 0x7F80
+    return jnp.where(is_nan, 0, key)
+
+
+def _select(score: jax.Array, pos: jax.Array, k: int) -> jax.Array:
+    """Mask of the exact top-k of each row by (score desc, pos asc).
+
+    ``score``: int32 [R, M], 0 = invalid (never selected); ``pos``: int32
+    [R, M], distinct among the valid entries of a row, 0 <= pos < 2**31 - 1.
+    Selects min(k, #valid) entries.
+    """
+    valid = score > 0
+    m = score.shape[-1]
+    if m <= k:  # everything valid fits (static shapes)
+        return valid
+    kth = lax.top_k(score, k)[0][:, k - 1 : k]  # [R, 1], 0 if fewer than k valid
+    above = score > kth
+    need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    tied = (score == kth) & (kth > 0)
+    # Lowest positions among the tied first: top_k over -pos (distinct values);
+    # non-tied entries get a key below every tied one.
+    neg = jnp.where(tied, -pos, jnp.iinfo(jnp.int32).min)
+    cut = jnp.take_along_axis(lax.top_k(neg, k)[0], jnp.maximum(need - 1, 0), axis=-1)
+    return above | (tied & (neg >= cut) & (need > 0))
+
+
+def _compact(mask: jax.Array, values: jax.Array, k: int) -> jax.Array:
+    """Per row, the values at the masked positions in their order, padded with -1 to k."""
+    dest = jnp.where(mask, jnp.cumsum(mask, axis=-1, dtype=jnp.int32) - 1, k)  # k = dropped
+    out = jnp.full(mask.shape[:-1] + (k,), -1, jnp.int32)
+    rows = jnp.arange(mask.shape[0], dtype=jnp.int32)[:, None]
+    return out.at[rows, dest].set(values.astype(jnp.int32), mode="drop")
+
+
+def xla_topk_merge(
+    logits,
+    row_ends,
+    req_id,
+    block_table,
+    *,
+    axis_name,
+    topk: int,
+    block_size: int,
+    with_ids: bool = False,
+    with_saturated: bool = False,
+) -> MergeResult:
+    """Exact DCP top-K merge for one rank; call inside shard_map over ``axis_name``.
+
+    Per-rank arguments (SPEC §3): ``logits`` bf16 [R, L], ``row_ends`` int32 [R]
+    (clamped to [0, L]), ``req_id`` int32 [R], ``block_table`` int32
+    [num_req, max_pages].  Returns :class:`MergeResult` with ``kv_rows`` [R, K]
+    and ``counts`` [R]; ``ids`` [R, K] if ``with_ids``; ``saturated`` [R] (all
+    zero: this path never needs a rescue round) if ``with_saturated``.
+    ``ids``/``saturated`` are None when not requested.
+    """
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [R, L] per rank, got shape {logits.shape}")
+    world = _axis_size(axis_name)
+    layout.check_config(world, topk, topk)
+    R, L = logits.shape
+    if L > layout.MAX_LOCAL_LEN:
+        raise ValueError(f"L={L} exceeds {layout.MAX_LOCAL_LEN} (SPEC §2)")
+    me = lax.axis_index(axis_name).astype(jnp.int32)
+
+    # 1. Exact local top-K (fewer if fewer valid), listed in ascending l.
+    l_idx = lax.broadcasted_iota(jnp.int32, (R, L), 1)
+    ends = jnp.clip(row_ends.astype(jnp.int32), 0, L)[:, None]
+    score = jnp.where(l_idx < ends, ord16(logits), 0)
+    n = min(topk, L)
+    local = _select(score, l_idx, topk)
+    cand_l = _compact(local, l_idx, n)  # [R, n], -1 = empty
+    cand_s = jnp.where(cand_l >= 0, jnp.take_along_axis(score, jnp.maximum(cand_l, 0), axis=-1), 0)
+    cand_g = jnp.where(cand_l >= 0, cand_l * world + me, -1)
+
+    # 2. Every rank gets every rank's list: [R, W * n], owner-major, each
+    # owner's part in ascending l, i.e. already in the order SPEC §3 wants ids.
+    all_s = lax.all_gather(cand_s, axis_name, axis=1, tiled=True)
+    all_g = lax.all_gather(cand_g, axis_name, axis=1, tiled=True)
+
+    # 3. Same exact global selection on every rank.
+    chosen = _select(all_s, all_g, topk)
+
+    # 4. Outputs.  This rank's part of the gathered list is block [me*n, (me+1)*n).
+    mine = lax.dynamic_slice_in_dim(chosen, me * n, n, axis=1)
+    counts = jnp.sum(mine, axis=-1, dtype=jnp.int32)
+    own_l = _compact(mine, cand_l, topk)  # ascending l
+    page = jnp.clip(own_l // block_size, 0, block_table.shape[1] - 1)
+    req = jnp.clip(req_id.astype(jnp.int32), 0, block_table.shape[0] - 1)[:, None]
+    phys = block_table.astype(jnp.int32)[req, page]
+    kv_rows = jnp.where(own_l >= 0, phys * block_size + own_l % block_size, -1)
+
+    ids = _compact(chosen, all_g, topk) if with_ids else None
+    saturated = jnp.zeros((R,), jnp.int32) if with_saturated else None
+    return MergeResult(kv_rows, counts, ids, saturated)
+
+
+def xla_topk_merge_sharded(
+    mesh,
+    axis_name,
+    logits,
+    row_ends,
+    req_id,
+    block_table,
+    *,
+    topk: int,
+    block_size: int,
+    with_ids: bool = False,
+    with_saturated: bool = False,
+) -> MergeResult:
+    """:func:`xla_topk_merge` over global arrays with a leading rank axis [W, ...].
+
+    ``mesh`` has axis ``axis_name`` of size W (other mesh axes replicate).  See
+    the module docstring for the layout.  Jit-able; returns global arrays
+    sharded over the rank axis (``ids``/``saturated`` None unless requested).
+    """
+
+    def per_rank(lg, re, rq, bt):
+        out = xla_topk_merge(
+            lg[0], re[0], rq[0], bt[0], axis_name=axis_name, topk=topk,
+            block_size=block_size, with_ids=with_ids, with_saturated=with_saturated,
+        )
+        # Only the requested outputs leave shard_map (None is no array).
+        return tuple(x[None] for x in out if x is not None)
+
+    spec = P(axis_name)
+    n_out = 2 + with_ids + with_saturated
+    fn = shard_map(per_rank, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * n_out)
+    outs = list(fn(logits, row_ends, req_id, block_table))
+    kv_rows, counts = outs[0], outs[1]
+    ids = outs[2] if with_ids else None
+    saturated = outs[-1] if with_saturated else None
+    return MergeResult(kv_rows, counts, ids, saturated)

@@ -1,0 +1,135 @@
+"""The pure-XLA merge (xla_path) against the oracle, on CPU devices of one process.
+
+The device count (XLA_FLAGS=--xla_force_host_platform_device_count=W) is read
+once, when jax creates its CPU client, and other test files may have imported
+jax already; so every world size runs in its own subprocess: this file, run as
+a script (``python tests/test_xla_path.py --world W``), is the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (K, N) pairs: N only shapes the cases (saturating rows); the XLA path always
+# gathers K candidates per rank.
+CONFIGS = [(64, 32), (128, 32), (256, 64)]
+
+
+def _run_worker(world: int, *extra: str) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={world}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--world", str(world), *extra],
+                          env=env, capture_output=True, text=True, timeout=600)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"worker W={world} failed (rc={proc.returncode})\n"
+        f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_adversarial_cases_bit_identical(world):
+    res = _run_worker(world)
+    assert res["mismatches"] == [], res["mismatches"][:20]
+    assert res["checked"] > 0
+
+
+def test_explicit_mesh_and_api():
+    """jax.make_mesh (Explicit axes on new jax) with pre-sharded inputs, option handling."""
+    res = _run_worker(4, "--api")
+    assert res["mismatches"] == [], res["mismatches"]
+
+
+# ---------------------------------------------------------------------------
+# Worker (runs in the subprocess)
+
+
+def _worker(world: int, api: bool) -> dict:
+    import numpy as np
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_dsa_exchange import cases, distributed, reference
+    from jax_dsa_exchange.xla_path import xla_topk_merge_sharded
+
+    assert not jax.config.jax_enable_x64  # the path must not need 64-bit ints
+    assert len(jax.devices()) == world, jax.devices()
+    mesh = distributed.dcp_mesh("dcp", world)
+    mismatches, checked = [], 0
+    jitted = {}
+
+    def run(case, mesh, shard):
+        key = (case.topk, case.block_size, id(mesh))
+        if key not in jitted:  # one jit per static config; shapes share its cache
+            jitted[key] = jax.jit(lambda *a, K=case.topk, B=case.block_size: xla_topk_merge_sharded(
+                mesh, "dcp", *a, topk=K, block_size=B, with_ids=True, with_saturated=True))
+        return jitted[key](*shard(case))
+
+    def check(case, out, tag=""):
+        nonlocal checked
+        ref = reference.topk_merge(*case.args, topk=case.topk, block_size=case.block_size)
+        got = {f: np.asarray(getattr(out, f)) for f in ("kv_rows", "counts", "ids", "saturated")}
+        for q in range(world):
+            for f in ("kv_rows", "counts", "ids"):
+                want = getattr(ref[q], f)
+                g = got[f][q]
+                if g.dtype != np.int32 or not np.array_equal(g, want):
+                    rows = np.nonzero((g != want).reshape(g.shape[0], -1).any(-1))[0] if g.shape == want.shape else "shape"
+                    mismatches.append(f"{tag}{case!r} rank {q} {f} rows {rows}")
+            if np.any(got["saturated"][q] != 0):
+                mismatches.append(f"{tag}{case!r} rank {q} saturated not zero")
+            checked += 1
+
+    def stacked(case):
+        return [np.stack(x) for x in case.args]
+
+    rng = np.random.default_rng(1234 + world)
+    if not api:
+        for K, N in CONFIGS:
+            todo = cases.adversarial_cases(rng, world=world, topk=K, local_topk=N, rows=16)
+            # L below K, equal to K, and L = 1 (this path's n = min(K, L) branch).
+            for cols in (1, N - 5, K):
+                todo.append(cases.random_case(rng, world=world, topk=K, local_topk=N, rows=8,
+                                              cols=cols, distinct_values=3, name=f"cols{cols}"))
+            for case in todo:
+                if case.equal_cols:
+                    check(case, run(case, mesh, stacked))
+        return dict(mismatches=mismatches, checked=checked)
+
+    # --api: Explicit-axis mesh (jax.make_mesh on new jax) with inputs already
+    # sharded over the rank axis, and the optional outputs switched off.
+    emesh = jax.make_mesh((world,), ("dcp",))
+    sharding = NamedSharding(emesh, P("dcp"))
+    case = cases.random_case(rng, world=world, topk=128, local_topk=32, rows=8, cols=300, distinct_values=4)
+    out = run(case, emesh, lambda c: [jax.device_put(x, sharding) for x in stacked(c)])
+    check(case, out, "explicit mesh: ")
+    plain = jax.jit(lambda *a: xla_topk_merge_sharded(mesh, "dcp", *a, topk=128, block_size=case.block_size))(
+        *stacked(case))
+    if plain.ids is not None or plain.saturated is not None:
+        mismatches.append("ids/saturated must be None when not requested")
+    if not np.array_equal(np.asarray(plain.kv_rows), np.asarray(out.kv_rows)):
+        mismatches.append("kv_rows differ with/without ids")
+    try:
+        jax.jit(lambda *a: xla_topk_merge_sharded(mesh, "dcp", *a, topk=100, block_size=4))(*stacked(case))
+        mismatches.append("topk=100 (not a multiple of 32) was accepted")
+    except ValueError:
+        pass
+    return dict(mismatches=mismatches, checked=checked)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--api", action="store_true")
+    a = ap.parse_args()
+    print("RESULT " + json.dumps(_worker(a.world, a.api)), flush=True)

@@ -1,0 +1,512 @@
+"""Consumer kernel (SPEC §6.2-§6.7): wait for the W ranks' LL rows, exact
+top-K merge, saturation, rescue (round 2), outputs, epoch bump.
+
+ABI (fixed; all plain Int64 addresses / Int32 scalars, in this order)::
+
+    peers, local, state, logits, row_ends, req_id, block_table, kv_rows,
+    counts, ids (0 = not wanted), saturated (0 = not wanted): i64
+    rows, cols, bt_rows, bt_cols, block_size, rank, max_rows: i32
+    rescue_off, flags_off: i64;  timeout_us: i32
+
+grid = (G, 1, 1), G <= rows chosen by the host so that the W ranks' merge
+grids are co-resident: CTA b walks rows b, b + G, ... (the same order on
+every rank), so a CTA only ever waits for CTAs that already run (§6.7).
+
+Per row t (e = epoch[t] + 1):
+  round 1  keys of the W lists of parity e & 1 in the LOCAL buffer, every
+           8-byte LL half trusted only once its tag is e (volatile spin with a
+           %globaltimer timeout -> status [1, row, epoch, rank]);
+           T = K-th largest key (0 if fewer than K);
+  outputs  order-preserving compaction of {key >= T} in owner-major order
+           (lists are ascending l), per-rank selected counts;
+  saturation  rank q saturated iff all its N keys are > T, i.e. N of them
+           selected and T is not q's (full keys, SPEC §6.4);
+  rescue   a saturated rank pushes its local top-K into slot s of every
+           rank's rescue region, then flags seq+1 (release, system scope);
+           every rank acquires the flags (timeout -> status [2, ...]), selects
+           round 2 over (non-saturated lists) + (K-lists) and rewrites the
+           outputs; seq[t] += 1;
+  finally  griddepcontrol.wait (the producer grid is complete), then
+           epoch[t] = e.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32, Uint64
+
+from .. import layout
+from . import common as C
+from .select_push import row_end
+
+PARAMS = [
+    ("peers", "i64"), ("local", "i64"), ("state", "i64"), ("logits", "i64"),
+    ("row_ends", "i64"), ("req_id", "i64"), ("block_table", "i64"),
+    ("kv_rows", "i64"), ("counts", "i64"), ("ids", "i64"), ("saturated", "i64"),
+    ("rows", "i32"), ("cols", "i32"), ("bt_rows", "i32"), ("bt_cols", "i32"),
+    ("block_size", "i32"), ("rank", "i32"), ("max_rows", "i32"),
+    ("rescue_off", "i64"), ("flags_off", "i64"), ("timeout_us", "i32"),
+]  # fmt: skip
+
+KPT_REGS = 16  # keys per thread kept in registers in round 1 (fast path)
+
+
+def _align(x, a):
+    return -(-x // a) * a
+
+
+def smem_bytes(topk: int) -> int:
+    rw = layout.row_words(topk)
+    return _align(rw * 4, 16) + C.TB * 4 + 4 * 16 * 4 + 64
+
+
+class MergeSmem:
+    def __init__(self, rw: int):
+        smem = cutlass.utils.SmemAllocator()
+        self.buf = smem.allocate_tensor(Int32, cute.make_layout((rw,)), 16)
+        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
+        self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
+        self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        self.rcnt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        # seg_off[q] (q <= W) and seg_slot[q] of round 2's owner-major segments
+        self.seg = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
+
+
+class Merge:
+    """Exchange merge for one static (world, topk, local_topk)."""
+
+    def __init__(self, world: int, topk: int, n: int):
+        layout.check_config(world, topk, n)
+        self.world, self.topk, self.n = world, topk, n
+        self.gbits = layout.gid_bits(world)
+        self.keybits = 16 + self.gbits
+        self.rw_n = layout.row_words(n)
+        self.rw_k = layout.row_words(topk)
+        self.ll_row_bytes = layout.ll_row_bytes(n)
+        self.slots = layout.rescue_slots(topk, n)
+        self.nk1 = world * n
+        self.kpt = -(-self.nk1 // C.TB)
+        self.use_regs = self.kpt <= KPT_REGS
+        self.smem = smem_bytes(topk)
+
+    # ---------------------------------------------------------------- keys
+
+    @cute.jit
+    def make_key(self, w: Uint32, m: Uint32, j: Int32, q: Int32) -> Uint64:
+        """Packed word (+ its mask word) of list index j of rank q -> 64-bit
+        key ord16 << G | (2^G - 1 - g), g = l * W + q; 0 for an empty word."""
+        key = Uint64(0)
+        if w != Uint32(0):
+            hi = (m >> Uint32(j & Int32(31))) & Uint32(1)
+            lidx = (Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (hi << Uint32(16))
+            g = Uint64(lidx) * Uint64(self.world) + Uint64(q)
+            key = (Uint64(w >> Uint32(16)) << Uint64(self.gbits)) | (
+                Uint64((1 << self.gbits) - 1) - g
+            )
+        return key
+
+    @cute.jit
+    def ll_half(self, addr: Int64, ep: Int32, wait: cutlass.Constexpr, status: Int64,
+                t: Int32, q: Int32, timeout_ns: Int64) -> Uint32:
+        """Word of the LL half at addr.  With ``wait``: spin until its tag is
+        ep; on timeout record [1, row, epoch, rank] once (first failure in the
+        whole grid wins); once status is set every wait gives up at once."""  # fmt: skip
+        h = C.ld_volatile_u64(addr)
+        if cutlass.const_expr(wait):
+            if Int32(Uint32(h >> Uint64(32))) != ep:
+                start = C.globaltimer()
+                go = Int32(1)
+                while go != Int32(0):
+                    h = C.ld_volatile_u64(addr)
+                    if Int32(Uint32(h >> Uint64(32))) == ep:
+                        go = Int32(0)
+                    elif C.ld_volatile_u32(status) != Uint32(0):
+                        go = Int32(0)
+                    elif C.globaltimer() - start > timeout_ns:
+                        self.record(status, Int32(layout.STATUS_TIMEOUT_ROUND1), t, ep, q)
+                        go = Int32(0)
+        return Uint32(h & Uint64(0xFFFFFFFF))
+
+    @cute.jit
+    def record(self, status: Int64, code: Int32, t: Int32, ep: Int32, q: Int32):
+        old = C.atom_cas_u32(status, Int32(0), code)
+        if old == Int32(0):
+            C.st_volatile_u32(status + Int64(4), t)
+            C.st_volatile_u32(status + Int64(8), ep)
+            C.st_volatile_u32(status + Int64(12), q)
+
+    @cute.jit
+    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, ep: Int32, wait: cutlass.Constexpr,
+               status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
+        """Key j of rank q's round-1 list; ll_base = this row's LL row of rank
+        0 (rank q's is ll_base + q * max_rows * row bytes, passed in)."""  # fmt: skip
+        w = self.ll_half(ll_base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8),
+                         ep, wait, status, t, q, timeout_ns)  # fmt: skip
+        mj = Int32(self.n) + (j >> Int32(5))
+        m = self.ll_half(ll_base + Int64(mj >> Int32(1)) * Int64(16) + Int64(mj & Int32(1)) * Int64(8),
+                         ep, wait, status, t, q, timeout_ns)  # fmt: skip
+        return self.make_key(w, m, j, q)
+
+    @cute.jit
+    def key_r1(self, v: Int32, ll0: Int64, ll_stride: Int64, ep: Int32, wait: cutlass.Constexpr,
+               status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
+        """Round-1 key at owner-major index v = q * N + j (0 past the end)."""
+        key = Uint64(0)
+        if v < Int32(self.nk1):
+            q = v // Int32(self.n)
+            j = v - q * Int32(self.n)
+            key = self.ll_key(ll0 + Int64(q) * ll_stride, q, j, ep, wait, status, t, timeout_ns)
+        return key
+
+    @cute.jit
+    def key_r2(self, v: Int32, seg: cute.Tensor, ll0: Int64, ll_stride: Int64, resc0: Int64,
+               ep: Int32, status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
+        """Round-2 key at owner-major index v: segment q is rank q's K-list
+        (rescue slot seg[17 + q] >= 0) or its round-1 list."""  # fmt: skip
+        key = Uint64(0)
+        if v < seg[self.world]:
+            q = Int32(0)
+            for r in cutlass.range_constexpr(1, self.world):
+                if seg[r] <= v:
+                    q = Int32(r)
+            j = v - seg[q]
+            s = seg[17 + q]
+            if s >= Int32(0):
+                base = resc0 + Int64(s) * Int64(self.rw_k * 4)
+                w = C.ld_volatile_u32(base + Int64(j) * Int64(4))
+                m = C.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
+                key = self.make_key(w, m, j, q)
+            else:
+                key = self.ll_key(ll0 + Int64(q) * ll_stride, q, j, ep, False, status, t,
+                                  timeout_ns)  # fmt: skip
+        return key
+
+    # ------------------------------------------------------------- select
+
+    @cute.jit
+    def hist_add(self, key: Uint64, hi: Int32, lo: Int32, prefix: Uint64, hist: cute.Tensor):
+        if key != Uint64(0) and (key >> Uint64(hi)) == prefix:
+            d = Int32((key >> Uint64(lo)) & ((Uint64(1) << Uint64(hi - lo)) - Uint64(1)))
+            cute.arch.atomic_add(hist.iterator + d, Int32(1), sem="relaxed", scope="cta")
+
+    @cute.jit
+    def find_key(self, key: Uint64, hi: Int32, prefix: Uint64, scalars: cute.Tensor):
+        if key != Uint64(0) and (key >> Uint64(hi)) == prefix:
+            scalars[8] = Int32(Uint32(key & Uint64(0xFFFFFFFF)))
+            scalars[9] = Int32(Uint32(key >> Uint64(32)))
+
+    @cute.jit
+    def radix_select(self, keys: cute.Tensor, use_regs: cutlass.Constexpr, round2: cutlass.Constexpr,
+                     sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
+                     ep: Int32, status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
+        """T = the K-th largest nonzero key (0 if fewer than K), exact.
+        9-bit digits from the top; the bin holding the K-th key becomes the
+        prefix of the next pass; a bin of one key ends the search with one
+        extra read pass.  Uniform control flow (every value from smem)."""  # fmt: skip
+        hist, scalars, seg, warp_totals = sm.hist, sm.scalars, sm.seg, sm.warp_totals
+        hi = Int32(self.keybits)
+        prefix = Uint64(0)
+        need = Int32(self.topk)
+        T = Uint64(0)
+        done = Int32(0)
+        first = Int32(1)
+        nk = Int32(self.nk1)
+        if cutlass.const_expr(round2):
+            nk = seg[self.world]
+        while done == Int32(0):
+            lo = hi - Int32(C.DIGIT)
+            if lo < Int32(0):
+                lo = Int32(0)
+            hist[tid] = Int32(0)
+            cute.arch.sync_threads()
+            if cutlass.const_expr(use_regs):
+                for i in cutlass.range_constexpr(self.kpt):
+                    self.hist_add(keys[i], hi, lo, prefix, hist)
+            else:
+                for v in cutlass.range(tid, nk, C.TB, unroll=1):
+                    key = Uint64(0)
+                    if cutlass.const_expr(round2):
+                        key = self.key_r2(v, seg, ll0, ll_stride, resc0, ep, status, t, timeout_ns)
+                    else:
+                        key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
+                    self.hist_add(key, hi, lo, prefix, hist)
+            cute.arch.sync_threads()
+            nb = Int32(1) << (hi - lo)
+            total = C.find_bin(hist, nb, need, tid, lane, warp, warp_totals, scalars, 0)
+            if first == Int32(1) and total < Int32(self.topk):
+                done = Int32(1)  # fewer than K keys: all are selected, T = 0
+            else:
+                b = scalars[0]
+                cnt = scalars[2]
+                prefix = (prefix << Uint64(hi - lo)) | Uint64(b)
+                need = need - scalars[1]
+                hi = lo
+                if hi == Int32(0):
+                    T = prefix
+                    done = Int32(1)
+                elif cnt == Int32(1):
+                    if cutlass.const_expr(use_regs):
+                        for i in cutlass.range_constexpr(self.kpt):
+                            self.find_key(keys[i], hi, prefix, scalars)
+                    else:
+                        for v in cutlass.range(tid, nk, C.TB, unroll=1):
+                            key = Uint64(0)
+                            if cutlass.const_expr(round2):
+                                key = self.key_r2(v, seg, ll0, ll_stride, resc0, ep, status,
+                                                  t, timeout_ns)  # fmt: skip
+                            else:
+                                key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
+                            self.find_key(key, hi, prefix, scalars)
+                    cute.arch.sync_threads()
+                    T = (Uint64(Uint32(scalars[9])) << Uint64(32)) | Uint64(Uint32(scalars[8]))
+                    done = Int32(1)
+            first = Int32(0)
+            cute.arch.sync_threads()
+        return T
+
+    # ------------------------------------------------------------ outputs
+
+    @cute.jit
+    def emit_chunk(self, key: Uint64, T: Uint64, count_ranks: cutlass.Constexpr, sm: MergeSmem,
+                   tid, lane, warp, all_run: Int32, own_run: Int32, rank: Int32, t: Int32,
+                   ids: Int64, kv_rows: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
+                   block_size: Int32):
+        """One TB-chunk of the owner-major compaction of {key >= T}; returns
+        the updated (all_run, own_run)."""  # fmt: skip
+        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.buf, sm.hist, sm.warp_totals, sm.scalars, sm.rcnt, sm.seg
+        sel = key != Uint64(0) and key >= T
+        g = Int32(0)
+        q = Int32(0)
+        flag = Int32(0)
+        if sel:
+            g = Int32(Uint64((1 << self.gbits) - 1) - (key & Uint64((1 << self.gbits) - 1)))
+            q = g % Int32(self.world)
+            flag = Int32(1)
+            if q == rank:
+                flag = Int32(1 + (1 << 16))
+        incl, tot = C.block_scan(flag, lane, warp, sm_warp_totals)
+        excl = incl - flag
+        if sel:
+            pos = all_run + (excl & Int32(0xFFFF))
+            if ids != Int64(0):
+                C.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(pos)) * Int64(4), g)
+            if cutlass.const_expr(count_ranks):
+                cute.arch.atomic_add(sm_rcnt.iterator + q, Int32(1), sem="relaxed", scope="cta")
+            if q == rank:
+                kpos = own_run + (excl >> Int32(16))
+                lidx = g // Int32(self.world)
+                slot = Int32(-1)
+                if req_ok != Int32(0):
+                    page = lidx // block_size
+                    if page < bt_cols:
+                        blk = C.ld_u32(bt_row + Int64(page) * Int64(4))
+                        slot = blk * block_size + (lidx - page * block_size)
+                C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(kpos)) * Int64(4), slot)
+        return all_run + (tot & Int32(0xFFFF)), own_run + (tot >> Int32(16))
+
+    @cute.jit
+    def emit(self, keys: cute.Tensor, use_regs: cutlass.Constexpr, round2: cutlass.Constexpr,
+             T: Uint64, sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64,
+             resc0: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32,
+             ids: Int64, kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32,
+             bt_cols: Int32, block_size: Int32):
+        """Outputs of row t from the selection {key >= T}: kv_rows (own
+        tokens, ascending l), ids (owner-major), counts; -1 padding.  Round 1
+        also counts the selected keys of every rank (sm_rcnt)."""  # fmt: skip
+        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.buf, sm.hist, sm.warp_totals, sm.scalars, sm.rcnt, sm.seg
+        if tid < Int32(16):
+            sm_rcnt[tid] = Int32(0)
+        cute.arch.sync_threads()
+        all_run = Int32(0)
+        own_run = Int32(0)
+        if cutlass.const_expr(use_regs):
+            for i in cutlass.range_constexpr(self.kpt):
+                all_run, own_run = self.emit_chunk(
+                    keys[i], T, True, sm, tid, lane, warp, all_run, own_run, rank, t, ids,
+                    kv_rows, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
+        else:
+            nk = Int32(self.nk1)
+            if cutlass.const_expr(round2):
+                nk = sm_seg[self.world]
+            for base in cutlass.range(0, nk, C.TB, unroll=1):
+                v = base + tid
+                key = Uint64(0)
+                if cutlass.const_expr(round2):
+                    if v < nk:
+                        key = self.key_r2(v, sm_seg, ll0, ll_stride, resc0, ep, status, t, timeout_ns)
+                else:
+                    key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
+                all_run, own_run = self.emit_chunk(
+                    key, T, not round2, sm, tid, lane, warp, all_run, own_run, rank, t, ids,
+                    kv_rows, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
+        # -1 padding (all_run, own_run are uniform: they come from block totals)
+        for i in cutlass.range(own_run + tid, self.topk, C.TB, unroll=1):
+            C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
+        if ids != Int64(0):
+            for i in cutlass.range(all_run + tid, self.topk, C.TB, unroll=1):
+                C.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
+        if tid == Int32(0):
+            C.st_u32(counts + Int64(t) * Int64(4), own_run)
+        cute.arch.sync_threads()
+
+    # ------------------------------------------------------------- kernel
+
+    @cute.kernel
+    def kernel(self, peers: Int64, local: Int64, state: Int64, logits: Int64, row_ends: Int64,
+               req_id: Int64, block_table: Int64, kv_rows: Int64, counts: Int64, ids: Int64,
+               saturated: Int64, rows: Int32, cols: Int32, bt_rows: Int32, bt_cols: Int32,
+               block_size: Int32, rank: Int32, max_rows: Int32, rescue_off: Int64,
+               flags_off: Int64, timeout_us: Int32):  # fmt: skip
+        tid, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        nblk, _, _ = cute.arch.grid_dim()
+        tid = Int32(tid)
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        sm = MergeSmem(self.rw_k)
+        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.buf, sm.hist, sm.warp_totals, sm.scalars, sm.rcnt, sm.seg
+        W = self.world
+        status = state + Int64(max_rows) * Int64(8)
+        timeout_ns = Int64(timeout_us) * Int64(1000)
+        ll_stride = Int64(max_rows) * Int64(self.ll_row_bytes)  # next source rank
+        keys = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
+        t = Int32(bid)
+        while t < rows:
+            ep = C.ld_u32(state + Int64(t) * Int64(4)) + Int32(1)
+            seq = C.ld_u32(state + (Int64(max_rows) + Int64(t)) * Int64(4))
+            ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)
+            resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rw_k * 4)
+            req = C.ld_u32(req_id + Int64(t) * Int64(4))
+            req_ok = Int32(0)
+            bt_row = block_table
+            if req >= Int32(0) and req < bt_rows:
+                req_ok = Int32(1)
+                bt_row = block_table + Int64(req) * Int64(bt_cols) * Int64(4)
+            # ---- round 1: wait for the W lists of epoch ep
+            if cutlass.const_expr(self.use_regs):
+                for i in cutlass.range_constexpr(self.kpt):
+                    keys[i] = self.key_r1(tid + Int32(i * C.TB), ll0, ll_stride, ep, True,
+                                          status, t, timeout_ns)  # fmt: skip
+            else:
+                for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
+                    self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
+            cute.arch.sync_threads()
+            T = self.radix_select(keys, self.use_regs, False, sm, tid, lane, warp, ll0, ll_stride,
+                                  resc0, ep, status, t, timeout_ns)  # fmt: skip
+            self.emit(keys, self.use_regs, False, T, sm, tid, lane, warp, ll0, ll_stride, resc0,
+                      ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
+                      bt_cols, block_size)  # fmt: skip
+            # ---- saturation (uniform: from smem counts and T)
+            t_owner = Int32(-1)
+            if T != Uint64(0):
+                t_owner = Int32(Uint64((1 << self.gbits) - 1) - (T & Uint64((1 << self.gbits) - 1))) % Int32(W)
+            mask = Int32(0)
+            for q in cutlass.range_constexpr(W):
+                if sm_rcnt[q] == Int32(self.n) and t_owner != Int32(q):
+                    mask = mask | Int32(1 << q)
+            nsat = Int32(cute.arch.popc(Uint32(mask)))
+            if nsat > Int32(self.slots):
+                mask = Int32(0)  # impossible (SPEC §6.4); keeps the slots in bounds
+            if mask != Int32(0):
+                self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
+                            rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
+                            status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
+                            bt_row, req_ok, bt_cols, block_size, keys)  # fmt: skip
+                if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
+                    C.st_u32(state + (Int64(max_rows) + Int64(t)) * Int64(4), seq + Int32(1))
+            if saturated != Int64(0):
+                if tid == Int32(0):
+                    C.st_u32(saturated + Int64(t) * Int64(4), mask)
+            # ---- every word of the row was read; the producer grid is done
+            C.pdl_wait()
+            cute.arch.sync_threads()
+            if tid == Int32(0):
+                C.st_u32(state + Int64(t) * Int64(4), ep)
+            t = t + Int32(nblk)
+
+    @cute.jit
+    def rescue(self, mask: Int32, nsat: Int32, sm: MergeSmem, tid, lane, warp, peers: Int64,
+               local: Int64, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
+               rank: Int32, max_rows: Int32, rescue_off: Int64, flags_off: Int64, t: Int32,
+               ep: Int32, seq: Int32, status: Int64, timeout_ns: Int64, ll0: Int64,
+               ll_stride: Int64, resc0: Int64, ids: Int64, kv_rows: Int64, counts: Int64,
+               bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32,
+               keys: cute.Tensor):  # fmt: skip
+        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.buf, sm.hist, sm.warp_totals, sm.scalars, sm.rcnt, sm.seg
+        W = self.world
+        flag_val = seq + Int32(1)
+        if ((mask >> rank) & Int32(1)) != Int32(0):
+            # This rank is saturated: its local top-K from its logits (which
+            # the kernel before the producer wrote: wait for the grid chain).
+            C.pdl_wait()
+            end = row_end(row_ends, t, cols)
+            C.local_select(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
+                           sm_buf, sm_hist, sm_warp_totals, sm_scalars, tid, lane, warp)  # fmt: skip
+            s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
+            off = rescue_off + (Int64(t) * Int64(self.slots) + Int64(s)) * Int64(self.rw_k * 4)
+            for p in cutlass.range(W, unroll=1):
+                dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
+                for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
+                    C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
+                            sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
+            cute.arch.sync_threads()
+            if tid == Int32(0):
+                # bar.sync orders the CTA's stores before this fence (cumulativity)
+                C.fence_sys()
+                foff = flags_off + (Int64(rank) * Int64(max_rows) + Int64(t)) * Int64(4)
+                for p in cutlass.range(W, unroll=1):
+                    C.st_release_sys(C.ld_u64(peers + Int64(p) * Int64(8)) + foff, flag_val)
+        # Every rank: acquire the saturated ranks' flags (one lane per rank).
+        if tid < Int32(W):
+            if ((mask >> tid) & Int32(1)) != Int32(0):
+                addr = local + flags_off + (Int64(tid) * Int64(max_rows) + Int64(t)) * Int64(4)
+                if C.ld_acquire_sys(addr) != flag_val:
+                    start = C.globaltimer()
+                    go = Int32(1)
+                    while go != Int32(0):
+                        if C.ld_acquire_sys(addr) == flag_val:
+                            go = Int32(0)
+                        elif C.ld_volatile_u32(status) != Uint32(0):
+                            go = Int32(0)
+                        elif C.globaltimer() - start > timeout_ns:
+                            self.record(status, Int32(layout.STATUS_TIMEOUT_RESCUE), t, ep, tid)
+                            go = Int32(0)
+        if tid == Int32(0):
+            off = Int32(0)
+            s = Int32(0)
+            for q in cutlass.range_constexpr(W):
+                sm_seg[q] = off
+                if ((mask >> Int32(q)) & Int32(1)) != Int32(0):
+                    sm_seg[17 + q] = s
+                    s = s + Int32(1)
+                    off = off + Int32(self.topk)
+                else:
+                    sm_seg[17 + q] = Int32(-1)
+                    off = off + Int32(self.n)
+            sm_seg[W] = off
+        cute.arch.sync_threads()
+        T2 = self.radix_select(keys, False, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
+                               status, t, timeout_ns)  # fmt: skip
+        self.emit(keys, False, True, T2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep, status,
+                  t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok, bt_cols,
+                  block_size)  # fmt: skip
+
+    @cute.jit
+    def entry(self, peers: Int64, local: Int64, state: Int64, logits: Int64, row_ends: Int64,
+              req_id: Int64, block_table: Int64, kv_rows: Int64, counts: Int64, ids: Int64,
+              saturated: Int64, rows: Int32, cols: Int32, bt_rows: Int32, bt_cols: Int32,
+              block_size: Int32, rank: Int32, max_rows: Int32, rescue_off: Int64,
+              flags_off: Int64, timeout_us: Int32):  # fmt: skip
+        self.kernel(peers, local, state, logits, row_ends, req_id, block_table, kv_rows, counts,
+                    ids, saturated, rows, cols, bt_rows, bt_cols, block_size, rank, max_rows,
+                    rescue_off, flags_off, timeout_us).launch(
+            grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)  # fmt: skip
+
+    def compile(self, arch: str = "sm_90a"):
+        z64, z32 = Int64(0), Int32(1)
+        return cute.compile(
+            self.entry, z64, z64, z64, z64, z64, z64, z64, z64, z64, z64, z64,
+            z32, z32, z32, z32, z32, Int32(0), z32, z64, z64, z32,
+            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin",
+        )  # fmt: skip

@@ -112,12 +112,13 @@ def shard_ranks(mesh, axis_name: str, per_rank):
     return jax.make_array_from_callback(stacked.shape, sharding, lambda idx: stacked[idx])
 
 
-def rank_shards(x) -> dict[int, np.ndarray]:
-    """``{rank: numpy data}`` of the ranks of a [W, ...] global array held by this process."""
+def rank_shards(x, axis: int = 0) -> dict[int, np.ndarray]:
+    """``{rank: numpy data}`` of the ranks this process holds of a global array
+    whose dimension ``axis`` is the rank axis (size W); the rank axis is dropped."""
     out = {}
     for s in x.addressable_shards:
-        start = s.index[0].start or 0
+        start = s.index[axis].start or 0
         data = np.asarray(s.data)
-        for j in range(data.shape[0]):
-            out[start + j] = data[j]
+        for j in range(data.shape[axis]):
+            out[start + j] = np.take(data, j, axis=axis)
     return out

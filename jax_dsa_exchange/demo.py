@@ -1,0 +1,283 @@
+"""The main job: a jitted DCP decode loop that merges top-K every layer, checked exactly.
+
+    python -m jax_dsa_exchange.demo                 # W=4 CPU devices in one process
+    python -m jax_dsa_exchange.demo --processes     # W processes (launcher + gloo)
+    python -m jax_dsa_exchange.launch -n 8 -- python -m jax_dsa_exchange.demo --path ffi
+
+Each decode step is one jitted function: ``shard_map`` over the DCP axis, inside
+it a ``lax.scan`` over the layers; every layer merges its indexer scores with
+``merge_fn`` and gathers the selected KV rows (a stand-in for sparse attention).
+After every step the outputs of every layer are compared bit for bit with the
+NumPy oracle (``reference.topk_merge``) and one line is printed:
+
+    step 2: rows 16  K 512  N 128  W 4  |  0.85 ms/layer  |  rescue rows 3/64  |  OK
+
+"rescue rows" counts (layer, row) pairs for which the two-round protocol needs
+its second round: reported by the FFI path itself, and for the XLA path (which
+gathers K candidates and never needs one) taken from the protocol model
+(``reference.saturated_masks``).  Exit code 1 on any mismatch.
+
+``--path``: ``xla`` (pure XLA, any backend), ``ffi`` (the NVLink kernels;
+needs ``jax_dsa_exchange.op`` and NVIDIA GPUs), ``auto`` (ffi on GPUs when the
+op is importable, else xla).  The only place the path matters is
+:func:`make_merge_fn`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+AXIS = "dcp"
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m jax_dsa_exchange.demo", description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=4, help="DCP ranks W (default 4)")
+    p.add_argument("--steps", type=int, default=5, help="decode steps (default 5)")
+    p.add_argument("--layers", type=int, default=4, help="layers per step, scanned (default 4)")
+    p.add_argument("--rows", type=int, default=16, help="query rows R per call (default 16)")
+    p.add_argument("--cols", type=int, default=8192, help="local KV tokens L per rank (default 8192)")
+    p.add_argument("--topk", type=int, default=2048, help="K (default 2048)")
+    p.add_argument("--local-topk", type=int, default=1024, help="N (default 1024)")
+    p.add_argument("--block-size", type=int, default=64, help="KV page size B (default 64)")
+    p.add_argument("--path", choices=("auto", "xla", "ffi"), default="auto")
+    p.add_argument("--processes", action="store_true",
+                   help="one process per rank (launcher + jax.distributed, gloo on CPU)")
+    p.add_argument("--timeout", type=float, default=600.0, help="--processes: whole-run timeout (s)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------
+# The hook: one function decides which merge the decode step calls.
+
+
+def resolve_path(path: str) -> str:
+    """``auto`` -> ``ffi`` on NVIDIA GPUs when the op module imports, else ``xla``."""
+    import jax
+
+    if path != "auto":
+        return path
+    if jax.devices()[0].platform != "gpu":
+        return "xla"
+    try:
+        from . import op  # noqa: F401
+    except ImportError:
+        return "xla"
+    return "ffi"
+
+
+def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: int, max_rows: int):
+    """Per-rank merge ``fn(logits, row_ends, req_id, block_table) -> result`` for ``path``.
+
+    Called inside the shard_map body (one rank's [R, L] block).  The result has
+    ``kv_rows``, ``counts``, ``ids``, ``saturated`` (the last may be None).
+    Returns ``(fn, reports_rescue)``; ``reports_rescue`` says whether the path
+    reports real rescue rounds in ``saturated``.
+    """
+    import jax
+
+    if path == "xla":
+        from .xla_path import xla_topk_merge
+
+        def fn(logits, row_ends, req_id, block_table):
+            return xla_topk_merge(logits, row_ends, req_id, block_table, axis_name=AXIS, topk=topk,
+                                  block_size=block_size, with_ids=True)
+
+        return fn, False
+
+    if path != "ffi":
+        raise ValueError(f"unknown path {path!r} (auto, xla, ffi)")
+    platforms = {d.platform for d in jax.devices()}
+    if platforms != {"gpu"}:
+        raise NotImplementedError(
+            f"--path ffi needs NVIDIA GPUs, this job has {sorted(platforms)} devices; "
+            "use --path xla (or auto)")
+    try:
+        from .exchange import Exchange
+        from .op import topk_exchange_merge
+    except ImportError as e:
+        raise NotImplementedError(
+            f"--path ffi needs the GPU op (jax_dsa_exchange.op / .exchange), which failed to "
+            f"import: {e}; use --path xla") from e
+    if jax.process_count() > 1:  # one rank per process: collective creation over IPC
+        ex = Exchange.create(topk=topk, local_topk=local_topk, max_rows=max_rows)
+    else:  # all ranks in this process; the ranks share one exchange id
+        ex = Exchange.create_local(list(mesh.devices.flat), topk=topk, local_topk=local_topk,
+                                   max_rows=max_rows)[0]
+
+    def fn(logits, row_ends, req_id, block_table):
+        return topk_exchange_merge(ex, logits, row_ends, req_id, block_table, block_size=block_size,
+                                   with_ids=True, with_saturated=True, path="ffi")
+
+    return fn, True
+
+
+# ---------------------------------------------------------------------------
+# Workload: decode-like rows, every process generates the same data.
+
+
+def make_step_data(rng, step, a, world, base_len, req_id, tables):
+    """Per-rank inputs of one decode step: logits [layers, W, R, L] bf16, row_ends [W, R]."""
+    import ml_dtypes
+
+    R, L, layers = a.rows, a.cols, a.layers
+    # Row i's context has base_len[i] + step tokens; token t lives on rank t % W
+    # at local index t // W (g = l * W + q), so rank q holds ceil((len - q) / W).
+    seq = base_len + step
+    q = np.arange(world)[:, None]
+    row_ends = np.clip((seq[None, :] - q + world - 1) // world, 0, L).astype(np.int32)
+    x = rng.standard_normal((layers, world, R, L)).astype(np.float32)
+    # Some rows concentrate their best tokens on one rank (that rank's top-N is
+    # not enough there: the protocol's rescue round), some have few distinct
+    # scores (ties at the K-th key); quantizing keeps plenty of exact ties.
+    hot = rng.random((layers, R)) < 0.15
+    hot_rank = rng.integers(0, world, (layers, R))
+    for ly, i in zip(*np.nonzero(hot)):
+        x[ly, hot_rank[ly, i], i] += 3.0
+    coarse = rng.random((layers, R)) < 0.25
+    x = np.where(coarse[:, None, :, None], np.round(x), np.round(x * 16) / 16)
+    return x.astype(ml_dtypes.bfloat16), row_ends
+
+
+# ---------------------------------------------------------------------------
+
+
+def run(a) -> int:
+    from . import distributed
+
+    rank, nproc = distributed.initialize()
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from . import reference
+    from .xla_path import shard_map
+
+    world = nproc if nproc > 1 else a.world
+    mesh = distributed.dcp_mesh(AXIS, world)
+    path = resolve_path(a.path)
+    K, N, B, R, L = a.topk, a.local_topk, a.block_size, a.rows, a.cols
+    merge, reports_rescue = make_merge_fn(path, mesh, topk=K, local_topk=N, block_size=B, max_rows=R)
+    lead = rank == 0
+
+    def log(msg):
+        if lead:
+            print(msg, flush=True)
+
+    D = 8  # width of the stand-in KV cache
+
+    def rank_step(logits, row_ends, req_id, block_table, kv_cache):
+        # Per-rank shapes: logits [layers, 1, R, L]; the rest [1, ...].
+        re, rq, bt, cache = row_ends[0], req_id[0], block_table[0], kv_cache[0]
+
+        def layer(acc, lg):
+            out = merge(lg[0], re, rq, bt)
+            # Sparse attention stand-in: average this rank's selected KV rows.
+            valid = out.kv_rows >= 0
+            rows = jnp.where(valid[..., None], cache[jnp.maximum(out.kv_rows, 0)], 0.0)
+            acc = acc + rows.sum(1) / jnp.maximum(out.counts, 1)[:, None]
+            sat = out.saturated if out.saturated is not None else jnp.zeros_like(out.counts)
+            return acc, (out.kv_rows[None], out.counts[None], out.ids[None], sat[None])
+
+        # The initial carry must vary over the rank axis like the carry the body
+        # returns (shard_map's check_vma); multiplying by a per-rank value does
+        # that on every jax version.
+        acc0 = jnp.zeros((R, D), jnp.float32) * re[:, None]
+        acc, ys = lax.scan(layer, acc0, logits)
+        return (acc[None], *ys)  # ys: [layers, 1, ...] each
+
+    spec = P(AXIS)
+    lspec = P(None, AXIS)  # [layers, W, ...]: the rank axis is the second one
+    step_fn = jax.jit(shard_map(rank_step, mesh=mesh, in_specs=(lspec, spec, spec, spec, spec),
+                                out_specs=(spec, lspec, lspec, lspec, lspec)))
+
+    # Fixed per run: requests, block tables, KV caches; every process the same.
+    rng = np.random.default_rng(a.seed)
+    num_req = max(1, R // 2)
+    pages = -(-L // B)
+    req_id = rng.integers(0, num_req, (world, R)).astype(np.int32)
+    tables = np.stack([rng.permutation(num_req * pages + 7)[: num_req * pages].reshape(num_req, pages)
+                       for _ in range(world)]).astype(np.int32)
+    cache = rng.standard_normal((world, (num_req * pages + 7) * B, D)).astype(np.float32)
+    base_len = rng.integers(world * L // 8, world * L - a.steps, R)
+    base_len[0] = min(K // 2, world * L - a.steps)  # one short row: fewer than K tokens
+    put = lambda x: distributed.shard_ranks(mesh, AXIS, list(x))  # noqa: E731
+    g_req, g_tab, g_cache = put(req_id), put(tables), put(cache)
+    from jax.sharding import NamedSharding
+
+    lsharding = NamedSharding(mesh, lspec)
+
+    log(f"jax_dsa_exchange demo: path={path} W={world} ({'processes' if nproc > 1 else 'devices'} of "
+        f"{jax.devices()[0].platform}) layers={a.layers} rows={R} L={L} K={K} N={N} B={B}")
+    bad_total = 0
+    for step in range(a.steps):
+        logits, row_ends = make_step_data(rng, step, a, world, base_len, req_id, tables)
+        g_logits = jax.make_array_from_callback(logits.shape, lsharding, lambda idx: logits[idx])
+        g_ends = put(row_ends)
+        t0 = time.perf_counter()
+        outs = step_fn(g_logits, g_ends, g_req, g_tab, g_cache)
+        jax.block_until_ready(outs)
+        dt = time.perf_counter() - t0
+        _, kv, cnt, ids, sat = [distributed.rank_shards(o, axis=1) for o in outs]
+        bad, rescue = 0, 0
+        for ly in range(a.layers):
+            lg = [logits[ly, q] for q in range(world)]
+            want = reference.topk_merge(lg, list(row_ends), list(req_id), list(tables), topk=K, block_size=B)
+            model_sat = None
+            if not reports_rescue or lead:
+                model_sat = reference.saturated_masks(lg, list(row_ends), topk=K, local_topk=N)
+            for q in kv:  # the ranks this process holds
+                got = dict(kv_rows=kv[q][ly], counts=cnt[q][ly], ids=ids[q][ly])
+                for name, g in got.items():
+                    if not np.array_equal(g, getattr(want[q], name)):
+                        bad += 1
+                        rows = np.nonzero((g != getattr(want[q], name)).reshape(R, -1).any(1))[0]
+                        print(f"MISMATCH step {step} layer {ly} rank {q} {name}: rows {rows[:8]}", flush=True)
+                if reports_rescue and not np.array_equal(sat[q][ly], model_sat):
+                    bad += 1
+                    print(f"MISMATCH step {step} layer {ly} rank {q} saturated", flush=True)
+            src = sat[min(sat)][ly] if reports_rescue else model_sat
+            rescue += int(np.count_nonzero(src))
+        if nproc > 1:  # every rank's verdict, so rank 0's line speaks for all
+            from jax.experimental import multihost_utils
+
+            bad = int(np.sum(multihost_utils.process_allgather(np.array([bad], np.int32))))
+        bad_total += bad
+        what = "compile+run" if step == 0 else "per layer"
+        ms = dt * 1e3 / (1 if step == 0 else a.layers)
+        log(f"step {step}: rows {R}  K {K}  N {N}  W {world}  |  {ms:8.2f} ms {what:<11} |  "
+            f"rescue rows {rescue}/{a.layers * R}{'' if reports_rescue else ' (model)'}  |  "
+            f"{'OK' if bad == 0 else f'MISMATCH ({bad})'}")
+    log(f"{'OK' if bad_total == 0 else 'FAILED'}: {a.steps} steps x {a.layers} layers x {R} rows, "
+        f"W={world}, path={path}: {'bit-identical to the oracle' if bad_total == 0 else f'{bad_total} mismatches'}")
+    return 0 if bad_total == 0 else 1
+
+
+def main(argv=None) -> int:
+    a = _parse(argv)
+    from . import distributed
+
+    if a.processes and not distributed.launched():
+        from . import launch
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        argv = [x for x in argv if x != "--processes"]
+        return launch.launch([sys.executable, "-m", "jax_dsa_exchange.demo", *argv], a.world,
+                             timeout=a.timeout)
+    if not distributed.launched() and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        # W CPU devices in this process; must precede jax's CPU client (only
+        # the host platform reads it, so GPUs are unaffected).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={a.world}").strip()
+    return run(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Multi-process CPU runs: the launcher, jax.distributed + gloo, the XLA path, the demo.
+
+Every test starts ``python -m jax_dsa_exchange.launch`` in a subprocess.  The
+rank worker is this file run as a script (``python tests/test_multiprocess.py
+worker ...``): it joins the job, runs xla_topk_merge in a jitted shard_map over
+a mesh of W processes x 1 CPU device and compares its own rank's outputs with
+the oracle, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THIS = os.path.abspath(__file__)
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _launch(world, *command, timeout=240, launch_args=()):
+    cmd = [sys.executable, "-m", "jax_dsa_exchange.launch", "-n", str(world), *launch_args, "--", *command]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return p, time.monotonic() - t0
+
+
+def _explain(p):
+    return f"rc={p.returncode}\nstdout:\n{p.stdout[-6000:]}\nstderr:\n{p.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_xla_path_on_every_rank(world):
+    p, _ = _launch(world, sys.executable, THIS, "worker", "--timeout", "200")
+    assert p.returncode == 0, _explain(p)
+    for r in range(world):
+        assert f"[rank {r}] RANK OK" in p.stdout, _explain(p)
+
+
+def test_failing_rank_fails_the_launch():
+    """Rank 1 dies before the collective; the others would wait for it forever:
+    the launcher must stop them after the grace period and fail."""
+    p, dt = _launch(3, sys.executable, THIS, "worker", "--fail-rank", "1",
+                    launch_args=("--grace", "3", "--timeout", "120"))
+    assert p.returncode == 7, _explain(p)
+    assert "[rank 1] rank 1: failing on purpose" in p.stderr, _explain(p)
+    assert "rank 1 failed with exit code 7" in p.stderr, _explain(p)
+    assert dt < 100, dt
+
+
+def test_launch_timeout_and_prefixes():
+    code = "import os, sys, time; print('hello', os.environ['JAX_DSA_EXCHANGE_RANK'], os.environ['JAX_DSA_EXCHANGE_WORLD']); sys.stdout.flush(); time.sleep(60)"
+    p, dt = _launch(2, sys.executable, "-c", code, launch_args=("--timeout", "3"))
+    assert p.returncode == 124, _explain(p)
+    assert "[rank 0] hello 0 2" in p.stdout and "[rank 1] hello 1 2" in p.stdout, _explain(p)
+    assert dt < 30, dt
+
+
+def test_launch_all_succeed_and_exit_code():
+    p, _ = _launch(2, sys.executable, "-c", "import sys, os; sys.exit(0)")
+    assert p.returncode == 0, _explain(p)
+    p, _ = _launch(2, sys.executable, "-c", "import sys, os; sys.exit(3 if os.environ['JAX_DSA_EXCHANGE_RANK'] == '1' else 0)")
+    assert p.returncode == 3, _explain(p)
+
+
+def test_demo_processes():
+    cmd = [sys.executable, "-m", "jax_dsa_exchange.demo", "--processes", "--world", "2", "--steps", "2",
+           "--layers", "2", "--rows", "4", "--cols", "512", "--topk", "128", "--local-topk", "64"]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert p.returncode == 0, _explain(p)
+    assert "[rank 0] OK: 2 steps" in p.stdout, _explain(p)
+    assert "MISMATCH" not in p.stdout, _explain(p)
+
+
+def test_demo_single_process():
+    env = _env()
+    cmd = [sys.executable, "-m", "jax_dsa_exchange.demo", "--world", "3", "--steps", "2", "--layers", "3",
+           "--rows", "5", "--cols", "300", "--topk", "128", "--local-topk", "32", "--path", "xla"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert p.returncode == 0, _explain(p)
+    assert "step 1:" in p.stdout and "OK: 2 steps x 3 layers x 5 rows, W=3" in p.stdout, _explain(p)
+
+
+def test_demo_ffi_without_gpu_is_a_clear_error():
+    cmd = [sys.executable, "-m", "jax_dsa_exchange.demo", "--world", "2", "--steps", "1", "--layers", "1",
+           "--rows", "2", "--cols", "128", "--topk", "64", "--local-topk", "32", "--path", "ffi"]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert p.returncode != 0
+    assert "NotImplementedError" in p.stderr and "--path xla" in p.stderr, _explain(p)
+
+
+# ---------------------------------------------------------------------------
+# Worker: one rank (runs under the launcher)
+
+
+def _worker(argv) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fail-rank", type=int, default=-1)
+    ap.add_argument("--timeout", type=int, default=120)
+    a = ap.parse_args(argv)
+
+    from jax_dsa_exchange import distributed
+
+    rank, world = distributed.initialize(timeout_s=a.timeout)
+    if rank == a.fail_rank:
+        print(f"rank {rank}: failing on purpose", file=sys.stderr, flush=True)
+        os._exit(7)  # no clean jax.distributed shutdown, like a crash
+
+    import jax
+    import numpy as np
+
+    from jax_dsa_exchange import cases, reference
+    from jax_dsa_exchange.xla_path import xla_topk_merge_sharded
+
+    assert jax.process_count() == world and jax.process_index() == rank
+    mesh = distributed.dcp_mesh("dcp")
+    assert mesh.devices.size == world
+    rng = np.random.default_rng(99)  # the same on every rank: every rank knows all data
+    bad, checked, fns = 0, 0, {}
+    for K, N in ((64, 32), (128, 32)):
+        for case in cases.adversarial_cases(rng, world=world, topk=K, local_topk=N, rows=8):
+            if not case.equal_cols:
+                continue
+            key = (case.topk, case.block_size)
+            if key not in fns:
+                fns[key] = jax.jit(lambda *x, K=case.topk, B=case.block_size: xla_topk_merge_sharded(
+                    mesh, "dcp", *x, topk=K, block_size=B, with_ids=True, with_saturated=True))
+            out = fns[key](*[distributed.shard_ranks(mesh, "dcp", x) for x in case.args])
+            want = reference.topk_merge(*case.args, topk=case.topk, block_size=case.block_size)
+            for name in ("kv_rows", "counts", "ids", "saturated"):
+                shards = distributed.rank_shards(getattr(out, name))
+                assert list(shards) == [rank], shards.keys()
+                if not np.array_equal(shards[rank], getattr(want[rank], name)):
+                    bad += 1
+                    print(f"MISMATCH {case!r} {name}", flush=True)
+            checked += 1
+    print(f"rank {rank}: {checked} cases checked, {bad} mismatches", flush=True)
+    print("RANK OK" if bad == 0 and checked else "RANK FAILED", flush=True)
+    return 1 if bad or not checked else 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    sys.exit(_worker(sys.argv[2:]))

@@ -1,0 +1,474 @@
+// XLA FFI launcher for the two DSA exchange kernels (select_push, merge).
+//
+// Python (jax_dsa_exchange/_ffi.py) talks to this library in two ways:
+//   * plain C functions through ctypes, outside the hot path and outside CUDA
+//     graph capture: load a kernel image per device, register an exchange
+//     record per (exchange id, device), read the last error;
+//   * two XLA FFI handlers (dsa_select_push, dsa_merge) that XLA calls on its
+//     own stream; they only look the record up and launch.
+//
+// libcuda is opened with dlopen at first use: the library must load (and its
+// FFI targets register) on a machine without a GPU or driver, where only the
+// pure-XLA path runs.
+
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Driver API, resolved with dlsym.  Versioned names are spelled out (the _v2
+// suffixes) because cuda.h's macros only rename the declarations.
+// ---------------------------------------------------------------------------
+struct Driver {
+  CUresult (*Init)(unsigned int);
+  CUresult (*GetErrorName)(CUresult, const char**);
+  CUresult (*GetErrorString)(CUresult, const char**);
+  CUresult (*DeviceGet)(CUdevice*, int);
+  CUresult (*DevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*CtxPushCurrent)(CUcontext);
+  CUresult (*CtxPopCurrent)(CUcontext*);
+  CUresult (*ModuleLoadDataEx)(CUmodule*, const void*, unsigned int, CUjit_option*, void**);
+  CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
+  CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int);
+  CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
+};
+
+std::mutex g_mu;  // guards everything below (loads, registry, driver init)
+std::string g_driver_error;
+const Driver* g_driver = nullptr;
+
+// Returns the driver table or nullptr (reason in g_driver_error).  Caller holds g_mu.
+const Driver* GetDriverLocked() {
+  if (g_driver || !g_driver_error.empty()) return g_driver;
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* e = dlerror();
+    g_driver_error = std::string("cannot dlopen libcuda.so.1 (no NVIDIA driver?): ") + (e ? e : "?");
+    return nullptr;
+  }
+  static Driver d;
+  struct Sym {
+    void** slot;
+    const char* name;
+  } syms[] = {
+      {(void**)&d.Init, "cuInit"},
+      {(void**)&d.GetErrorName, "cuGetErrorName"},
+      {(void**)&d.GetErrorString, "cuGetErrorString"},
+      {(void**)&d.DeviceGet, "cuDeviceGet"},
+      {(void**)&d.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"},
+      {(void**)&d.CtxPushCurrent, "cuCtxPushCurrent_v2"},
+      {(void**)&d.CtxPopCurrent, "cuCtxPopCurrent_v2"},
+      {(void**)&d.ModuleLoadDataEx, "cuModuleLoadDataEx"},
+      {(void**)&d.ModuleGetFunction, "cuModuleGetFunction"},
+      {(void**)&d.FuncSetAttribute, "cuFuncSetAttribute"},
+      {(void**)&d.LaunchKernelEx, "cuLaunchKernelEx"},
+  };
+  for (const Sym& s : syms) {
+    *s.slot = dlsym(h, s.name);
+    if (!*s.slot) {
+      g_driver_error = std::string("libcuda.so.1 lacks ") + s.name + " (driver too old for cuLaunchKernelEx?)";
+      return nullptr;
+    }
+  }
+  CUresult rc = d.Init(0);
+  if (rc != CUDA_SUCCESS) {
+    const char* name = nullptr;
+    d.GetErrorName(rc, &name);
+    g_driver_error = std::string("cuInit failed: ") + (name ? name : "?");
+    return nullptr;
+  }
+  g_driver = &d;
+  return g_driver;
+}
+
+// "cuXxx failed: CUDA_ERROR_NAME (description)".
+std::string CuError(const Driver* d, const char* call, CUresult rc) {
+  const char* name = nullptr;
+  const char* desc = nullptr;
+  if (d) {
+    d->GetErrorName(rc, &name);
+    d->GetErrorString(rc, &desc);
+  }
+  std::string s = std::string(call) + " failed: " + (name ? name : ("CUresult " + std::to_string(rc)).c_str());
+  if (desc) s += std::string(" (") + desc + ")";
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Kernels and exchange records.
+// ---------------------------------------------------------------------------
+struct Kernel {
+  CUfunction fn = nullptr;
+  int block = 0;      // threads per block (x)
+  int smem = 0;       // dynamic shared memory bytes
+  int source = 0;     // 1 = cubin, 2 = PTX JIT
+};
+
+struct Record {
+  int rank, world, topk, local_topk, max_rows, timeout_us, merge_grid;
+  int64_t peers, local, state, rescue_off, flags_off;
+  Kernel select, merge;  // copies: a CUfunction lives as long as the process
+};
+
+std::map<std::pair<std::string, int>, Kernel> g_kernels;  // (key, device ordinal)
+std::map<std::pair<int64_t, int>, Record> g_records;      // (exchange id, device ordinal)
+
+thread_local std::string t_last_error;
+
+int Fail(std::string msg) {
+  t_last_error = std::move(msg);
+  return -1;
+}
+
+// ---------------------------------------------------------------------------
+// FFI helpers.
+// ---------------------------------------------------------------------------
+
+// XLA passes ordered-effect tokens as TOKEN-typed (data-less) buffers among the
+// operands/results; the handlers skip them, so the same handler serves calls
+// with or without tokens.
+ffi::Error CollectArgs(const ffi::RemainingArgs& args, ffi::AnyBuffer* out, size_t want,
+                       const char* target) {
+  size_t n = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return ffi::Error::InvalidArgument(std::string(target) + ": operand is not a buffer");
+    if (b->element_type() == ffi::DataType::TOKEN) continue;
+    if (n == want) return ffi::Error::InvalidArgument(std::string(target) + ": too many operands");
+    out[n++] = *b;
+  }
+  if (n != want)
+    return ffi::Error::InvalidArgument(std::string(target) + ": expected " + std::to_string(want) +
+                                       " operands, got " + std::to_string(n));
+  return ffi::Error::Success();
+}
+
+ffi::Error CollectRets(const ffi::RemainingRets& rets, void** out, ffi::AnyBuffer::Dimensions* dims,
+                       size_t want, const char* target) {
+  size_t n = 0;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return ffi::Error::InvalidArgument(std::string(target) + ": result is not a buffer");
+    if ((*b)->element_type() == ffi::DataType::TOKEN) continue;
+    if (n == want) return ffi::Error::InvalidArgument(std::string(target) + ": too many results");
+    if ((*b)->element_type() != ffi::DataType::S32)
+      return ffi::Error::InvalidArgument(std::string(target) + ": results must be int32");
+    dims[n] = (*b)->dimensions();
+    out[n++] = (*b)->untyped_data();
+  }
+  if (n != want)
+    return ffi::Error::InvalidArgument(std::string(target) + ": expected " + std::to_string(want) +
+                                       " results, got " + std::to_string(n));
+  return ffi::Error::Success();
+}
+
+std::string Where(int64_t exchange_id, int device) {
+  return " (exchange " + std::to_string(exchange_id) + ", device " + std::to_string(device) + ")";
+}
+
+// Copies the record out under the lock: the launch itself needs no lock.
+ffi::Error Lookup(int64_t exchange_id, int device, const char* target, Record* rec, const Driver** d) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  *d = GetDriverLocked();
+  if (!*d) return ffi::Error::Internal(std::string(target) + ": " + g_driver_error);
+  auto it = g_records.find({exchange_id, device});
+  if (it == g_records.end())
+    return ffi::Error::InvalidArgument(std::string(target) + ": no exchange registered" +
+                                       Where(exchange_id, device) +
+                                       "; was it closed, or created for other devices?");
+  *rec = it->second;
+  return ffi::Error::Success();
+}
+
+ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stream, bool pdl,
+                  void** params, const char* target, int64_t exchange_id, int device) {
+  CUlaunchAttribute attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.gridDimX = grid;
+  cfg.gridDimY = cfg.gridDimZ = 1;
+  cfg.blockDimX = static_cast<unsigned>(k.block);
+  cfg.blockDimY = cfg.blockDimZ = 1;
+  cfg.sharedMemBytes = static_cast<unsigned>(k.smem);
+  cfg.hStream = stream;
+  cfg.attrs = pdl ? &attr : nullptr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  CUresult rc = d->LaunchKernelEx(&cfg, k.fn, params, nullptr);
+  if (rc != CUDA_SUCCESS)
+    return ffi::Error::Internal(std::string(target) + ": " + CuError(d, "cuLaunchKernelEx", rc) +
+                                Where(exchange_id, device));
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// dsa_select_push: operands logits bf16[R, L], row_ends s32[R] (+ tokens);
+// results: tokens only.
+// ---------------------------------------------------------------------------
+ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
+  const char* target = "dsa_select_push";
+  ffi::AnyBuffer in[2] = {ffi::AnyBuffer(nullptr), ffi::AnyBuffer(nullptr)};
+  if (auto e = CollectArgs(args, in, 2, target); e.failure()) return e;
+  void* no_out[1];
+  ffi::AnyBuffer::Dimensions no_dims[1];
+  if (auto e = CollectRets(rets, no_out, no_dims, 0, target); e.failure()) return e;
+  auto ld = in[0].dimensions();
+  if (in[0].element_type() != ffi::DataType::BF16 || ld.size() != 2)
+    return ffi::Error::InvalidArgument("dsa_select_push: logits must be bf16[R, L]");
+  if (in[1].element_type() != ffi::DataType::S32 || in[1].dimensions().size() != 1 ||
+      in[1].dimensions()[0] != ld[0])
+    return ffi::Error::InvalidArgument("dsa_select_push: row_ends must be int32[R]");
+
+  Record rec;
+  const Driver* d;
+  if (auto e = Lookup(exchange_id, device, target, &rec, &d); e.failure()) return e;
+  int32_t rows = static_cast<int32_t>(ld[0]), cols = static_cast<int32_t>(ld[1]);
+  if (rows > rec.max_rows)
+    return ffi::Error::InvalidArgument("dsa_select_push: R=" + std::to_string(rows) + " > max_rows=" +
+                                       std::to_string(rec.max_rows) + Where(exchange_id, device));
+  if (rows == 0) return ffi::Error::Success();
+
+  int64_t logits = reinterpret_cast<int64_t>(in[0].untyped_data());
+  int64_t row_ends = reinterpret_cast<int64_t>(in[1].untyped_data());
+  int64_t epoch = rec.state;  // epoch[max_rows] sits at byte 0 of the state
+  int32_t rank = rec.rank, max_rows = rec.max_rows;
+  void* params[] = {&logits, &row_ends, &rows, &cols, &epoch, &rec.peers, &rank, &max_rows};
+  return Launch(d, rec.select, static_cast<unsigned>(rows), stream, /*pdl=*/false, params, target,
+                exchange_id, device);
+}
+
+// ---------------------------------------------------------------------------
+// dsa_merge: operands logits bf16[R, L], row_ends s32[R], req_id s32[R],
+// block_table s32[NR, P] (+ tokens); results kv_rows s32[R, K], counts s32[R],
+// then ids s32[R, K] iff with_ids, then saturated s32[R] iff with_saturated
+// (+ tokens).  Launched with programmatic stream serialization (PDL) so it can
+// start while select_push (the previous kernel on the stream) still runs.
+// ---------------------------------------------------------------------------
+ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32_t block_size, bool with_ids,
+                     bool with_saturated, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  const char* target = "dsa_merge";
+  ffi::AnyBuffer in[4] = {ffi::AnyBuffer(nullptr), ffi::AnyBuffer(nullptr), ffi::AnyBuffer(nullptr),
+                          ffi::AnyBuffer(nullptr)};
+  if (auto e = CollectArgs(args, in, 4, target); e.failure()) return e;
+  size_t nout = 2 + (with_ids ? 1 : 0) + (with_saturated ? 1 : 0);
+  void* out[4] = {nullptr, nullptr, nullptr, nullptr};
+  ffi::AnyBuffer::Dimensions dims[4];
+  if (auto e = CollectRets(rets, out, dims, nout, target); e.failure()) return e;
+
+  auto ld = in[0].dimensions();
+  if (in[0].element_type() != ffi::DataType::BF16 || ld.size() != 2)
+    return ffi::Error::InvalidArgument("dsa_merge: logits must be bf16[R, L]");
+  int64_t R = ld[0];
+  for (int i = 1; i < 3; ++i)
+    if (in[i].element_type() != ffi::DataType::S32 || in[i].dimensions().size() != 1 || in[i].dimensions()[0] != R)
+      return ffi::Error::InvalidArgument("dsa_merge: row_ends and req_id must be int32[R]");
+  auto bt = in[3].dimensions();
+  if (in[3].element_type() != ffi::DataType::S32 || bt.size() != 2)
+    return ffi::Error::InvalidArgument("dsa_merge: block_table must be int32[num_requests, max_pages]");
+  if (block_size < 1) return ffi::Error::InvalidArgument("dsa_merge: block_size must be >= 1");
+
+  Record rec;
+  const Driver* d;
+  if (auto e = Lookup(exchange_id, device, target, &rec, &d); e.failure()) return e;
+  if (R > rec.max_rows)
+    return ffi::Error::InvalidArgument("dsa_merge: R=" + std::to_string(R) + " > max_rows=" +
+                                       std::to_string(rec.max_rows) + Where(exchange_id, device));
+  if (dims[0].size() != 2 || dims[0][0] != R || dims[0][1] != rec.topk || dims[1].size() != 1 || dims[1][0] != R)
+    return ffi::Error::InvalidArgument("dsa_merge: kv_rows must be int32[R, topk=" + std::to_string(rec.topk) +
+                                       "] and counts int32[R]" + Where(exchange_id, device));
+  if (R == 0) return ffi::Error::Success();
+
+  int64_t a_logits = reinterpret_cast<int64_t>(in[0].untyped_data());
+  int64_t a_row_ends = reinterpret_cast<int64_t>(in[1].untyped_data());
+  int64_t a_req_id = reinterpret_cast<int64_t>(in[2].untyped_data());
+  int64_t a_bt = reinterpret_cast<int64_t>(in[3].untyped_data());
+  int64_t a_kv = reinterpret_cast<int64_t>(out[0]);
+  int64_t a_counts = reinterpret_cast<int64_t>(out[1]);
+  size_t next = 2;
+  int64_t a_ids = with_ids ? reinterpret_cast<int64_t>(out[next++]) : 0;
+  int64_t a_sat = with_saturated ? reinterpret_cast<int64_t>(out[next++]) : 0;
+  int32_t rows = static_cast<int32_t>(R), cols = static_cast<int32_t>(ld[1]);
+  int32_t bt_rows = static_cast<int32_t>(bt[0]), bt_cols = static_cast<int32_t>(bt[1]);
+  int32_t rank = rec.rank, max_rows = rec.max_rows, timeout_us = rec.timeout_us;
+  void* params[] = {&rec.peers, &rec.local,    &rec.state,  &a_logits, &a_row_ends, &a_req_id,  &a_bt,
+                    &a_kv,      &a_counts,     &a_ids,      &a_sat,    &rows,       &cols,      &bt_rows,
+                    &bt_cols,   &block_size,   &rank,       &max_rows, &rec.rescue_off, &rec.flags_off,
+                    &timeout_us};
+  unsigned grid = static_cast<unsigned>(rows < rec.merge_grid ? rows : rec.merge_grid);
+  return Launch(d, rec.merge, grid, stream, /*pdl=*/true, params, target, exchange_id, device);
+}
+
+}  // namespace
+
+// Both handlers only enqueue work on XLA's stream with arguments that are fixed
+// per (exchange, buffers), so XLA may record them into CUDA graphs.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsaSelectPush, SelectPushImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("exchange_id")
+                                  .RemainingArgs()
+                                  .RemainingRets(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsaMerge, MergeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<int64_t>("exchange_id")
+                                  .Attr<int32_t>("block_size")
+                                  .Attr<bool>("with_ids")
+                                  .Attr<bool>("with_saturated")
+                                  .RemainingArgs()
+                                  .RemainingRets(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// ---------------------------------------------------------------------------
+// C API for ctypes.  Returns >= 0 on success, -1 on error (dsa_last_error()).
+// ---------------------------------------------------------------------------
+extern "C" {
+
+const char* dsa_last_error() { return t_last_error.c_str(); }
+
+// 1 when libcuda could be opened and initialised, else 0 (reason in dsa_last_error()).
+int dsa_driver_available() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (GetDriverLocked()) return 1;
+  t_last_error = g_driver_error;
+  return 0;
+}
+
+// Loads `entry` from a cubin (preferred) or PTX (JIT fallback) into the primary
+// context of `device`, once per (key, device).  Returns 1 if the cubin was used,
+// 2 if the PTX was, -1 on error.
+int dsa_load_kernel(const char* key, const void* cubin, int64_t cubin_size, const char* ptx, const char* entry,
+                    int device, int block, int smem) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::string where = std::string("kernel '") + key + "' on device " + std::to_string(device);
+  auto found = g_kernels.find({key, device});
+  if (found != g_kernels.end()) {
+    if (found->second.block != block || found->second.smem != smem)
+      return Fail(where + " is already loaded with other launch parameters");
+    return found->second.source;
+  }
+  if (block < 1 || block > 1024 || smem < 0) return Fail(where + ": bad block/smem " + std::to_string(block) + "/" + std::to_string(smem));
+  if ((!cubin || cubin_size <= 0) && (!ptx || !*ptx)) return Fail(where + ": neither cubin nor PTX given");
+  const Driver* d = GetDriverLocked();
+  if (!d) return Fail(where + ": " + g_driver_error);
+
+  CUdevice dev;
+  CUcontext ctx;
+  CUresult rc = d->DeviceGet(&dev, device);
+  if (rc != CUDA_SUCCESS) return Fail(where + ": " + CuError(d, "cuDeviceGet", rc));
+  // The primary context is the one XLA (and CuPy) use; it is retained for the
+  // life of the process, since the loaded module must outlive every launch.
+  rc = d->DevicePrimaryCtxRetain(&ctx, dev);
+  if (rc != CUDA_SUCCESS) return Fail(where + ": " + CuError(d, "cuDevicePrimaryCtxRetain", rc));
+  rc = d->CtxPushCurrent(ctx);
+  if (rc != CUDA_SUCCESS) return Fail(where + ": " + CuError(d, "cuCtxPushCurrent", rc));
+
+  Kernel k;
+  k.block = block;
+  k.smem = smem;
+  std::string err;
+  CUmodule mod = nullptr;
+  std::string cubin_err = "no cubin given";
+  if (cubin && cubin_size > 0) {
+    rc = d->ModuleLoadDataEx(&mod, cubin, 0, nullptr, nullptr);
+    if (rc == CUDA_SUCCESS) k.source = 1;
+    else cubin_err = CuError(d, "cuModuleLoadDataEx(cubin)", rc);
+  }
+  if (!k.source && ptx && *ptx) {
+    // The driver refused the cubin (e.g. another architecture): JIT the PTX,
+    // keeping the JIT log for the error message.
+    char log[4096] = {0};
+    CUjit_option opts[] = {CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
+    void* vals[] = {log, reinterpret_cast<void*>(static_cast<uintptr_t>(sizeof(log)))};
+    rc = d->ModuleLoadDataEx(&mod, ptx, 2, opts, vals);
+    if (rc == CUDA_SUCCESS) k.source = 2;
+    else err = cubin_err + "; " + CuError(d, "cuModuleLoadDataEx(PTX)", rc) + (log[0] ? std::string(": ") + log : "");
+  } else if (!k.source) {
+    err = cubin_err + "; no PTX fallback given";
+  }
+  if (k.source) {
+    rc = d->ModuleGetFunction(&k.fn, mod, entry);
+    if (rc != CUDA_SUCCESS) err = CuError(d, (std::string("cuModuleGetFunction('") + entry + "')").c_str(), rc);
+  }
+  if (err.empty() && smem > 48 * 1024) {
+    // Above 48 KB a kernel must opt in to its dynamic shared memory.
+    rc = d->FuncSetAttribute(k.fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem);
+    if (rc != CUDA_SUCCESS) err = CuError(d, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", rc);
+  }
+  CUcontext popped;
+  d->CtxPopCurrent(&popped);
+  if (!err.empty()) return Fail(where + ": " + err);
+  g_kernels[{key, device}] = k;
+  return k.source;
+}
+
+int dsa_register_exchange(int64_t exchange_id, int device, int rank, int world, int topk, int local_topk,
+                          int max_rows, int64_t peers, int64_t local, int64_t state, int64_t rescue_off,
+                          int64_t flags_off, int timeout_us, int merge_grid, const char* select_key,
+                          const char* merge_key) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::string where = Where(exchange_id, device);
+  if (g_records.count({exchange_id, device})) return Fail("exchange already registered" + where);
+  if (world < 1 || rank < 0 || rank >= world)
+    return Fail("rank " + std::to_string(rank) + " not in [0, world=" + std::to_string(world) + ")" + where);
+  if (topk < 1 || local_topk < 1 || max_rows < 1 || merge_grid < 1 || timeout_us < 0)
+    return Fail("topk, local_topk, max_rows and merge_grid must be positive" + where);
+  if (!peers || !local || !state) return Fail("peers, local and state must be device addresses" + where);
+  auto ks = g_kernels.find({select_key, device});
+  if (ks == g_kernels.end())
+    return Fail(std::string("kernel '") + select_key + "' not loaded on device " + std::to_string(device) + where);
+  auto km = g_kernels.find({merge_key, device});
+  if (km == g_kernels.end())
+    return Fail(std::string("kernel '") + merge_key + "' not loaded on device " + std::to_string(device) + where);
+  Record r;
+  r.rank = rank;
+  r.world = world;
+  r.topk = topk;
+  r.local_topk = local_topk;
+  r.max_rows = max_rows;
+  r.timeout_us = timeout_us;
+  r.merge_grid = merge_grid;
+  r.peers = peers;
+  r.local = local;
+  r.state = state;
+  r.rescue_off = rescue_off;
+  r.flags_off = flags_off;
+  r.select = ks->second;
+  r.merge = km->second;
+  g_records[{exchange_id, device}] = r;
+  return 0;
+}
+
+int dsa_unregister_exchange(int64_t exchange_id, int device) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_records.erase({exchange_id, device})) return Fail("no exchange registered" + Where(exchange_id, device));
+  return 0;
+}
+
+// Number of registered (exchange, device) records (for tests and leak checks).
+int dsa_num_exchanges() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return static_cast<int>(g_records.size());
+}
+
+}  // extern "C"

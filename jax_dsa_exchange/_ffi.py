@@ -1,0 +1,224 @@
+"""ctypes side of the XLA FFI launcher (ffi/dsa_exchange_ffi.cc).
+
+The shared library ``libdsa_exchange_ffi.so`` is looked for, first hit wins:
+
+1. ``$JAX_DSA_EXCHANGE_FFI_LIB`` (a file path);
+2. ``jax_dsa_exchange/_lib/`` next to this module (a normal ``pip install .``);
+3. ``jax_dsa_exchange/_lib/`` under every ``sys.path`` / site-packages entry
+   (the package is imported from the checkout while ``pip install`` put the
+   library into site-packages);
+4. the checkout's build folders, newest first: ``build/*/`` (scikit-build-core's
+   ``build-dir``) and ``build/ffi/`` (``cmake -S ffi -B build/ffi``).
+
+Loading needs no GPU: libcuda is opened by the library at first use.  When the
+library is found, importing this module registers the two FFI targets
+``dsa_select_push`` and ``dsa_merge`` for the CUDA platform.
+
+All functions here run outside the hot path and outside CUDA graph capture.
+Errors raise ``RuntimeError`` with the library's message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import site
+import sys
+import threading
+
+LIB_NAME = "libdsa_exchange_ffi.so"
+TARGETS = {"dsa_select_push": "DsaSelectPush", "dsa_merge": "DsaMerge"}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_path: str | None = None
+_load_error: str | None = None
+_registered = False
+
+
+def candidate_paths() -> list[str]:
+    """Where the library is looked for, in order (see the module docstring)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = []
+    env = os.environ.get("JAX_DSA_EXCHANGE_FFI_LIB")
+    if env:
+        paths.append(env)
+    paths.append(os.path.join(here, "_lib", LIB_NAME))
+    roots = list(sys.path)
+    try:
+        roots += site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # pragma: no cover - virtualenv's old site module
+        pass
+    for root in roots:
+        if root:
+            paths.append(os.path.join(os.path.abspath(root), "jax_dsa_exchange", "_lib", LIB_NAME))
+    repo = os.path.dirname(here)
+    built = glob.glob(os.path.join(repo, "build", "*", LIB_NAME))
+    built.sort(key=os.path.getmtime, reverse=True)
+    paths += built
+    seen, out = set(), []
+    for p in paths:
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, i32, cp = ctypes.c_int64, ctypes.c_int, ctypes.c_char_p
+    lib.dsa_last_error.restype = cp
+    lib.dsa_last_error.argtypes = []
+    lib.dsa_driver_available.restype = i32
+    lib.dsa_driver_available.argtypes = []
+    lib.dsa_load_kernel.restype = i32
+    lib.dsa_load_kernel.argtypes = [cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32]
+    lib.dsa_register_exchange.restype = i32
+    lib.dsa_register_exchange.argtypes = [i64, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i32, i32, cp, cp]
+    lib.dsa_unregister_exchange.restype = i32
+    lib.dsa_unregister_exchange.argtypes = [i64, i32]
+    lib.dsa_num_exchanges.restype = i32
+    lib.dsa_num_exchanges.argtypes = []
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None when it was not found/loadable (see :func:`load_error`)."""
+    global _lib, _lib_path, _load_error
+    with _lock:
+        if _lib is not None or _load_error is not None:
+            return _lib
+        errors = []
+        for path in candidate_paths():
+            if not os.path.isfile(path):
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+                _declare(lib)
+            except (OSError, AttributeError) as e:
+                errors.append(f"{path}: {e}")
+                continue
+            _lib, _lib_path = lib, path
+            return _lib
+        _load_error = (
+            f"{LIB_NAME} not found or not loadable"
+            + (f" ({'; '.join(errors)})" if errors else "")
+            + ": build it with `pip install .` (needs cuda.h) or `cmake -S ffi -B build/ffi && "
+            "cmake --build build/ffi`, or set JAX_DSA_EXCHANGE_FFI_LIB"
+        )
+        return None
+
+
+def library_path() -> str | None:
+    library()
+    return _lib_path
+
+
+def load_error() -> str | None:
+    library()
+    return _load_error
+
+
+def available() -> bool:
+    """True when the launcher library is loaded (a GPU is not required for this)."""
+    return library() is not None
+
+
+def driver_available() -> bool:
+    """True when the library could open and initialise libcuda."""
+    lib = library()
+    return bool(lib is not None and lib.dsa_driver_available())
+
+
+def _require() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(_load_error)
+    return lib
+
+
+def _check(lib: ctypes.CDLL, rc: int) -> int:
+    if rc < 0:
+        raise RuntimeError(lib.dsa_last_error().decode(errors="replace"))
+    return rc
+
+
+def register_targets() -> bool:
+    """Registers the FFI targets with XLA (CUDA platform) once; False without the library."""
+    global _registered
+    lib = library()
+    if lib is None:
+        return False
+    with _lock:
+        if _registered:
+            return True
+        import jax
+
+        for name, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+        _registered = True
+    return True
+
+
+def load_kernel(key: str, cubin: bytes | None, ptx: str | None, entry: str, device: int, block: int, smem: int) -> str:
+    """Loads kernel ``entry`` into the primary context of CUDA device ``device``, once per (key, device).
+
+    Tries ``cubin`` first and JIT-compiles ``ptx`` when the driver refuses it.
+    ``block``: threads per block; ``smem``: dynamic shared memory bytes.
+    Returns ``"cubin"`` or ``"ptx"``: which image was used.
+    """
+    lib = _require()
+    cubin = bytes(cubin or b"")
+    buf = ctypes.create_string_buffer(cubin, len(cubin)) if cubin else None
+    ptx_b = ptx.encode() if ptx else None
+    rc = lib.dsa_load_kernel(
+        key.encode(), buf, len(cubin), ptx_b, entry.encode(), int(device), int(block), int(smem)
+    )
+    return {1: "cubin", 2: "ptx"}[_check(lib, rc)]
+
+
+def register_exchange(
+    exchange_id: int,
+    device: int,
+    *,
+    rank: int,
+    world: int,
+    topk: int,
+    local_topk: int,
+    max_rows: int,
+    peers: int,
+    local: int,
+    state: int,
+    rescue_off: int,
+    flags_off: int,
+    timeout_us: int,
+    merge_grid: int,
+    select_key: str,
+    merge_key: str,
+) -> None:
+    """Registers the per-rank constants of one exchange on CUDA device ``device``.
+
+    ``peers``: device address of an int64[world] table of every rank's symmetric
+    buffer base; ``local``: this rank's buffer base; ``state``: this rank's int32
+    state (epoch at byte 0).  Both kernels must have been loaded on ``device``.
+    """
+    lib = _require()
+    rc = lib.dsa_register_exchange(
+        int(exchange_id), int(device), int(rank), int(world), int(topk), int(local_topk), int(max_rows),
+        int(peers), int(local), int(state), int(rescue_off), int(flags_off), int(timeout_us),
+        int(merge_grid), select_key.encode(), merge_key.encode(),
+    )
+    _check(lib, rc)
+
+
+def unregister_exchange(exchange_id: int, device: int) -> None:
+    """Forgets the record of (exchange_id, device); calls compiled for it fail afterwards."""
+    lib = _require()
+    _check(lib, lib.dsa_unregister_exchange(int(exchange_id), int(device)))
+
+
+def num_exchanges() -> int:
+    """Registered (exchange, device) records."""
+    return int(_require().dsa_num_exchanges())
+
+
+register_targets()

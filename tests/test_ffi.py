@@ -1,0 +1,150 @@
+"""The FFI launcher library: builds, loads without a GPU, exports its symbols,
+readable bookkeeping errors; on a GPU, kernel loading (cubin, PTX fallback)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jax_dsa_exchange import _ffi
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
+SYMBOLS = [
+    "DsaSelectPush", "DsaMerge", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
+    "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges",
+]
+
+needs_lib = pytest.mark.skipif(not _ffi.available(), reason=f"FFI library not built: {_ffi.load_error()}")
+
+
+def _cmake() -> str | None:
+    exe = pathlib.Path(sys.executable).parent / "cmake"
+    return str(exe) if exe.exists() else shutil.which("cmake")
+
+
+def test_cmake_build(tmp_path):
+    """The CMake project configures and builds; without cuda.h it builds nothing (and still succeeds)."""
+    cmake = _cmake()
+    if cmake is None:
+        pytest.skip("cmake not installed")
+    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    cfg = subprocess.run(
+        [cmake, "-S", str(REPO / "ffi"), "-B", str(tmp_path), f"-DPython_EXECUTABLE={sys.executable}"],
+        capture_output=True, text=True, env=env,
+    )
+    assert cfg.returncode == 0, cfg.stdout + cfg.stderr
+    build = subprocess.run([cmake, "--build", str(tmp_path)], capture_output=True, text=True, env=env)
+    assert build.returncode == 0, build.stdout + build.stderr
+    so = tmp_path / _ffi.LIB_NAME
+    if "cuda.h not found" in cfg.stdout + cfg.stderr:
+        assert not so.exists()
+        pytest.skip("no cuda.h here: the launcher is (correctly) not built")
+    assert so.exists()
+    # A fresh process loads it without a GPU and sees every symbol.
+    code = (
+        "import ctypes, sys; lib = ctypes.CDLL(sys.argv[1]); "
+        f"[getattr(lib, s) for s in {SYMBOLS!r}]; print('ok')"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(so)], capture_output=True, text=True)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr
+
+
+def test_candidate_paths_cover_install_and_checkout(monkeypatch):
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_FFI_LIB", "/nowhere/libx.so")
+    paths = _ffi.candidate_paths()
+    assert paths[0] == "/nowhere/libx.so"
+    pkg = str(REPO / "jax_dsa_exchange" / "_lib" / _ffi.LIB_NAME)
+    assert pkg in paths
+    assert any(p.endswith(os.path.join("jax_dsa_exchange", "_lib", _ffi.LIB_NAME)) and p != pkg for p in paths)
+
+
+@needs_lib
+def test_exports_symbols():
+    lib = _ffi.library()
+    for s in SYMBOLS:
+        assert getattr(lib, s) is not None
+    assert _ffi.register_targets()
+
+
+@needs_lib
+def test_unknown_exchange_error_is_readable():
+    with pytest.raises(RuntimeError, match=r"no exchange registered \(exchange 987654, device 3\)"):
+        _ffi.unregister_exchange(987654, 3)
+
+
+def _reg_kwargs(**kw):
+    base = dict(rank=0, world=2, topk=64, local_topk=32, max_rows=8, peers=1 << 20, local=1 << 20,
+                state=1 << 21, rescue_off=0, flags_off=0, timeout_us=1000, merge_grid=4,
+                select_key="nope_select", merge_key="nope_merge")
+    base.update(kw)
+    return base
+
+
+@needs_lib
+def test_register_errors_are_readable():
+    with pytest.raises(RuntimeError, match=r"kernel 'nope_select' not loaded on device 0"):
+        _ffi.register_exchange(11, 0, **_reg_kwargs())
+    with pytest.raises(RuntimeError, match=r"rank 5 not in \[0, world=2\)"):
+        _ffi.register_exchange(11, 0, **_reg_kwargs(rank=5))
+    with pytest.raises(RuntimeError, match="must be device addresses"):
+        _ffi.register_exchange(11, 0, **_reg_kwargs(state=0))
+    assert _ffi.num_exchanges() == 0
+
+
+@needs_lib
+def test_load_kernel_without_driver_is_readable():
+    if _ffi.driver_available():
+        pytest.skip("a CUDA driver is present")
+    with pytest.raises(RuntimeError, match="kernel 'k' on device 0: cannot dlopen libcuda.so.1"):
+        _ffi.load_kernel("k", b"\0" * 16, None, "entry", 0, 128, 0)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _gpu_ready() -> bool:
+    if not (_ffi.available() and _ffi.driver_available() and shutil.which("nvcc")):
+        return False
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs an NVIDIA GPU, its driver, nvcc and the FFI library")
+
+
+def compile_fake(tmp: pathlib.Path) -> tuple[bytes, str]:
+    cubin, ptx = tmp / "fake.cubin", tmp / "fake.ptx"
+    subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-o", str(cubin), str(FAKE_CU)], check=True)
+    subprocess.run(["nvcc", "-ptx", "-arch=sm_90a", "-o", str(ptx), str(FAKE_CU)], check=True)
+    return cubin.read_bytes(), ptx.read_text()
+
+
+@pytest.mark.gpu
+@gpu
+def test_load_kernel_cubin_ptx_fallback_and_register(tmp_path):
+    cubin, ptx = compile_fake(tmp_path)
+    assert _ffi.load_kernel("t_sel", cubin, ptx, "fake_select_push", 0, 128, 0) == "cubin"
+    assert _ffi.load_kernel("t_sel", cubin, ptx, "fake_select_push", 0, 128, 0) == "cubin"  # once
+    with pytest.raises(RuntimeError, match="already loaded with other launch parameters"):
+        _ffi.load_kernel("t_sel", cubin, ptx, "fake_select_push", 0, 256, 0)
+    # A cubin the driver refuses falls back to the PTX; > 48 KB dynamic smem opts in.
+    assert _ffi.load_kernel("t_merge_ptx", b"garbage-not-a-cubin", ptx, "fake_merge", 0, 128, 100 << 10) == "ptx"
+    with pytest.raises(RuntimeError, match=r"cuModuleLoadDataEx\(cubin\) failed: CUDA_ERROR_"):
+        _ffi.load_kernel("t_bad", b"garbage", None, "fake_merge", 0, 128, 0)
+    with pytest.raises(RuntimeError, match=r"cuModuleGetFunction\('no_such_entry'\) failed: CUDA_ERROR_NOT_FOUND"):
+        _ffi.load_kernel("t_noentry", cubin, None, "no_such_entry", 0, 128, 0)
+    _ffi.register_exchange(
+        4242, 0, **_reg_kwargs(select_key="t_sel", merge_key="t_merge_ptx")
+    )
+    with pytest.raises(RuntimeError, match="already registered"):
+        _ffi.register_exchange(4242, 0, **_reg_kwargs(select_key="t_sel", merge_key="t_merge_ptx"))
+    _ffi.unregister_exchange(4242, 0)
+    assert _ffi.num_exchanges() == 0
+

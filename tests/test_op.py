@@ -1,0 +1,408 @@
+"""topk_exchange_merge: validation, CUDA lowering (custom calls, side effects,
+token order) inside jit / scan / fori_loop / shard_map, no grad / vmap, the XLA
+path delegation; on a GPU, the FFI path end to end with stand-in kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_dsa_exchange import _ffi
+from jax_dsa_exchange.op import MergeOutput, topk_exchange_merge
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass
+class DummyExchange:
+    id: int = 7
+    world: int = 2
+    rank: int = 0
+    topk: int = 64
+    local_topk: int = 32
+    max_rows: int = 16
+    closed: bool = False
+
+
+R, L, NREQ, PAGES, B = 4, 256, 3, 8, 32
+
+
+def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+ARGS = (sds((R, L), jnp.bfloat16), sds((R,), jnp.int32), sds((R,), jnp.int32), sds((NREQ, PAGES), jnp.int32))
+
+
+def cuda_text(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_calls(text):
+    """[(result names, target, operand names, attrs)] of every custom call, in text order."""
+    out = []
+    for m in re.finditer(r"(%[\w#:]+)\s*=\s*stablehlo\.custom_call @(\w+)\(([^)]*)\)\s*\{([^}]*\})", text):
+        out.append((m.group(1), m.group(2), [s.strip() for s in m.group(3).split(",")], m.group(4)))
+    return out
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _call(**kw):
+    ex = kw.pop("exchange", DummyExchange())
+    a = dict(
+        logits=jnp.zeros((R, L), jnp.bfloat16), row_ends=jnp.zeros((R,), jnp.int32),
+        req_id=jnp.zeros((R,), jnp.int32), block_table=jnp.zeros((NREQ, PAGES), jnp.int32),
+    )
+    a.update({k: kw.pop(k) for k in list(kw) if k in a})
+    kw.setdefault("block_size", B)
+    kw.setdefault("path", "ffi")
+    return topk_exchange_merge(ex, a["logits"], a["row_ends"], a["req_id"], a["block_table"], **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, exc, msg",
+    [
+        (dict(exchange=DummyExchange(closed=True)), ValueError, "exchange 7 is closed"),
+        (dict(logits=jnp.zeros((R, L), jnp.float32)), TypeError, "logits must be bfloat16, got float32"),
+        (dict(logits=jnp.zeros((R, L, 1), jnp.bfloat16)), ValueError, r"logits must be \[R, L\]"),
+        (dict(logits=sds((17, L), jnp.bfloat16)), ValueError, r"R=17 rows > the exchange's max_rows=16"),
+        (dict(logits=sds((0, L), jnp.bfloat16)), ValueError, "R=0 rows"),
+        (dict(logits=sds((R, (1 << 17) + 1), jnp.bfloat16)), ValueError, r"L=131073 columns"),
+        (dict(logits=sds((R, 0), jnp.bfloat16)), ValueError, r"L=0 columns"),
+        (dict(row_ends=np.zeros((R,), np.int64)), TypeError, "row_ends must be int32, got int64"),
+        (dict(row_ends=jnp.zeros((R + 1,), jnp.int32)), ValueError, r"row_ends must have shape \(R,\) = \(4,\)"),
+        (dict(req_id=jnp.zeros((R,), jnp.float32)), TypeError, "req_id must be int32"),
+        (dict(req_id=jnp.zeros((R, 1), jnp.int32)), ValueError, "req_id must have shape"),
+        (dict(block_table=jnp.zeros((NREQ,), jnp.int32)), ValueError, "block_table must be"),
+        (dict(block_table=jnp.zeros((0, PAGES), jnp.int32)), ValueError, "block_table must be"),
+        (dict(block_table=jnp.zeros((NREQ, PAGES), jnp.uint32)), TypeError, "block_table must be int32"),
+        (dict(block_size=0), ValueError, "block_size=0 must be >= 1"),
+        (dict(block_size=True), TypeError, "block_size must be an int"),
+        (dict(block_size=2.0), TypeError, "block_size must be an int"),
+        (dict(with_ids=1), TypeError, "with_ids must be a bool"),
+        (dict(path="cuda"), ValueError, "path='cuda' must be one of"),
+        (dict(path="xla"), ValueError, "needs axis_name"),
+        (dict(exchange=object()), TypeError, "exchange must have attribute 'id'"),
+    ],
+)
+def test_validation(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        _call(**kw)
+
+
+# ----------------------------------------------------------------------------- lowering
+
+
+def _op(ex=DummyExchange(), **kw):
+    kw.setdefault("block_size", B)
+    kw.setdefault("path", "ffi")
+
+    def f(lg, re_, rq, bt):
+        return topk_exchange_merge(ex, lg, re_, rq, bt, **kw)
+
+    return f
+
+
+def test_lowering_two_custom_calls_in_token_order():
+    text = cuda_text(_op(with_ids=True, with_saturated=True), *ARGS)
+    calls = custom_calls(text)
+    assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"]
+    (push_res, _, push_ops, push_attrs), (merge_res, _, merge_ops, merge_attrs) = calls
+    for attrs in (push_attrs, merge_attrs):
+        assert "has_side_effect = true" in attrs
+        assert "exchange_id = 7 : i64" in attrs
+    assert "block_size = 32 : i32" in merge_attrs
+    assert "with_ids = true" in merge_attrs and "with_saturated = true" in merge_attrs
+    # The ordered effect's token enters the program, goes through select_push,
+    # then through merge, and leaves the program.
+    assert re.search(r"@main\(%arg0: !stablehlo.token \{jax.token = true\}", text)
+    assert push_ops[0] == "%arg0"
+    assert merge_ops[0] == push_res
+    assert re.search(r"-> \(!stablehlo.token, tensor<4x64xi32>, tensor<4xi32>, tensor<4x64xi32>, tensor<4xi32>\)", text)
+    assert re.search(r"return %\w+#0,", text)
+
+
+def test_lowering_optional_outputs_absent():
+    text = cuda_text(_op(), *ARGS)
+    merge = custom_calls(text)[1]
+    assert "with_ids = false" in merge[3] and "with_saturated = false" in merge[3]
+    assert "-> (!stablehlo.token, tensor<4x64xi32>, tensor<4xi32>)" in text
+    out = jax.eval_shape(_op(), *ARGS)
+    assert isinstance(out, MergeOutput) and out.ids is None and out.saturated is None
+    assert out.kv_rows.shape == (R, 64) and out.counts.shape == (R,)
+
+
+def test_two_calls_chain_and_unused_results_are_kept():
+    op = _op()
+
+    def f(*a):
+        op(*a)  # results unused: must not be dropped
+        op(*a)  # identical call: must not be merged with the first
+        return jnp.int32(0)
+
+    calls = custom_calls(cuda_text(f, *ARGS))
+    assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"] * 2
+    # token chain: push1 -> merge1 -> push2 -> merge2
+    assert calls[1][2][0] == calls[0][0]
+    assert calls[2][2][0] == calls[1][0] + "#0" or calls[2][2][0].startswith(calls[1][0].split(":")[0] + "#0")
+    assert calls[3][2][0] == calls[2][0]
+
+
+def test_lowering_inside_scan_and_fori_loop():
+    op = _op()
+
+    def scanned(*a):
+        def body(c, _):
+            return c + op(*a).counts, None
+
+        return lax.scan(body, jnp.zeros((R,), jnp.int32), None, length=3)[0]
+
+    def looped(*a):
+        return lax.fori_loop(0, 3, lambda i, c: c + op(*a).counts, jnp.zeros((R,), jnp.int32))
+
+    for fn in (scanned, looped):
+        text = cuda_text(fn, *ARGS)
+        assert "stablehlo.while" in text
+        # the effect token is a loop-carried value and the calls sit in the body, once
+        assert re.search(r"stablehlo.while\(%iterArg = %arg0,", text)
+        assert [c[1] for c in custom_calls(text)] == ["dsa_select_push", "dsa_merge"]
+
+
+def test_lowering_on_cpu_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="runs only on CUDA GPUs"):
+        jax.jit(_op()).trace(*ARGS).lower(lowering_platforms=("cpu",))
+
+
+SHARD_MAP_SCRIPT = textwrap.dedent(
+    """
+    import os, re
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_dsa_exchange.op import topk_exchange_merge
+    class Ex:
+        id, world, rank, topk, local_topk, max_rows, closed = 9, 4, None, 64, 32, 16, False
+    W, R, L = 4, 4, 256
+    mesh = jax.make_mesh((W,), ("dcp",))
+    sh = NamedSharding(mesh, P("dcp"))
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in
+            [((W, R, L), jnp.bfloat16), ((W, R), jnp.int32), ((W, R), jnp.int32), ((W, 3, 8), jnp.int32)]]
+    def per_rank(lg, re_, rq, bt):
+        def body(c, _):
+            o = topk_exchange_merge(Ex(), lg[0], re_[0], rq[0], bt[0], block_size=4, path="ffi")
+            return c + o.counts, None
+        return lax.scan(body, jnp.zeros((R,), jnp.int32), None, length=2)[0][None]
+    f = jax.shard_map(per_rank, mesh=mesh, in_specs=P("dcp"), out_specs=P("dcp"))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mhlo.num_partitions = 4" in text
+    assert "sdy.manual_computation(%arg0," in text or "manual_computation" in text
+    print("CALLS", re.findall(r"custom_call @(\\w+)", text))
+    # Outside shard_map the per-device custom call is refused.
+    rep = NamedSharding(mesh, P())
+    rargs = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=rep) for a in args]
+    g = lambda lg, re_, rq, bt: topk_exchange_merge(Ex(), lg, re_, rq, bt, block_size=4, path="ffi").counts
+    try:
+        jax.jit(g).trace(*rargs).lower(lowering_platforms=("cuda",))
+        print("UNSHARDED lowered")
+    except ValueError as e:
+        print("UNSHARDED", e)
+    """
+)
+
+
+def test_lowering_inside_shard_map_multi_device():
+    """Ordered (shardable) effect inside shard_map over 4 devices, in a scan; refused outside shard_map."""
+    r = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT], capture_output=True, text=True, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CALLS ['dsa_select_push', 'dsa_merge']" in r.stdout
+    assert "UNSHARDED topk_exchange_merge runs per device" in r.stdout, r.stdout
+
+
+# ----------------------------------------------------------------------------- no grad, no vmap
+
+
+def test_grad_is_a_clear_error():
+    def loss(lg, re_, rq, bt):
+        o = topk_exchange_merge(DummyExchange(), lg, re_, rq, bt, block_size=B, path="ffi")
+        return jnp.sum(o.counts.astype(jnp.float32)) + jnp.sum(lg.astype(jnp.float32))
+
+    args = (jnp.ones((R, L), jnp.bfloat16), jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32),
+            jnp.zeros((NREQ, PAGES), jnp.int32))
+    with pytest.raises(NotImplementedError, match="topk_exchange_merge has no differentiation rule"):
+        jax.grad(loss)(*args)
+    with pytest.raises(NotImplementedError, match="topk_exchange_merge has no differentiation rule"):
+        jax.jvp(lambda lg: loss(lg, *args[1:]), (args[0],), (args[0],))
+
+
+def test_vmap_is_a_clear_error():
+    batched = (sds((2, R, L), jnp.bfloat16), sds((2, R), jnp.int32), sds((2, R), jnp.int32),
+               sds((2, NREQ, PAGES), jnp.int32))
+    with pytest.raises(NotImplementedError, match="no batching rule"):
+        jax.eval_shape(jax.vmap(_op()), *batched)
+
+
+# ----------------------------------------------------------------------------- XLA path
+
+
+def _xla_path():
+    try:
+        from jax_dsa_exchange import xla_path
+    except ImportError:
+        pytest.skip("jax_dsa_exchange.xla_path not there yet")
+    return xla_path
+
+
+@pytest.mark.parametrize("path", ["xla", "auto"])
+def test_xla_path_delegates(path):
+    xla_path = _xla_path()
+    if path == "auto" and jax.default_backend() == "gpu":
+        pytest.skip("auto means the FFI path on a GPU")
+    mesh = jax.make_mesh((1,), ("dcp",))
+    rng = np.random.default_rng(0)
+    lg = jnp.asarray(rng.standard_normal((1, R, L)), jnp.bfloat16)
+    re_ = jnp.asarray(rng.integers(0, L + 5, (1, R)), jnp.int32)
+    rq = jnp.asarray(rng.integers(0, NREQ, (1, R)), jnp.int32)
+    bt = jnp.asarray(rng.integers(0, 100, (1, NREQ, PAGES)), jnp.int32)
+    ex = DummyExchange(world=1)
+
+    def ours(lg, re_, rq, bt):
+        o = topk_exchange_merge(ex, lg[0], re_[0], rq[0], bt[0], block_size=B, with_ids=True, path=path,
+                                axis_name="dcp")
+        assert o.saturated is None
+        return o.kv_rows[None], o.counts[None], o.ids[None]
+
+    def theirs(lg, re_, rq, bt):
+        o = xla_path.xla_topk_merge(lg[0], re_[0], rq[0], bt[0], axis_name="dcp", topk=ex.topk, block_size=B,
+                                    with_ids=True, with_saturated=False)
+        return o.kv_rows[None], o.counts[None], o.ids[None]
+
+    sm = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("dcp"), out_specs=P("dcp")))  # noqa: E731
+    sharded = jax.device_put((lg, re_, rq, bt), jax.sharding.NamedSharding(mesh, P("dcp")))
+    for a, b in zip(sm(ours)(*sharded), sm(theirs)(*sharded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- GPU, end to end
+
+FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
+FAKE_TOPK = 64  # compiled into the stand-in kernels
+
+
+def _gpu_ready() -> bool:
+    return (_ffi.available() and _ffi.driver_available() and shutil.which("nvcc") is not None
+            and jax.default_backend() == "gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_ready(), reason="needs an NVIDIA GPU, its driver, nvcc and the FFI library")
+def test_ffi_path_end_to_end_with_stand_in_kernels(tmp_path):
+    """Stand-in kernels with the real ABI: results, device-side epochs advancing once per call
+    (jit, eager, scan, fori_loop, shard_map, unused results), scalar params, PDL launch, errors."""
+    cp = pytest.importorskip("cupy")
+    subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-o", str(tmp_path / "f.cubin"), str(FAKE_CU)], check=True)
+    subprocess.run(["nvcc", "-ptx", "-arch=sm_90a", "-o", str(tmp_path / "f.ptx"), str(FAKE_CU)], check=True)
+    cubin, ptx = (tmp_path / "f.cubin").read_bytes(), (tmp_path / "f.ptx").read_text()
+
+    dev = jax.devices()[0]
+    ordinal = dev.local_hardware_id
+    max_rows, rows, cols = 16, 5, 300
+    with cp.cuda.Device(ordinal):
+        state = cp.zeros(2 * max_rows + 8, cp.int32)
+        buf = cp.zeros(4 * max_rows, cp.int32)
+        peers = cp.asarray([buf.data.ptr], cp.int64)
+        cp.cuda.Device(ordinal).synchronize()
+    assert _ffi.load_kernel("e2e_sel", cubin, ptx, "fake_select_push", ordinal, 128, 0) == "cubin"
+    assert _ffi.load_kernel("e2e_merge", cubin, ptx, "fake_merge", ordinal, 128, 64 << 10) == "cubin"
+    exid = 31337
+    _ffi.register_exchange(exid, ordinal, rank=0, world=1, topk=FAKE_TOPK, local_topk=32, max_rows=max_rows,
+                           peers=peers.data.ptr, local=buf.data.ptr, state=state.data.ptr, rescue_off=111,
+                           flags_off=222, timeout_us=333, merge_grid=2, select_key="e2e_sel",
+                           merge_key="e2e_merge")
+    ex = DummyExchange(id=exid, world=1, topk=FAKE_TOPK, max_rows=max_rows)
+    try:
+        rng = np.random.default_rng(1)
+        lg_np = rng.standard_normal((rows, cols)).astype(np.float32)
+        lg_np[0, :7] = np.nan
+        re_np = np.array([cols, 10, -3, cols + 50, 200], np.int32)
+        rq_np = np.array([2, 0, 1, 2, 0], np.int32)
+        bt_np = rng.integers(0, 1000, (3, 20)).astype(np.int32)
+        lg = jnp.asarray(lg_np, jnp.bfloat16)
+        args = (lg, jnp.asarray(re_np), jnp.asarray(rq_np), jnp.asarray(bt_np))
+        lg_bf = np.asarray(lg).astype(np.float32)
+        n = np.clip(re_np, 0, cols)
+        pos = np.array([(lg_bf[i, : n[i]] > 0).sum() for i in range(rows)])
+        want_counts = np.minimum(pos, FAKE_TOPK)
+        j = np.arange(FAKE_TOPK)
+        bs = 4
+        want_kv = np.where(j[None] < want_counts[:, None], bt_np[rq_np][:, (j // bs) % 20] * bs + j % bs, -1)
+        want_ids = np.where(j[None] < want_counts[:, None], j * 16, -1)
+
+        def op(*a):
+            return topk_exchange_merge(ex, *a, block_size=bs, with_ids=True, with_saturated=True, path="ffi")
+
+        def epochs():
+            jax.effects_barrier()
+            cp.cuda.Device(ordinal).synchronize()
+            return cp.asnumpy(state)
+
+        f = jax.jit(op)
+        for call in (1, 2):
+            o = f(*args)
+            np.testing.assert_array_equal(np.asarray(o.counts), want_counts)
+            np.testing.assert_array_equal(np.asarray(o.kv_rows), want_kv)
+            np.testing.assert_array_equal(np.asarray(o.ids), want_ids)
+            np.testing.assert_array_equal(np.asarray(o.saturated), np.full(rows, call))
+        st = epochs()
+        np.testing.assert_array_equal(st[:rows], 2)
+        np.testing.assert_array_equal(st[max_rows:max_rows + 8], [rows, cols, 3, 20, bs, 111, 222, 333])
+
+        def scanned(*a):
+            def body(c, _):
+                return c + op(*a).saturated, None
+
+            return lax.scan(body, jnp.zeros((rows,), jnp.int32), None, length=4)[0]
+
+        np.testing.assert_array_equal(np.asarray(jax.jit(scanned)(*args)), np.full(rows, 3 + 4 + 5 + 6))
+
+        def unused(*a):
+            op(*a)
+            op(*a)
+            return jnp.int32(0)
+
+        jax.jit(unused)(*args)
+        np.testing.assert_array_equal(epochs()[:rows], 8)
+
+        np.testing.assert_array_equal(np.asarray(op(*args).saturated), 9)  # eager
+
+        looped = jax.jit(lambda *a: lax.fori_loop(0, 2, lambda i, c: c + op(*a).saturated, jnp.zeros((rows,), jnp.int32)))
+        np.testing.assert_array_equal(np.asarray(looped(*args)), 10 + 11)
+
+        mesh = jax.make_mesh((1,), ("dcp",))
+        sm = jax.jit(jax.shard_map(lambda *a: op(*(x[0] for x in a)).saturated[None], mesh=mesh,
+                                   in_specs=P("dcp"), out_specs=P("dcp")))
+        sharded = jax.device_put([x[None] for x in args], jax.sharding.NamedSharding(mesh, P("dcp")))
+        np.testing.assert_array_equal(np.asarray(sm(*sharded)), [[12] * rows])
+        np.testing.assert_array_equal(epochs()[:rows], 12)
+        np.testing.assert_array_equal(epochs()[rows:max_rows], 0)
+    finally:
+        _ffi.unregister_exchange(exid, ordinal)
+    with pytest.raises(Exception, match=r"no exchange registered \(exchange 31337, device"):
+        jax.block_until_ready(f(*args))

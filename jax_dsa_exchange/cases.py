@@ -313,14 +313,19 @@ def _short_rows(rng, world, topk, local_topk, rows, cols, block_size) -> Case:
 
 
 def adversarial_cases(rng, *, world, topk, local_topk, cols=None, block_size=16, rows=32,
-                      uneven_cols=False, saturating_rows=None) -> list:
+                      uneven_cols=False, n_equals_k=False, saturating_rows=None) -> list:
     """The adversarial set for one configuration (W, K, N); see the module docstring.
 
     Covers heavy ties, ties at the K-th key across ranks, all-equal rows, NaN of
     both signs with assorted payloads, ±0, ±inf, special row_ends (0, 1, N-1, N,
     N+1, K-1, K, K+1, L, negative, > L), rows with fewer than K valid tokens,
-    rows with exactly s saturated ranks for every s in 1..min(W, floor((K-1)/N)),
-    a copy of the tie case with N = K, and with ``uneven_cols`` ranks of different L.
+    rows with exactly s saturated ranks for every s in 1..min(W, floor((K-1)/N)).
+
+    Every case has ``local_topk`` = the argument (one exchange configuration),
+    unless ``n_equals_k``: then a tie case with N = K is added (or call with
+    local_topk=topk).  ``uneven_cols`` adds cases whose ranks have different L
+    (oracle/model only; the GPU path needs equal L).  ``saturating_rows``: rows
+    of each saturating case (default rows // 8, at least 2).
     """
     _check(world, topk, local_topk, block_size)
     L = default_cols(topk, local_topk) if cols is None else int(cols)
@@ -343,7 +348,7 @@ def adversarial_cases(rng, *, world, topk, local_topk, cols=None, block_size=16,
     e = rng.choice(np.array(special_row_ends(topk, local_topk, L), np.int64), rows)
     c = random_case(rng, rows=rows, cols=cl, distinct_values=4, name="shared_special_ends", **common)
     out.append(dataclasses.replace(c, row_ends=[e.astype(np.int32) for _ in range(world)]))
-    if local_topk != topk:
+    if n_equals_k and local_topk != topk:
         t = _ties_at_kth(rng, world, topk, topk, rows, cl, block_size)
         out.append(dataclasses.replace(t, name="ties_at_kth_n_eq_k"))
     for s in range(1, min(world, layout.rescue_slots(topk, local_topk)) + 1):

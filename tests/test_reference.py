@@ -317,7 +317,7 @@ def check_case(case: cases.Case):
 def test_protocol_equals_oracle(world, topk, local_topk, seed):
     rng = np.random.default_rng([seed, world, topk, local_topk])
     cs = cases.adversarial_cases(rng, world=world, topk=topk, local_topk=local_topk,
-                                 rows=_rows(world, topk), uneven_cols=True,
+                                 rows=_rows(world, topk), uneven_cols=True, n_equals_k=True,
                                  block_size=int(rng.choice([1, 16, 64])))
     names = {c.name for c in cs}
     assert {"heavy_ties", "ties_at_kth", "all_equal", "nan_inf_zero", "short_rows"} <= names
@@ -365,7 +365,8 @@ def test_saturated_masks_helper_matches_protocol(rng):
 
 
 def test_cases_are_well_formed(rng):
-    cs = cases.adversarial_cases(rng, world=3, topk=64, local_topk=32, rows=8, uneven_cols=True)
+    cs = cases.adversarial_cases(rng, world=3, topk=64, local_topk=32, rows=8, uneven_cols=True,
+                                 n_equals_k=True)
     for c in cs:
         assert len(c.logits) == len(c.row_ends) == len(c.req_id) == len(c.block_tables) == c.world
         for q in range(c.world):
@@ -376,7 +377,9 @@ def test_cases_are_well_formed(rng):
             assert len(np.unique(t)) == t.size  # a permutation: no physical block twice
             assert (0 <= c.req_id[q]).all() and (c.req_id[q] < t.shape[0]).all()
     assert any(not c.equal_cols for c in cs)
-    assert all(c.equal_cols for c in cases.adversarial_cases(rng, world=3, topk=64, local_topk=32, rows=4))
+    plain = cases.adversarial_cases(rng, world=3, topk=64, local_topk=32, rows=4)
+    assert all(c.equal_cols and c.local_topk == 32 and c.topk == 64 for c in plain)
+    assert any(c.local_topk == 64 for c in cs)
     # row_ends of interest are all present somewhere
     ends = {int(e) for c in cs for q in range(c.world) for e in c.row_ends[q]}
     L = cases.default_cols(64, 32)

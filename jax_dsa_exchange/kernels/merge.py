@@ -58,7 +58,8 @@ def _align(x, a):
 
 def smem_bytes(topk: int) -> int:
     rw = layout.row_words(topk)
-    return _align(rw * 4, 16) + C.TB * 4 + 4 * 16 * 4 + 64
+    # buf, hist, warp_totals, scalars, rcnt, seg (MergeSmem order) + slack
+    return _align(rw * 4, 16) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + 128
 
 
 class MergeSmem:
@@ -70,7 +71,7 @@ class MergeSmem:
         self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         self.rcnt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         # seg_off[q] (q <= W) and seg_slot[q] of round 2's owner-major segments
-        self.seg = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
+        self.seg = smem.allocate_tensor(Int32, cute.make_layout((48,)), 16)
 
 
 class Merge:
@@ -380,7 +381,7 @@ class Merge:
             req = C.ld_u32(req_id + Int64(t) * Int64(4))
             req_ok = Int32(0)
             bt_row = block_table
-            if req >= Int32(0) and req < bt_rows:
+            if req >= Int32(0) and req < bt_rows and block_size > Int32(0):
                 req_ok = Int32(1)
                 bt_row = block_table + Int64(req) * Int64(bt_cols) * Int64(4)
             # ---- round 1: wait for the W lists of epoch ep

@@ -1,0 +1,54 @@
+"""Build the kernels' cubins + PTX + metadata for configurations (no GPU needed).
+
+    python -m jax_dsa_exchange.build --arch sm_90a --topk K --local-topk N --world W --out DIR
+
+--topk / --local-topk / --world take several values (every valid combination
+is built).  Point JAX_DSA_EXCHANGE_CUBIN_DIR at DIR where the kernels run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jax_dsa_exchange.build", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--topk", type=int, nargs="+", required=True)
+    ap.add_argument("--local-topk", type=int, nargs="+", required=True)
+    ap.add_argument("--world", type=int, nargs="+", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+
+    from . import layout
+    from .kernels import cache
+
+    if not cache.cutlass_available():
+        print("error: the CuTe DSL (pip install nvidia-cutlass-dsl) is not importable", file=sys.stderr)
+        return 2
+    configs = []
+    for w, k, n in itertools.product(a.world, a.topk, a.local_topk):
+        try:
+            layout.check_config(w, k, n)
+        except ValueError as e:
+            if len(a.world) * len(a.topk) * len(a.local_topk) == 1:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            continue  # e.g. N > K in a cross product
+        configs.append((w, k, n))
+    t_all = time.perf_counter()
+    for w, k, n in configs:
+        imgs = cache.compile_images(a.arch, w, k, n)
+        d = cache.write_images(imgs, a.out)
+        secs = " ".join(f"{name}={s:.1f}s" for name, (_, s) in imgs.items())
+        print(f"W={w} K={k} N={n}: {d}  ({secs})", flush=True)
+    print(f"{len(configs)} configuration(s) in {time.perf_counter() - t_all:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Compile, store and find the two kernels' cubins (no JAX, no CUDA import).
+
+A configuration is (arch, world W, topk K, local_topk N).  Its images are
+keyed by that and by the sha256 of the kernels' source files
+(:data:`SOURCE_FILES`), so an edit to a kernel never loads a stale cubin.
+
+Lookup order of :func:`load_kernels`: in-memory cache, then every directory
+of ``$JAX_DSA_EXCHANGE_CUBIN_DIR`` (``os.pathsep``-separated; e.g. a folder
+built with ``python -m jax_dsa_exchange.build``), then the user cache
+(``$JAX_DSA_EXCHANGE_CACHE`` or ``~/.cache/jax_dsa_exchange``); then compile
+with the CuTe DSL when it is importable (and store into the user cache); else
+a clear error naming the configuration and the build command.
+
+On disk, per configuration: ``<dir>/<tag>/{select_push,merge}.{cubin,ptx,json}``
+with ``tag = f"{arch}-w{W}-k{K}-n{N}-{hash[:16]}"``.  The JSON::
+
+    {"kernel": "select_push" | "merge", "entry": <PTX entry symbol>,
+     "params": [[name, "i64" | "i32"], ...]  (launch order),
+     "block": [512, 1, 1], "smem": <dynamic shared bytes>,
+     "config": {"world": W, "topk": K, "local_topk": N},
+     "arch": "sm_90a", "source_hash": <sha256 hex>, "grid": <how to size it>,
+     "compile_seconds": <float>, "cubin": <file>, "ptx": <file>}
+
+Loading on the device: keep the cubin and the PTX; if the driver refuses the
+cubin (it was built by a newer toolkit), load the PTX (driver JIT).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import time
+
+from .. import layout
+
+KERNELS = ("select_push", "merge")
+_HERE = pathlib.Path(__file__).resolve().parent
+SOURCE_FILES = (
+    _HERE / "common.py",
+    _HERE / "select_push.py",
+    _HERE / "merge.py",
+    _HERE.parent / "layout.py",
+)
+DEFAULT_ARCH = "sm_90a"
+ENV_DIRS = "JAX_DSA_EXCHANGE_CUBIN_DIR"
+ENV_CACHE = "JAX_DSA_EXCHANGE_CACHE"
+
+GRID_DOC = {
+    "select_push": "(G, 1, 1), any G >= 1 (rows is best): CTA b does rows b, b+G, ...",
+    "merge": "(G, 1, 1), 1 <= G <= rows, small enough that the W ranks' merge grids "
+    "are co-resident on their GPUs (SPEC §6.7): CTA b does rows b, b+G, ...",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelImage:
+    """One compiled kernel, ready for cuModuleLoadData + cuLaunchKernel."""
+
+    kernel: str
+    entry: str
+    cubin: bytes
+    ptx: str
+    block: tuple
+    smem: int
+    params: tuple  # ((name, "i64" | "i32"), ...)
+    config: dict
+    arch: str
+    source_hash: str
+
+    def metadata(self) -> dict:
+        return {
+            "kernel": self.kernel, "entry": self.entry,
+            "params": [list(p) for p in self.params], "block": list(self.block),
+            "smem": self.smem, "config": dict(self.config), "arch": self.arch,
+            "source_hash": self.source_hash, "grid": GRID_DOC[self.kernel],
+        }  # fmt: skip
+
+
+def source_hash(files=SOURCE_FILES) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(pathlib.Path(f).name.encode() + b"\0")
+        h.update(pathlib.Path(f).read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str) -> str:
+    return f"{arch}-w{world}-k{topk}-n{local_topk}-{shash[:16]}"
+
+
+def build_command(arch, world, topk, local_topk, out="DIR") -> str:
+    return (f"python -m jax_dsa_exchange.build --arch {arch} --topk {topk} "
+            f"--local-topk {local_topk} --world {world} --out {out}")  # fmt: skip
+
+
+def cutlass_available() -> bool:
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ------------------------------------------------------------------ compile
+
+_COMPILED: dict = {}  # (kernel, arch, W, K, N) -> (compiled object, seconds)
+
+
+def _kernel_object(kernel: str, world: int, topk: int, local_topk: int):
+    if kernel == "select_push":
+        from .select_push import SelectPush
+
+        return SelectPush(world, local_topk)
+    from .merge import Merge
+
+    return Merge(world, topk, local_topk)
+
+
+def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: int):
+    """The CuTe DSL compiled object, cached on the static config only."""
+    key = (kernel, arch, world, topk, local_topk)
+    if key not in _COMPILED:
+        obj = _kernel_object(kernel, world, topk, local_topk)
+        t0 = time.perf_counter()
+        compiled = obj.compile(arch)
+        _COMPILED[key] = (obj, compiled, time.perf_counter() - t0)
+    return _COMPILED[key]
+
+
+def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
+    """Compile both kernels -> {name: (KernelImage, compile seconds)}."""
+    layout.check_config(world, topk, local_topk)
+    from . import merge, select_push
+
+    params = {"select_push": select_push.PARAMS, "merge": merge.PARAMS}
+    shash = source_hash()
+    out = {}
+    for name in KERNELS:
+        obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk)
+        entries = list(compiled.kernel_info)
+        if len(entries) != 1:
+            raise RuntimeError(f"{name}: expected one kernel entry, got {entries}")
+        img = KernelImage(
+            kernel=name, entry=entries[0], cubin=bytes(compiled.__cubin__),
+            ptx=str(compiled.__ptx__), block=(512, 1, 1), smem=int(obj.smem),
+            params=tuple(tuple(p) for p in params[name]),
+            config={"world": world, "topk": topk, "local_topk": local_topk},
+            arch=arch, source_hash=shash,
+        )  # fmt: skip
+        from .common import TB
+
+        assert img.block[0] == TB
+        out[name] = (img, secs)
+    return out
+
+
+# ------------------------------------------------------------------ disk
+
+
+def write_images(images: dict, out_dir) -> pathlib.Path:
+    """images: {name: KernelImage or (KernelImage, secs)} -> folder written."""
+    first = next(iter(images.values()))
+    first = first[0] if isinstance(first, tuple) else first
+    c = first.config
+    d = pathlib.Path(out_dir) / config_tag(first.arch, c["world"], c["topk"], c["local_topk"],
+                                           first.source_hash)  # fmt: skip
+    d.mkdir(parents=True, exist_ok=True)
+    for name, v in images.items():
+        img, secs = v if isinstance(v, tuple) else (v, None)
+        (d / f"{name}.cubin").write_bytes(img.cubin)
+        (d / f"{name}.ptx").write_text(img.ptx)
+        meta = img.metadata()
+        meta.update(cubin=f"{name}.cubin", ptx=f"{name}.ptx", compile_seconds=secs)
+        tmp = d / f".{name}.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(meta, indent=1))
+        tmp.replace(d / f"{name}.json")  # json last: a folder with json is complete
+    return d
+
+
+def read_images(folder) -> dict:
+    d = pathlib.Path(folder)
+    out = {}
+    for name in KERNELS:
+        meta = json.loads((d / f"{name}.json").read_text())
+        out[name] = KernelImage(
+            kernel=meta["kernel"], entry=meta["entry"],
+            cubin=(d / meta["cubin"]).read_bytes(), ptx=(d / meta["ptx"]).read_text(),
+            block=tuple(meta["block"]), smem=int(meta["smem"]),
+            params=tuple(tuple(p) for p in meta["params"]), config=meta["config"],
+            arch=meta["arch"], source_hash=meta["source_hash"],
+        )  # fmt: skip
+    return out
+
+
+def search_dirs() -> list:
+    dirs = [p for p in os.environ.get(ENV_DIRS, "").split(os.pathsep) if p]
+    dirs.append(user_cache_dir())
+    return [pathlib.Path(p) for p in dirs]
+
+
+def user_cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get(ENV_CACHE) or
+                        pathlib.Path.home() / ".cache" / "jax_dsa_exchange")  # fmt: skip
+
+
+_LOADED: dict = {}
+
+
+def load_kernels(arch: str, world: int, topk: int, local_topk: int, *, allow_compile=True) -> dict:
+    """{"select_push": KernelImage, "merge": KernelImage} of one config."""
+    layout.check_config(world, topk, local_topk)
+    shash = source_hash()
+    key = (arch, world, topk, local_topk, shash)
+    if key in _LOADED:
+        return _LOADED[key]
+    tag = config_tag(arch, world, topk, local_topk, shash)
+    for d in search_dirs():
+        folder = d / tag
+        if all((folder / f"{n}.json").is_file() for n in KERNELS):
+            imgs = read_images(folder)
+            _LOADED[key] = imgs
+            return imgs
+    if allow_compile and cutlass_available():
+        built = compile_images(arch, world, topk, local_topk)
+        try:
+            write_images(built, user_cache_dir())
+        except OSError:
+            pass  # a read-only home still gets the in-memory images
+        imgs = {n: v[0] for n, v in built.items()}
+        _LOADED[key] = imgs
+        return imgs
+    raise FileNotFoundError(
+        f"no prebuilt kernels for arch={arch} world={world} topk={topk} "
+        f"local_topk={local_topk} (source hash {shash[:16]}, folder {tag}) in "
+        f"{[str(d) for d in search_dirs()]}, and the CuTe DSL (nvidia-cutlass-dsl) is "
+        f"{'not importable' if not cutlass_available() else 'disabled'} here. Build them on "
+        f"any machine with: {build_command(arch, world, topk, local_topk)} and point "
+        f"{ENV_DIRS} at DIR."
+    )

@@ -276,7 +276,11 @@ def main(argv=None) -> int:
         # the host platform reads it, so GPUs are unaffected).
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={a.world}").strip()
-    return run(a)
+    try:
+        return run(a)
+    except NotImplementedError as e:  # e.g. --path ffi without GPUs: no traceback needed
+        print(f"demo: NotImplementedError: {e}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ The launcher gives every process these environment variables:
 * ``JAX_DSA_EXCHANGE_COORDINATOR``: ``host:port`` of the jax.distributed coordinator
 * ``JAX_DSA_EXCHANGE_WORLD``: number of processes (= DCP ranks)
 * ``JAX_DSA_EXCHANGE_RANK``: this process's id / rank
+* ``JAX_LOCAL_DEVICE_IDS`` (only with GPU binding): the GPU of this rank
 
 :func:`initialize` turns them into ``jax.distributed.initialize`` and selects
 gloo for CPU collectives (the default CPU client has no cross-process
@@ -63,6 +64,10 @@ def initialize(*, cpu_collectives: str = "gloo", timeout_s: int = 120) -> tuple[
                   initialization_timeout=timeout_s)
     # Bind the coordinator to the address we advertise (the default binds
     # [::], which fails where IPv6 is off); older jax lacks the argument.
+    # The launcher's GPU binding; newer jax reads this variable itself, older
+    # releases only take the argument.
+    if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        kwargs["local_device_ids"] = [int(x) for x in os.environ["JAX_LOCAL_DEVICE_IDS"].split(",")]
     if "coordinator_bind_address" in inspect.signature(jax.distributed.initialize).parameters:
         kwargs["coordinator_bind_address"] = coord
     jax.distributed.initialize(**kwargs)

@@ -1,6 +1,6 @@
 """Start W processes on this node, one DCP rank each.
 
-    python -m jax_dsa_exchange.launch -n W [--timeout S] [--grace S] -- COMMAND...
+    python -m jax_dsa_exchange.launch -n W [--timeout S] [--grace S] [--bind auto|gpu|none] -- COMMAND...
 
 Every process gets the environment that :func:`jax_dsa_exchange.distributed.initialize`
 reads (coordinator ``127.0.0.1:<free port>``, world, rank).  Output of every rank
@@ -8,7 +8,8 @@ is forwarded line by line with a ``[rank i]`` prefix (stdout to stdout, stderr t
 stderr).  The launch fails if any rank fails: once a rank exits non-zero the
 others get ``--grace`` seconds to finish (they are usually stuck in a collective
 with the dead rank), then SIGTERM, then SIGKILL.  ``--timeout`` bounds the whole
-run (exit code 124).  Exit code: 0 if every rank exited 0, else the first
+run (exit code 124).  On a node with at least W NVIDIA GPUs rank r gets GPU r
+(``--bind``).  Exit code: 0 if every rank exited 0, else the first
 failing rank's code (128 + signal for a signal).
 """
 
@@ -65,9 +66,27 @@ def _signal_all(procs, sig) -> None:
                 pass
 
 
+def gpu_count() -> int:
+    """NVIDIA GPUs on this node per ``nvidia-smi -L`` (0 without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
 def launch(command: list[str], world: int, *, timeout: float | None = None,
-           grace: float = 10.0, env: dict | None = None) -> int:
-    """Run ``command`` as ``world`` ranks; returns the launch's exit code (see module doc)."""
+           grace: float = 10.0, env: dict | None = None, bind: str = "auto") -> int:
+    """Run ``command`` as ``world`` ranks; returns the launch's exit code (see module doc).
+
+    ``bind``: ``gpu`` gives rank r GPU r only (``JAX_LOCAL_DEVICE_IDS=r``; CUDA
+    still sees every GPU, so CUDA IPC between ranks works), ``none`` leaves
+    every device visible to every rank (CPU runs, or several ranks sharing one
+    GPU), ``auto`` = ``gpu`` when the node has at least ``world`` NVIDIA GPUs.
+    A ``JAX_LOCAL_DEVICE_IDS`` already in the environment is kept.
+    """
+    if bind not in ("auto", "gpu", "none"):
+        raise ValueError(f"bind={bind!r} must be auto, gpu or none")
     if world < 1:
         raise ValueError(f"world={world} must be >= 1")
     if not command:
@@ -82,10 +101,16 @@ def launch(command: list[str], world: int, *, timeout: float | None = None,
         for k in ("no_proxy", "NO_PROXY"):
             base[k] = ",".join(x for x in (base.get(k), "127.0.0.1", "localhost") if x)
 
+    if bind == "auto":
+        bind = "gpu" if gpu_count() >= world else "none"
+    bind_gpus = bind == "gpu" and "JAX_LOCAL_DEVICE_IDS" not in base
+
     procs, threads = [], []
     try:
         for r in range(world):
             env_r = dict(base, **{distributed.ENV_RANK: str(r)})
+            if bind_gpus:
+                env_r["JAX_LOCAL_DEVICE_IDS"] = str(r)
             p = subprocess.Popen(command, env=env_r, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
@@ -151,6 +176,9 @@ def main(argv=None) -> int:
                         help="seconds for the whole run; then every rank is killed (exit 124)")
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds the other ranks get after one fails (default 10)")
+    parser.add_argument("--bind", choices=("auto", "gpu", "none"), default="auto",
+                        help="gpu: rank r uses GPU r only; none: every rank sees every device; "
+                             "auto (default): gpu when the node has >= W NVIDIA GPUs")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -158,7 +186,7 @@ def main(argv=None) -> int:
         parser.error("missing COMMAND (use: -n W -- COMMAND...)")
     if args.world < 1:
         parser.error("-n must be >= 1")
-    return launch(command, args.world, timeout=args.timeout, grace=args.grace)
+    return launch(command, args.world, timeout=args.timeout, grace=args.grace, bind=args.bind)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,15 @@ def test_explicit_mesh_and_api():
     assert res["mismatches"] == [], res["mismatches"]
 
 
+def test_example_decode_loop():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "decode_loop.py")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "bit-identical" in p.stdout, p.stdout + p.stderr
+
+
 # ---------------------------------------------------------------------------
 # Worker (runs in the subprocess)
 

@@ -14,6 +14,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -128,6 +129,12 @@ std::map<std::pair<int64_t, int>, Record> g_records;      // (exchange id, devic
 
 thread_local std::string t_last_error;
 
+// Successful cuLaunchKernelEx calls made by the handlers.  When XLA records a
+// handler into a CUDA graph, the handler runs once at capture and the graph
+// replays the kernel without calling it again: comparing this count with the
+// kernels' own device-side progress (the epochs) shows whether graphs are used.
+std::atomic<int64_t> g_launches{0};
+
 int Fail(std::string msg) {
   t_last_error = std::move(msg);
   return -1;
@@ -213,6 +220,7 @@ ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stre
   if (rc != CUDA_SUCCESS)
     return ffi::Error::Internal(std::string(target) + ": " + CuError(d, "cuLaunchKernelEx", rc) +
                                 Where(exchange_id, device));
+  g_launches.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -470,5 +478,8 @@ int dsa_num_exchanges() {
   std::lock_guard<std::mutex> lock(g_mu);
   return static_cast<int>(g_records.size());
 }
+
+// Kernel launches made by the FFI handlers so far (diagnostic, see g_launches).
+int64_t dsa_launch_count() { return g_launches.load(std::memory_order_relaxed); }
 
 }  // extern "C"

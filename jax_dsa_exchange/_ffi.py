@@ -79,6 +79,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_unregister_exchange.argtypes = [i64, i32]
     lib.dsa_num_exchanges.restype = i32
     lib.dsa_num_exchanges.argtypes = []
+    lib.dsa_launch_count.restype = ctypes.c_int64
+    lib.dsa_launch_count.argtypes = []
 
 
 def library() -> ctypes.CDLL | None:
@@ -219,6 +221,12 @@ def unregister_exchange(exchange_id: int, device: int) -> None:
 def num_exchanges() -> int:
     """Registered (exchange, device) records."""
     return int(_require().dsa_num_exchanges())
+
+
+def launch_count() -> int:
+    """Kernel launches made by the FFI handlers in this process (diagnostic: a handler
+    recorded into a CUDA graph runs once at capture, then the graph replays the kernel)."""
+    return int(_require().dsa_launch_count())
 
 
 register_targets()

@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
 SYMBOLS = [
     "DsaSelectPush", "DsaMerge", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
-    "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges",
+    "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count",
 ]
 
 needs_lib = pytest.mark.skipif(not _ffi.available(), reason=f"FFI library not built: {_ffi.load_error()}")

@@ -1,0 +1,206 @@
+"""Raw-kernel benchmark on ONE GPU: W ranks simulated in one process (CuPy).
+
+    JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins PYTHONPATH=. python3 benchmarks/bench_kernels.py
+
+For K = 2048, W = 8, N in {256, 512, 1024}, R in {1, 16, 64, 256}, L in {8K,
+32K, 128K}: median device time (CUDA events; the stream is kept busy by a
+spacer memset before the first event so host launch gaps are not timed;
+warm-up; inputs rotate over several sets) of
+
+* select+push of rank 0 (grid = R CTAs): local top-N of R x L bf16 + LL push
+  of the rows to the 8 ranks' buffers;
+* merge of rank 0 alone (grid = min(R, 132)), data already pushed: without
+  rescue (random logits) and with a forced rescue (rank 0's scores + 100, so
+  rank 0 is saturated on every row and also computes its local top-K of L);
+
+next to a device copy bandwidth and jax.lax.top_k baselines measured in the
+same run on [R, L] (what select+push replaces) and on [R, W*N] (the merge's
+round 1).  Ends with a table; "read" = one read of R x L bf16 at the
+measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from jax_dsa_exchange import layout  # noqa: E402
+
+
+def _events(cp):
+    return cp.cuda.Event(), cp.cuda.Event()
+
+
+def copy_bandwidth(cp, nbytes=2 << 30, reps=10):
+    a = cp.ones(nbytes // 4, cp.float32)
+    b = cp.empty_like(a)
+    s = cp.cuda.Stream(non_blocking=True)
+    ts = []
+    with s:
+        for _ in range(reps + 2):
+            e0, e1 = _events(cp)
+            e0.record(s)
+            cp.copyto(b, a)
+            e1.record(s)
+            e1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3)
+    del a, b
+    return 2 * nbytes / statistics.median(ts[2:])
+
+
+def jax_topk_time(shape, k, reps=20):
+    """Median wall time per call of a jitted lax.top_k on bf16 [R, C] (calls
+    pipelined back to back, 4 rotating inputs); None if JAX has no GPU."""
+    try:
+        import jax
+        import jax.numpy as jnp
+    except Exception:
+        return None
+    if jax.default_backend() != "gpu":
+        return None
+    k = min(k, shape[1])
+    f = jax.jit(lambda x: jax.lax.top_k(x, k))
+    xs = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16) for i in range(4)]
+    for x in xs:
+        jax.block_until_ready(f(x))
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(reps):
+            r = f(xs[i % 4])
+        jax.block_until_ready(r)
+        ts.append((time.perf_counter() - t0) / reps)
+    return statistics.median(ts)
+
+
+class Bench:
+    def __init__(self, cp, world, topk, n, max_rows):
+        from jax_dsa_exchange.kernels.sim import Sim
+
+        self.cp = cp
+        self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world)
+        self.spacer = cp.empty(256 << 20, cp.uint8)
+        self.world, self.topk, self.n = world, topk, n
+
+    def inputs(self, R, L, nsets, rescue, seed):
+        """Device-generated inputs (host RNG is far too slow at R x L = 32M)."""
+        cp, W = self.cp, self.world
+        cp.random.seed(seed)
+        sets = []
+        npages = -(-L // 64)
+        for s in range(nsets):
+            per = []
+            for q in range(W):
+                x = cp.random.standard_normal((R, L), dtype=cp.float32)
+                if rescue and q == 0:
+                    x += 100.0
+                bits = (x.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16 (truncated)
+                del x
+                d = dict(
+                    logits=bits, row_ends=cp.full((R,), L, cp.int32),
+                    req_id=cp.arange(R, dtype=cp.int32) % 4,
+                    bt=cp.random.permutation(4 * npages).reshape(4, npages).astype(cp.int32),
+                    kv=cp.empty((R, self.topk), cp.int32), counts=cp.empty((R,), cp.int32),
+                    ids=cp.empty((R, self.topk), cp.int32), sat=cp.empty((R,), cp.int32),
+                )  # fmt: skip
+                per.append(d)
+            sets.append(per)
+        return sets
+
+    def run(self, R, L, rescue, iters=12, warm=3, seed=0):
+        cp, sim, W = self.cp, self.sim, self.world
+        nsets = 2 if R * L * W * 2 > (1 << 29) else 4
+        sets = self.inputs(R, L, nsets, rescue, seed)
+        s0 = sim.streams[0]
+        tp, tm = [], []
+        for it in range(warm + iters):
+            d = sets[it % nsets]
+            cp.cuda.Device().synchronize()
+            e0, e1 = _events(cp)
+            with s0:
+                self.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
+                e0.record(s0)
+                sim.launch_rank(0, d[0], R, L, 64, merge=False)
+                e1.record(s0)
+            for q in range(1, W):
+                sim.launch_rank(q, d[q], R, L, 64, merge=False)
+            cp.cuda.Device().synchronize()
+            e2, e3 = _events(cp)
+            with s0:
+                self.spacer.fill(it & 0xFF)
+                e2.record(s0)
+                sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=min(R, 64))
+                e3.record(s0)
+            # The other ranks' merges run beside it (a rescue may wait on them);
+            # 64 + 7 * 8 CTAs are co-resident on 132 SMs.
+            for q in range(1, W):
+                sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
+            cp.cuda.Device().synchronize()
+            if it >= warm:
+                tp.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+                tm.append(cp.cuda.get_elapsed_time(e2, e3) * 1e3)
+        st = sim.status(0)
+        assert st[0] == 0, f"status {st}"
+        sat = sets[0][0]["sat"].get()
+        self.last_sat_rows = float((sat != 0).mean())
+        del sets
+        return statistics.median(tp), statistics.median(tm)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--n", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--cols", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--no-jax", action="store_true")
+    a = ap.parse_args(argv)
+    import cupy as cp
+
+    bw = copy_bandwidth(cp)
+    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    rows = []
+    jax_cache = {}
+    for n in a.n:
+        b = Bench(cp, a.world, a.topk, n, max(a.rows))
+        print(f"N={n}: loaded {b.sim.loaded_from}, smem {[i.smem for i in b.sim.images.values()]}",
+              flush=True)  # fmt: skip
+        for R in a.rows:
+            for L in a.cols:
+                tp, tm = b.run(R, L, rescue=False)
+                sat0 = b.last_sat_rows
+                _, tr = b.run(R, L, rescue=True, iters=6, warm=2)
+                sat1 = b.last_sat_rows
+                read_us = R * L * 2 / (bw / 2) * 1e6
+                if not a.no_jax:
+                    for shape in ((R, L), (R, a.world * n)):
+                        if shape not in jax_cache:
+                            t = jax_topk_time(shape, a.topk)
+                            jax_cache[shape] = None if t is None else t * 1e6
+                jl = jax_cache.get((R, L))
+                jm = jax_cache.get((R, a.world * n))
+                rows.append((n, R, L, tp, read_us, tm, tr, jl, jm, sat0, sat1))
+                print(f"N={n} R={R} L={L}: select+push {tp:.1f}us (read {read_us:.1f}us) "
+                      f"merge {tm:.1f}us (rescued rows {sat0:.2f}) rescue-merge {tr:.1f}us jax top_k[R,L] {jl} "
+                      f"[R,W*N] {jm}", flush=True)  # fmt: skip
+        del b
+    f = lambda v: "-" if v is None else f"{v:9.1f}"  # noqa: E731
+    print(f"\nW={a.world} K={a.topk}; times in us (median, CUDA events); copy bw {bw / 1e12:.2f} TB/s")
+    print(f"{'N':>5} {'R':>4} {'L':>7} | {'sel+push':>9} {'1 read':>9} {'x read':>6} | "
+          f"{'merge':>9} {'sat':>4} {'+rescue':>9} {'sat':>4} | {'jax tk RL':>9} {'jax tk RWN':>10}")  # fmt: skip
+    for n, R, L, tp, rd, tm, tr, jl, jm, s0, s1 in rows:
+        print(f"{n:>5} {R:>4} {L:>7} | {tp:9.1f} {rd:9.1f} {tp / rd:6.1f} | {tm:9.1f} {s0:4.2f} "
+              f"{tr:9.1f} {s1:4.2f} | "
+              f"{f(jl)} {f(jm):>10}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -57,13 +57,11 @@ def _parse(argv):
 # The hook: one function decides which merge the decode step calls.
 
 
-def resolve_path(path: str) -> str:
-    """``auto`` -> ``ffi`` on NVIDIA GPUs when the op module imports, else ``xla``."""
-    import jax
-
+def resolve_path(path: str, mesh) -> str:
+    """``auto`` -> ``ffi`` when the mesh is NVIDIA GPUs and the op imports, else ``xla``."""
     if path != "auto":
         return path
-    if jax.devices()[0].platform != "gpu":
+    if mesh.devices.flat[0].platform != "gpu":
         return "xla"
     try:
         from . import op  # noqa: F401
@@ -80,8 +78,6 @@ def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: in
     Returns ``(fn, reports_rescue)``; ``reports_rescue`` says whether the path
     reports real rescue rounds in ``saturated``.
     """
-    import jax
-
     if path == "xla":
         from .xla_path import xla_topk_merge
 
@@ -93,7 +89,7 @@ def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: in
 
     if path != "ffi":
         raise ValueError(f"unknown path {path!r} (auto, xla, ffi)")
-    platforms = {d.platform for d in jax.devices()}
+    platforms = {d.platform for d in mesh.devices.flat}
     if platforms != {"gpu"}:
         raise NotImplementedError(
             f"--path ffi needs NVIDIA GPUs, this job has {sorted(platforms)} devices; "
@@ -161,8 +157,14 @@ def run(a) -> int:
     from .xla_path import shard_map
 
     world = nproc if nproc > 1 else a.world
-    mesh = distributed.dcp_mesh(AXIS, world)
-    path = resolve_path(a.path)
+    backend = None
+    if nproc == 1 and len(jax.local_devices()) < world and a.path != "ffi":
+        # E.g. one GPU but W=4: run the XLA path on W CPU devices instead.
+        backend = "cpu"
+        print(f"demo: {len(jax.local_devices())} {jax.default_backend()} device(s) < W={world}: "
+              f"using {world} CPU devices", flush=True)
+    mesh = distributed.dcp_mesh(AXIS, world, backend=backend)
+    path = resolve_path(a.path, mesh)
     K, N, B, R, L = a.topk, a.local_topk, a.block_size, a.rows, a.cols
     merge, reports_rescue = make_merge_fn(path, mesh, topk=K, local_topk=N, block_size=B, max_rows=R)
     lead = rank == 0
@@ -215,7 +217,7 @@ def run(a) -> int:
     lsharding = NamedSharding(mesh, lspec)
 
     log(f"jax_dsa_exchange demo: path={path} W={world} ({'processes' if nproc > 1 else 'devices'} of "
-        f"{jax.devices()[0].platform}) layers={a.layers} rows={R} L={L} K={K} N={N} B={B}")
+        f"{mesh.devices.flat[0].platform}) layers={a.layers} rows={R} L={L} K={K} N={N} B={B}")
     bad_total = 0
     for step in range(a.steps):
         logits, row_ends = make_step_data(rng, step, a, world, base_len, req_id, tables)

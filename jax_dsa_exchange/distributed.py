@@ -74,25 +74,26 @@ def initialize(*, cpu_collectives: str = "gloo", timeout_s: int = 120) -> tuple[
     return r, w
 
 
-def dcp_mesh(axis_name: str = "dcp", world: int | None = None):
+def dcp_mesh(axis_name: str = "dcp", world: int | None = None, backend: str | None = None):
     """1-D mesh of the DCP ranks.
 
     Multi-process: the first device of every process, ordered by process index
     (one rank per process).  Single process: the first ``world`` local devices
-    (default: all).  Axis type Auto (``jax.sharding.Mesh``'s default), so
-    shard_map accepts unsharded inputs.
+    (default: all).  ``backend`` (e.g. "cpu") picks a non-default platform.
+    Axis type Auto (``jax.sharding.Mesh``'s default), so shard_map accepts
+    unsharded inputs.
     """
     import jax
 
     if jax.process_count() > 1:
         first = {}
-        for d in jax.devices():
+        for d in jax.devices(backend):
             first.setdefault(d.process_index, d)
         devices = [first[p] for p in sorted(first)]
         if world is not None and world != len(devices):
             raise ValueError(f"world={world} but the job has {len(devices)} processes")
     else:
-        devices = jax.local_devices()
+        devices = jax.local_devices(backend=backend)
         world = len(devices) if world is None else world
         if world > len(devices):
             raise ValueError(

@@ -55,6 +55,10 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _signal_all(procs, sig) -> None:
     for p in procs:
         if p.poll() is None:
@@ -105,6 +109,14 @@ def launch(command: list[str], world: int, *, timeout: float | None = None,
         bind = "gpu" if gpu_count() >= world else "none"
     bind_gpus = bind == "gpu" and "JAX_LOCAL_DEVICE_IDS" not in base
 
+    # SIGTERM/SIGHUP to the launcher (a CI timeout, a closed terminal) must not
+    # orphan the ranks: they run in their own sessions, so turn the signal into
+    # the same clean-up as Ctrl-C.
+    restore = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            restore[sig] = signal.signal(sig, _raise_interrupt)
+
     procs, threads = [], []
     try:
         for r in range(world):
@@ -146,6 +158,8 @@ def launch(command: list[str], world: int, *, timeout: float | None = None,
         _log("interrupted: terminating all ranks")
         code = 130
     finally:
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
         _signal_all(procs, signal.SIGTERM)
         deadline = time.monotonic() + 5.0
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:

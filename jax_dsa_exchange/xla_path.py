@@ -12,9 +12,10 @@ that never depend on how ``lax.top_k`` orders equal values:
 1. ``T`` = the K-th largest ``ord16`` (a value, so tie order is irrelevant).
    Everything strictly above ``T`` is selected.
 2. The remaining ``need = K - #(ord > T)`` slots go to the tokens with
-   ``ord == T`` and the lowest positions: the positions of the tied tokens are
-   distinct, so a ``top_k`` over ``-position`` (again distinct values) finds the
-   cut.
+   ``ord == T`` and the lowest positions: locally the columns are in position
+   order, so a cumsum over the tied mask finds them; in the gathered lists the
+   positions of the tied tokens are distinct, so a ``top_k`` over
+   ``-position`` (again distinct values) finds the cut.
 
 Protocol: each rank selects its exact local top-K (not top-N: this path has no
 rescue round, so it sends K candidates and is always exact), all-gathers the
@@ -74,12 +75,13 @@ def ord16(logits: jax.Array) -> jax.Array:
     return jnp.where(is_nan, 0, key)
 
 
-def _select(score: jax.Array, pos: jax.Array, k: int) -> jax.Array:
+def _select(score: jax.Array, pos: jax.Array | None, k: int) -> jax.Array:
     """Mask of the exact top-k of each row by (score desc, pos asc).
 
-    ``score``: int32 [R, M], 0 = invalid (never selected); ``pos``: int32
-    [R, M], distinct among the valid entries of a row, 0 <= pos < 2**31 - 1.
-    Selects min(k, #valid) entries.
+    ``score``: int32 [R, M], 0 = invalid (never selected).  ``pos``: int32
+    [R, M] positions, distinct among the valid entries of a row and
+    > INT32_MIN; None means "the column index" (positions ascend along the
+    row).  Selects min(k, #valid) entries.
     """
     valid = score > 0
     m = score.shape[-1]
@@ -87,13 +89,16 @@ def _select(score: jax.Array, pos: jax.Array, k: int) -> jax.Array:
         return valid
     kth = lax.top_k(score, k)[0][:, k - 1 : k]  # [R, 1], 0 if fewer than k valid
     above = score > kth
-    need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)
+    need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)  # >= 1 when kth > 0
     tied = (score == kth) & (kth > 0)
-    # Lowest positions among the tied first: top_k over -pos (distinct values);
-    # non-tied entries get a key below every tied one.
+    if pos is None:
+        # Positions ascend along the row: the first `need` tied entries.
+        return above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= need))
+    # Lowest positions among the tied: top_k over -pos (distinct values, so
+    # its tie order does not matter); non-tied entries rank below all of them.
     neg = jnp.where(tied, -pos, jnp.iinfo(jnp.int32).min)
     cut = jnp.take_along_axis(lax.top_k(neg, k)[0], jnp.maximum(need - 1, 0), axis=-1)
-    return above | (tied & (neg >= cut) & (need > 0))
+    return above | (tied & (neg >= cut))
 
 
 def _compact(mask: jax.Array, values: jax.Array, k: int) -> jax.Array:
@@ -141,7 +146,7 @@ def xla_topk_merge(
     ends = jnp.clip(row_ends.astype(jnp.int32), 0, L)[:, None]
     score = jnp.where(l_idx < ends, ord16(logits), 0)
     n = min(topk, L)
-    local = _select(score, l_idx, topk)
+    local = _select(score, None, topk)  # columns are l: ties by cumsum
     cand_l = _compact(local, l_idx, n)  # [R, n], -1 = empty
     cand_s = jnp.where(cand_l >= 0, jnp.take_along_axis(score, jnp.maximum(cand_l, 0), axis=-1), 0)
     cand_g = jnp.where(cand_l >= 0, cand_l * world + me, -1)

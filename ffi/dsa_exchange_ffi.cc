@@ -324,28 +324,34 @@ ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32
 
 }  // namespace
 
-// Both handlers only enqueue work on XLA's stream with arguments that are fixed
-// per (exchange, buffers), so XLA may record them into CUDA graphs.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsaSelectPush, SelectPushImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("exchange_id")
-                                  .RemainingArgs()
-                                  .RemainingRets(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// Both handlers only enqueue work on XLA's stream, with arguments fixed per
+// (exchange, buffer addresses), so XLA may record them into CUDA graphs
+// (command buffers) and replay them without calling the handler again.  The
+// *NoGraph variants are the same handlers without that trait, for when a
+// handler must run on every call (see ffi/README.md: exchange lifetime).
+#define DSA_SELECT_PUSH_BINDING                    \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::PlatformStream<CUstream>>()        \
+      .Ctx<ffi::DeviceOrdinal>()                   \
+      .Attr<int64_t>("exchange_id")                \
+      .RemainingArgs()                             \
+      .RemainingRets()
+#define DSA_MERGE_BINDING                          \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::PlatformStream<CUstream>>()        \
+      .Ctx<ffi::DeviceOrdinal>()                   \
+      .Attr<int64_t>("exchange_id")                \
+      .Attr<int32_t>("block_size")                 \
+      .Attr<bool>("with_ids")                      \
+      .Attr<bool>("with_saturated")                \
+      .RemainingArgs()                             \
+      .RemainingRets()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DsaMerge, MergeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("exchange_id")
-                                  .Attr<int32_t>("block_size")
-                                  .Attr<bool>("with_ids")
-                                  .Attr<bool>("with_saturated")
-                                  .RemainingArgs()
-                                  .RemainingRets(),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsaSelectPush, SelectPushImpl, DSA_SELECT_PUSH_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsaMerge, MergeImpl, DSA_MERGE_BINDING, {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsaSelectPushNoGraph, SelectPushImpl, DSA_SELECT_PUSH_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DsaMergeNoGraph, MergeImpl, DSA_MERGE_BINDING);
 
 // ---------------------------------------------------------------------------
 // C API for ctypes.  Returns >= 0 on success, -1 on error (dsa_last_error()).

@@ -29,6 +29,8 @@ import threading
 
 LIB_NAME = "libdsa_exchange_ffi.so"
 TARGETS = {"dsa_select_push": "DsaSelectPush", "dsa_merge": "DsaMerge"}
+# Same handlers without the command-buffer (CUDA graph) trait.
+TARGETS_NO_GRAPH = {"dsa_select_push": "DsaSelectPushNoGraph", "dsa_merge": "DsaMergeNoGraph"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -144,6 +146,16 @@ def _check(lib: ctypes.CDLL, rc: int) -> int:
     return rc
 
 
+def cuda_graphs_enabled() -> bool:
+    """Whether the registered handlers let XLA record them into CUDA graphs.
+
+    On by default; ``JAX_DSA_EXCHANGE_CUDA_GRAPHS=0`` (read once, at import)
+    registers the variants without the command-buffer trait, so XLA calls the
+    handlers on every execution (see ffi/README.md).
+    """
+    return os.environ.get("JAX_DSA_EXCHANGE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def register_targets() -> bool:
     """Registers the FFI targets with XLA (CUDA platform) once; False without the library."""
     global _registered
@@ -155,8 +167,18 @@ def register_targets() -> bool:
             return True
         import jax
 
-        for name, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+        graphs = cuda_graphs_enabled()
+        kwargs = {}
+        try:  # XLA also takes the traits from the registration; keep both in agreement.
+            from jax._src.lib import xla_client
+
+            traits = xla_client.CustomCallTargetTraits
+            kwargs["traits"] = traits.COMMAND_BUFFER_COMPATIBLE if graphs else traits.DEFAULT
+        except (ImportError, AttributeError):  # pragma: no cover - other jaxlib layouts
+            pass
+        for name, symbol in (TARGETS if graphs else TARGETS_NO_GRAPH).items():
+            capsule = jax.ffi.pycapsule(getattr(lib, symbol))
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA", api_version=1, **kwargs)
         _registered = True
     return True
 

@@ -16,7 +16,7 @@ from jax_dsa_exchange import _ffi
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
 SYMBOLS = [
-    "DsaSelectPush", "DsaMerge", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
+    "DsaSelectPush", "DsaMerge", "DsaSelectPushNoGraph", "DsaMergeNoGraph", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count",
 ]
 

@@ -20,12 +20,12 @@ import os
 import subprocess
 import sys
 
+# name: (XLA_FLAGS, extra environment)
 CONFIGS = {
-    "default": "",
-    "min_graph_size_1": "--xla_gpu_graph_min_graph_size=1",
-    "all_cmds_min1": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL "
-    "--xla_gpu_graph_min_graph_size=1",
-    "off": "--xla_gpu_enable_command_buffer=",
+    "default": ("", {}),
+    "handlers_without_graph_trait": ("", {"JAX_DSA_EXCHANGE_CUDA_GRAPHS": "0"}),
+    "min_graph_size_1": ("--xla_gpu_graph_min_graph_size=1", {}),
+    "command_buffers_off": ("--xla_gpu_enable_command_buffer=", {}),
 }
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,7 +47,9 @@ def computations_with(text: str, needle: str) -> list[str]:
 
 
 def child(cfg: str, dump: str) -> None:
-    os.environ["XLA_FLAGS"] = f"{CONFIGS[cfg]} --xla_dump_to={dump} --xla_dump_hlo_as_text"
+    flags, env = CONFIGS[cfg]
+    os.environ.update(env)
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={dump} --xla_dump_hlo_as_text"
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     import glob
 
@@ -96,9 +98,10 @@ def child(cfg: str, dump: str) -> None:
 
     args = (jnp.ones((rows, cols), jnp.bfloat16), jnp.full((rows,), 10, jnp.int32),
             jnp.zeros((rows,), jnp.int32), jnp.ones((2, 8), jnp.int32))
-    report = {"cfg": cfg, "flags": CONFIGS[cfg], "ok": True, "plain_launches": [], "scan_launches": []}
+    report = {"cfg": cfg, "flags": flags, "env": env, "ok": True, "plain_launches": [], "scan_launches": []}
     epoch = 0
-    for name, fn, per in (("plain", jax.jit(step), 1), ("scan", jax.jit(scanned), 3)):
+    plain = jax.jit(step)
+    for name, fn, per in (("plain", plain, 1), ("scan", jax.jit(scanned), 3)):
         for _ in range(3):
             before = _ffi.launch_count()
             out = np.asarray(jax.block_until_ready(fn(*args)))
@@ -121,6 +124,16 @@ def child(cfg: str, dump: str) -> None:
             report[f"{mod}_command_buffer_comps"] = [
                 c for c in computations_with(text, "") if "command_buffer" in c
             ]
+    # Lifetime hazard: after unregistering, does the already compiled step
+    # still run (a recorded graph replays) or does the handler report it?
+    _ffi.unregister_exchange(5, dev)
+    before = _ffi.launch_count()
+    try:
+        out = np.asarray(jax.block_until_ready(plain(*args)))
+        report["after_unregister"] = f"ran without error: {out.tolist()}"
+    except Exception as e:  # noqa: BLE001
+        report["after_unregister"] = f"error: {str(e)[:200]}"
+    report["after_unregister_launches"] = _ffi.launch_count() - before
     print("REPORT " + json.dumps(report), flush=True)
 
 

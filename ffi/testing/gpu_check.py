@@ -124,6 +124,15 @@ def child(cfg: str, dump: str) -> None:
             report[f"{mod}_command_buffer_comps"] = [
                 c for c in computations_with(text, "") if "command_buffer" in c
             ]
+    import time
+
+    for name, fn in (("plain", plain),):
+        jax.block_until_ready(fn(*args))
+        t0 = time.perf_counter()
+        for _ in range(200):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        report[f"{name}_us_per_call"] = round((time.perf_counter() - t0) / 200 * 1e6, 1)
     # Lifetime hazard: after unregistering, does the already compiled step
     # still run (a recorded graph replays) or does the handler report it?
     _ffi.unregister_exchange(5, dev)

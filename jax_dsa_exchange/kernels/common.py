@@ -60,6 +60,14 @@ def ld_u64(addr: Int64, *, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
+def ld_nc_u64(addr: Int64, *, loc=None, ip=None) -> Uint64:
+    """Four bf16 at once (8-byte aligned; read-only while the kernel runs)."""
+    return Uint64(
+        _asm(T.i64(), [Int64(addr)], "ld.global.nc.u64 $0, [$1];", "=l,l", loc, ip)
+    )
+
+
+@dsl_user_op
 def ld_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
     """One bf16's bits (logits are read-only while the kernel runs)."""
     return Uint32(
@@ -224,6 +232,59 @@ def find_bin(hist: cute.Tensor, nbins, need: Int32, tid, lane, warp, warp_totals
 # --------------------------------------------------------------------------
 
 
+U12 = 4  # quads per thread in flight in the histogram passes
+U3 = 8  # consecutive quads per thread per chunk in the compaction pass
+
+
+@cute.jit
+def load_ords(row_addr: Int64, qi: Int32, end: Int32, aligned: Int32) -> Uint64:
+    """ord16 of tokens 4qi .. 4qi+3 packed 16 bits each (0 = NaN or past
+    end).  One 8-byte load when the row is 8-byte aligned and the quad is
+    whole, else 2-byte loads."""  # fmt: skip
+    l0 = qi * Int32(4)
+    r = Uint64(0)
+    if aligned != Int32(0) and l0 + Int32(4) <= end:
+        x = ld_nc_u64(row_addr + Int64(l0) * Int64(2))
+        for k in cutlass.range_constexpr(4):
+            o = ord16(Uint32((x >> Uint64(16 * k)) & Uint64(0xFFFF)))
+            r = r | (Uint64(o) << Uint64(16 * k))
+    else:
+        for k in cutlass.range_constexpr(4):
+            if l0 + Int32(k) < end:
+                o = ord16(ld_u16(row_addr + Int64(l0 + Int32(k)) * Int64(2)))
+                r = r | (Uint64(o) << Uint64(16 * k))
+    return r
+
+
+@cute.jit
+def hist_pass(row_addr: Int64, end: Int32, aligned: Int32, hist: cute.Tensor, tid, b1: Int32,
+              second: cutlass.Constexpr):
+    """Histogram of the valid tokens: 9 high bits of ord16 (first pass), or
+    the 7 low bits of those whose high bits are b1 (second pass).  Strided
+    quads (coalesced), U12 loads in flight per thread."""  # fmt: skip
+    nq = (end + Int32(3)) >> Int32(2)
+    xs = cute.make_rmem_tensor((U12,), Uint64)
+    for base in cutlass.range(0, nq, TB * U12, unroll=1):
+        for u in cutlass.range_constexpr(U12):
+            qi = base + Int32(u * TB) + tid
+            x = Uint64(0)
+            if qi < nq:
+                x = load_ords(row_addr, qi, end, aligned)
+            xs[u] = x
+        for u in cutlass.range_constexpr(U12):
+            x = xs[u]
+            for k in cutlass.range_constexpr(4):
+                o = Uint32((x >> Uint64(16 * k)) & Uint64(0xFFFF))
+                if cutlass.const_expr(second):
+                    if o != Uint32(0) and Int32(o >> Uint32(7)) == b1:
+                        cute.arch.atomic_add(hist.iterator + Int32(o & Uint32(127)), Int32(1),
+                                             sem="relaxed", scope="cta")  # fmt: skip
+                else:
+                    if o != Uint32(0):
+                        cute.arch.atomic_add(hist.iterator + Int32(o >> Uint32(7)), Int32(1),
+                                             sem="relaxed", scope="cta")  # fmt: skip
+
+
 @cute.jit
 def local_select(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                  buf: cute.Tensor, hist: cute.Tensor, warp_totals: cute.Tensor,
@@ -232,16 +293,15 @@ def local_select(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.
     one rank) -> ``buf[0:rw]`` packed (SPEC §5), ascending local index, empty
     words last, mask words after the n words, zero padding.  Ends with a
     barrier: ``buf`` is complete for every thread."""  # fmt: skip
+    aligned = Int32(0)
+    if (row_addr & Int64(7)) == Int64(0):
+        aligned = Int32(1)
     for i in cutlass.range(tid, rw, TB, unroll=1):
         buf[i] = Int32(0)
     hist[tid] = Int32(0)
     cute.arch.sync_threads()
     # Pass 1: histogram of the 9 high bits of ord16 over the valid tokens.
-    for l in cutlass.range(tid, end, TB, unroll=1):
-        o = ord16(ld_u16(row_addr + Int64(l) * Int64(2)))
-        if o != Uint32(0):
-            cute.arch.atomic_add(hist.iterator + Int32(o >> Uint32(7)), Int32(1),
-                                 sem="relaxed", scope="cta")  # fmt: skip
+    hist_pass(row_addr, end, aligned, hist, tid, Int32(0), False)
     cute.arch.sync_threads()
     total = find_bin(hist, Int32(TB), Int32(n), tid, lane, warp, warp_totals, scalars, 0)
     # Fewer than n valid tokens: keep them all (v = 0: every ord16 > 0).
@@ -253,11 +313,7 @@ def local_select(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.
         hist[tid] = Int32(0)  # every thread read its bin before find_bin's barriers
         cute.arch.sync_threads()
         # Pass 2: the 7 low bits inside bin b1.
-        for l in cutlass.range(tid, end, TB, unroll=1):
-            o = ord16(ld_u16(row_addr + Int64(l) * Int64(2)))
-            if o != Uint32(0) and Int32(o >> Uint32(7)) == b1:
-                cute.arch.atomic_add(hist.iterator + Int32(o & Uint32(127)), Int32(1),
-                                     sem="relaxed", scope="cta")  # fmt: skip
+        hist_pass(row_addr, end, aligned, hist, tid, b1, True)
         cute.arch.sync_threads()
         find_bin(hist, Int32(128), Int32(n) - above, tid, lane, warp, warp_totals, scalars, 3)
         v = (Uint32(b1) << Uint32(7)) | Uint32(scalars[3])
@@ -267,33 +323,52 @@ def local_select(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.
         need_eq = Int32(n) - c_gt
     # Pass 3: compaction in index order.  Before token l, (#gt) + min(#eq,
     # need_eq) tokens are kept: that is its position in the ascending list.
+    # Thread tid owns U3 consecutive quads of each chunk; ONE block scan of
+    # its packed (gt << 16 | eq) counts per chunk gives its offsets.
+    nq = (end + Int32(3)) >> Int32(2)
+    xs = cute.make_rmem_tensor((U3,), Uint64)
     gt_run = Int32(0)
     eq_run = Int32(0)
     base = Int32(0)
-    while base < end and (gt_run < c_gt or eq_run < need_eq):
-        l = base + tid
-        o = Uint32(0)
-        if l < end:
-            o = ord16(ld_u16(row_addr + Int64(l) * Int64(2)))
-        flag = Int32(0)
-        if o > v:
-            flag = Int32(1 << 16)
-        if o == v and v != Uint32(0):
-            flag = Int32(1)
-        incl, tot = block_scan(flag, lane, warp, warp_totals)
-        excl = incl - flag
-        gt_before = gt_run + (excl >> Int32(16))
-        eq_before = eq_run + (excl & Int32(0xFFFF))
-        keep = flag > Int32(1) or (flag == Int32(1) and eq_before < need_eq)
-        if keep:
-            pos = gt_before + cutlass.min(eq_before, need_eq)
-            lu = Uint32(l)
-            buf[pos] = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
-            if (lu >> Uint32(16)) != Uint32(0):
-                cute.arch.atomic_or(buf.iterator + (Int32(n) + (pos >> Int32(5))),
-                                    Int32(1) << (pos & Int32(31)),
-                                    sem="relaxed", scope="cta")  # fmt: skip
+    while base < nq and (gt_run < c_gt or eq_run < need_eq):
+        q0 = base + tid * Int32(U3)
+        cnt = Int32(0)
+        for u in cutlass.range_constexpr(U3):
+            x = Uint64(0)
+            if q0 + Int32(u) < nq:
+                x = load_ords(row_addr, q0 + Int32(u), end, aligned)
+            xs[u] = x
+        for u in cutlass.range_constexpr(U3):
+            for k in cutlass.range_constexpr(4):
+                o = Uint32((xs[u] >> Uint64(16 * k)) & Uint64(0xFFFF))
+                if o > v:
+                    cnt = cnt + Int32(1 << 16)
+                if o == v and v != Uint32(0):
+                    cnt = cnt + Int32(1)
+        incl, tot = block_scan(cnt, lane, warp, warp_totals)
+        excl = incl - cnt
+        gt_b = gt_run + (excl >> Int32(16))
+        eq_b = eq_run + (excl & Int32(0xFFFF))
+        if cnt != Int32(0):
+            for u in cutlass.range_constexpr(U3):
+                for k in cutlass.range_constexpr(4):
+                    o = Uint32((xs[u] >> Uint64(16 * k)) & Uint64(0xFFFF))
+                    pos = Int32(-1)
+                    if o > v:
+                        pos = gt_b + cutlass.min(eq_b, need_eq)
+                        gt_b = gt_b + Int32(1)
+                    if o == v and v != Uint32(0):
+                        if eq_b < need_eq:
+                            pos = gt_b + eq_b
+                        eq_b = eq_b + Int32(1)
+                    if pos >= Int32(0):
+                        lu = Uint32((q0 + Int32(u)) * Int32(4) + Int32(k))
+                        buf[pos] = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
+                        if (lu >> Uint32(16)) != Uint32(0):
+                            cute.arch.atomic_or(buf.iterator + (Int32(n) + (pos >> Int32(5))),
+                                                Int32(1) << (pos & Int32(31)),
+                                                sem="relaxed", scope="cta")  # fmt: skip
         gt_run = gt_run + (tot >> Int32(16))
         eq_run = eq_run + (tot & Int32(0xFFFF))
-        base = base + Int32(TB)
+        base = base + Int32(TB * U3)
     cute.arch.sync_threads()

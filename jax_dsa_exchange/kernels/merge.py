@@ -64,7 +64,7 @@ def smem_bytes(topk: int) -> int:
 
 class MergeSmem:
     def __init__(self, rw: int):
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         self.buf = smem.allocate_tensor(Int32, cute.make_layout((rw,)), 16)
         self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
@@ -296,15 +296,72 @@ class Merge:
                 cute.arch.atomic_add(sm_rcnt.iterator + q, Int32(1), sem="relaxed", scope="cta")
             if q == rank:
                 kpos = own_run + (excl >> Int32(16))
-                lidx = g // Int32(self.world)
-                slot = Int32(-1)
-                if req_ok != Int32(0):
-                    page = lidx // block_size
-                    if page < bt_cols:
-                        blk = C.ld_u32(bt_row + Int64(page) * Int64(4))
-                        slot = blk * block_size + (lidx - page * block_size)
+                slot = self.kv_slot(g // Int32(self.world), bt_row, req_ok, bt_cols, block_size)
                 C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(kpos)) * Int64(4), slot)
         return all_run + (tot & Int32(0xFFFF)), own_run + (tot >> Int32(16))
+
+    @cute.jit
+    def kv_slot(self, lidx: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
+                block_size: Int32) -> Int32:
+        """block_table[req, l // B] * B + l % B; -1 if req or the page is out
+        of range (never reads out of bounds)."""
+        slot = Int32(-1)
+        if req_ok != Int32(0):
+            page = lidx // block_size
+            if page < bt_cols:
+                blk = C.ld_u32(bt_row + Int64(page) * Int64(4))
+                slot = blk * block_size + (lidx - page * block_size)
+        return slot
+
+    @cute.jit
+    def emit_regs(self, keys: cute.Tensor, T: Uint64, sm: MergeSmem, tid, lane, warp,
+                  rank: Int32, t: Int32, ids: Int64, kv_rows: Int64, bt_row: Int64,
+                  req_ok: Int32, bt_cols: Int32, block_size: Int32):
+        """Round-1 outputs from thread-major register keys (thread tid holds
+        owner-major indices tid*kpt ..): ONE block scan of the packed
+        (own << 16 | selected) counts gives every thread its output offsets.
+        Also the per-rank selected counts (sm.rcnt; a thread's keys span at
+        most two ranks since kpt <= N)."""  # fmt: skip
+        rcnt, warp_totals = sm.rcnt, sm.warp_totals
+        gmask = Uint64((1 << self.gbits) - 1)
+        n_sel = Int32(0)
+        n_own = Int32(0)
+        c0 = Int32(0)  # selected keys of rank q0 = (tid*kpt) // N, the rest are q0 + 1's
+        q0 = (tid * Int32(self.kpt)) // Int32(self.n)
+        for i in cutlass.range_constexpr(self.kpt):
+            key = keys[i]
+            if key != Uint64(0) and key >= T:
+                n_sel = n_sel + Int32(1)
+                q = Int32(gmask - (key & gmask)) % Int32(self.world)
+                if q == rank:
+                    n_own = n_own + Int32(1)
+                if q == q0:
+                    c0 = c0 + Int32(1)
+        if c0 != Int32(0):
+            cute.arch.atomic_add(rcnt.iterator + q0, c0, sem="relaxed", scope="cta")
+        if n_sel - c0 != Int32(0):
+            cute.arch.atomic_add(rcnt.iterator + q0 + Int32(1), n_sel - c0, sem="relaxed",
+                                 scope="cta")  # fmt: skip
+        flag = n_sel | (n_own << Int32(16))
+        incl, tot = C.block_scan(flag, lane, warp, warp_totals)
+        excl = incl - flag
+        pos = excl & Int32(0xFFFF)
+        kpos = excl >> Int32(16)
+        if flag != Int32(0):
+            for i in cutlass.range_constexpr(self.kpt):
+                key = keys[i]
+                if key != Uint64(0) and key >= T:
+                    g = Int32(gmask - (key & gmask))
+                    if ids != Int64(0):
+                        C.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(pos)) * Int64(4), g)
+                    pos = pos + Int32(1)
+                    if g % Int32(self.world) == rank:
+                        slot = self.kv_slot(g // Int32(self.world), bt_row, req_ok, bt_cols,
+                                            block_size)  # fmt: skip
+                        C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(kpos)) * Int64(4),
+                                 slot)  # fmt: skip
+                        kpos = kpos + Int32(1)
+        return tot & Int32(0xFFFF), tot >> Int32(16)
 
     @cute.jit
     def emit(self, keys: cute.Tensor, use_regs: cutlass.Constexpr, round2: cutlass.Constexpr,
@@ -322,10 +379,8 @@ class Merge:
         all_run = Int32(0)
         own_run = Int32(0)
         if cutlass.const_expr(use_regs):
-            for i in cutlass.range_constexpr(self.kpt):
-                all_run, own_run = self.emit_chunk(
-                    keys[i], T, True, sm, tid, lane, warp, all_run, own_run, rank, t, ids,
-                    kv_rows, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
+            all_run, own_run = self.emit_regs(keys, T, sm, tid, lane, warp, rank, t, ids, kv_rows,
+                                              bt_row, req_ok, bt_cols, block_size)  # fmt: skip
         else:
             nk = Int32(self.nk1)
             if cutlass.const_expr(round2):
@@ -387,8 +442,9 @@ class Merge:
             # ---- round 1: wait for the W lists of epoch ep
             if cutlass.const_expr(self.use_regs):
                 for i in cutlass.range_constexpr(self.kpt):
-                    keys[i] = self.key_r1(tid + Int32(i * C.TB), ll0, ll_stride, ep, True,
-                                          status, t, timeout_ns)  # fmt: skip
+                    # thread-major: thread tid holds keys tid*kpt .. tid*kpt+kpt-1
+                    keys[i] = self.key_r1(tid * Int32(self.kpt) + Int32(i), ll0, ll_stride, ep,
+                                          True, status, t, timeout_ns)  # fmt: skip
             else:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)

@@ -41,7 +41,7 @@ class SmemParts:
     """The CTA's shared arrays (one allocator, static sizes)."""
 
     def __init__(self, rw: int):
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         self.buf = smem.allocate_tensor(Int32, cute.make_layout((rw,)), 16)
         self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)

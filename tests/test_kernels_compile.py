@@ -1,0 +1,122 @@
+"""The CuTe DSL kernels compile for sm_90a without a GPU, their PTX carries
+the protocol's memory operations, the metadata matches the launcher ABI, and
+the cache finds / rejects images by config and source hash."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from jax_dsa_exchange import layout
+from jax_dsa_exchange.kernels import cache
+
+pytestmark = pytest.mark.skipif(not cache.cutlass_available(),
+                                reason="nvidia-cutlass-dsl (CuTe DSL) is not installed")
+
+# register-cached round 1 (W*N <= 16*512), keys re-read from memory (16*1024), N == K
+CONFIGS = [(8, 256, 64), (16, 2048, 1024), (4, 128, 128)]
+
+ABI = {
+    "select_push": ["logits", "row_ends", "rows", "cols", "epoch", "peers", "rank", "max_rows"],
+    "merge": ["peers", "local", "state", "logits", "row_ends", "req_id", "block_table", "kv_rows",
+              "counts", "ids", "saturated", "rows", "cols", "bt_rows", "bt_cols", "block_size",
+              "rank", "max_rows", "rescue_off", "flags_off", "timeout_us"],
+}  # fmt: skip
+I32 = {"rows", "cols", "rank", "max_rows", "bt_rows", "bt_cols", "block_size", "timeout_us"}
+
+
+@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "w%d-k%d-n%d" % c)
+def images(request):
+    w, k, n = request.param
+    return cache.compile_images("sm_90a", w, k, n)
+
+
+def _entry_params(ptx: str, entry: str) -> list:
+    m = re.search(r"\.entry\s+" + re.escape(entry) + r"\s*\((.*?)\)", ptx, re.S)
+    assert m, "entry not in PTX"
+    return re.findall(r"\.param\s+\.(u64|u32|b64|b32|s64|s32)\s", m.group(1))
+
+
+def test_compiles_to_sm90a(images):
+    for name, (img, secs) in images.items():
+        assert img.cubin[:4] == b"\x7fELF", name
+        assert ".target sm_90a" in img.ptx, name
+        assert img.block == (512, 1, 1) and 0 < img.smem <= 48 * 1024
+        print(f"{name} {img.config}: compiled in {secs:.1f}s")
+
+
+def test_ptx_protocol_instructions(images):
+    sp, mg = images["select_push"][0].ptx, images["merge"][0].ptx
+    # LL push: 16-byte volatile stores (w0, e, w1, e); PDL trigger + wait
+    assert re.search(r"st\.volatile\.global\.v4\.u32", sp)
+    assert "griddepcontrol.launch_dependents" in sp and "griddepcontrol.wait" in sp
+    # merge: 8-byte LL halves, system-scope flag protocol, PDL wait, timeout clock
+    assert re.search(r"ld\.volatile\.global\.u64", mg)
+    assert "griddepcontrol.wait" in mg and "%globaltimer" in mg
+    cfg = images["merge"][0].config
+    if layout.rescue_slots(cfg["topk"], cfg["local_topk"]) > 0:  # N == K: no rescue code
+        assert "ld.acquire.sys.global.u32" in mg and "st.release.sys.global.u32" in mg
+        assert "fence.acq_rel.sys" in mg
+        assert re.search(r"st\.global\.v4\.u32", mg)  # rescue rows, 16-byte stores
+    assert "trap" not in mg  # a timeout is a status record, never a trap
+
+
+def test_metadata_matches_abi(images, tmp_path):
+    d = cache.write_images(images, tmp_path)
+    for name, (img, _) in images.items():
+        meta = json.loads((d / f"{name}.json").read_text())
+        assert [p[0] for p in meta["params"]] == ABI[name]
+        assert [p[1] for p in meta["params"]] == ["i32" if p in I32 else "i64" for p in ABI[name]]
+        assert meta["entry"] == img.entry and meta["kernel"] == name
+        assert meta["block"] == [512, 1, 1] and meta["smem"] == img.smem
+        assert meta["arch"] == "sm_90a" and meta["source_hash"] == cache.source_hash()
+        assert meta["config"] == img.config
+        kinds = _entry_params(img.ptx, img.entry)
+        assert [("i64" if k.endswith("64") else "i32") for k in kinds] == [p[1] for p in meta["params"]]
+        assert (d / meta["cubin"]).read_bytes() == img.cubin
+    back = cache.read_images(d)
+    assert {k: v.entry for k, v in back.items()} == {k: v[0].entry for k, v in images.items()}
+
+
+def test_cache_key_follows_source(tmp_path):
+    files = []
+    for f in cache.SOURCE_FILES:
+        p = tmp_path / f.name
+        p.write_bytes(f.read_bytes())
+        files.append(p)
+    h0 = cache.source_hash(files)
+    assert h0 == cache.source_hash()
+    files[1].write_text(files[1].read_text() + "\n# edited\n")
+    h1 = cache.source_hash(files)
+    assert h1 != h0
+    assert cache.config_tag("sm_90a", 8, 256, 64, h0) != cache.config_tag("sm_90a", 8, 256, 64, h1)
+
+
+def test_load_from_prebuilt_dir_and_clear_error(tmp_path, monkeypatch):
+    w, k, n = CONFIGS[0]
+    imgs = cache.compile_images("sm_90a", w, k, n)
+    cache.write_images(imgs, tmp_path / "prebuilt")
+    monkeypatch.setenv(cache.ENV_DIRS, str(tmp_path / "prebuilt"))
+    monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path / "usercache"))
+    monkeypatch.setattr(cache, "_LOADED", {})
+    got = cache.load_kernels("sm_90a", w, k, n, allow_compile=False)
+    assert got["merge"].cubin == imgs["merge"][0].cubin
+    assert got["select_push"].params == tuple(tuple(p) for p in imgs["select_push"][0].params)
+    with pytest.raises(FileNotFoundError, match=r"jax_dsa_exchange\.build --arch sm_90a --topk 512"):
+        cache.load_kernels("sm_90a", 2, 512, 64, allow_compile=False)
+    # compiled on demand into the user cache, then found there
+    monkeypatch.setattr(cache, "_LOADED", {})
+    monkeypatch.setenv(cache.ENV_DIRS, "")
+    cache.load_kernels("sm_90a", w, k, n)
+    assert list((tmp_path / "usercache").glob("*/merge.json"))
+
+
+def test_layout_constants_used_by_kernels():
+    from jax_dsa_exchange.kernels import merge, select_push
+
+    m = merge.Merge(16, 4096, 32)
+    assert m.slots == layout.rescue_slots(4096, 32) and m.keybits == 16 + layout.gid_bits(16)
+    assert not merge.Merge(16, 4096, 1024).use_regs and merge.Merge(8, 2048, 512).use_regs
+    assert select_push.SelectPush(8, 4096).smem <= 48 * 1024 and m.smem <= 48 * 1024

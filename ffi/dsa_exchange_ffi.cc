@@ -485,6 +485,12 @@ int dsa_num_exchanges() {
   return static_cast<int>(g_records.size());
 }
 
+// XLA FFI API version of the headers this library was built with, as
+// major * 1000 + minor.  XLA refuses handlers of a newer minor version than its
+// own (silently, at registration), so Python compares this with the running
+// jaxlib's headers and explains instead.
+int dsa_ffi_api_version() { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR; }
+
 // Kernel launches made by the FFI handlers so far (diagnostic, see g_launches).
 int64_t dsa_launch_count() { return g_launches.load(std::memory_order_relaxed); }
 

@@ -23,9 +23,15 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 import site
 import sys
 import threading
+
+# jax (with ml_dtypes) is imported before the launcher library is loaded: on the
+# GPU image (jax 0.11.2) loading the library first made the later `import jax`
+# crash inside ml_dtypes (segfault in ml_dtypes._finfo); this order was fine.
+import jax
 
 LIB_NAME = "libdsa_exchange_ffi.so"
 TARGETS = {"dsa_select_push": "DsaSelectPush", "dsa_merge": "DsaMerge"}
@@ -36,6 +42,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _lib_path: str | None = None
 _load_error: str | None = None
+_found_unusable = False  # a library file exists but could not be used (see load_error())
 _registered = False
 
 
@@ -83,11 +90,37 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_num_exchanges.argtypes = []
     lib.dsa_launch_count.restype = ctypes.c_int64
     lib.dsa_launch_count.argtypes = []
+    lib.dsa_ffi_api_version.restype = i32
+    lib.dsa_ffi_api_version.argtypes = []
+
+
+def runtime_ffi_api_version() -> tuple[int, int] | None:
+    """XLA FFI API (major, minor) of the running jaxlib, read from its bundled headers."""
+    try:
+        text = open(os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h")).read()
+    except OSError:
+        return None
+    major = re.search(r"#define XLA_FFI_API_MAJOR (\d+)", text)
+    minor = re.search(r"#define XLA_FFI_API_MINOR (\d+)", text)
+    return (int(major.group(1)), int(minor.group(1))) if major and minor else None
+
+
+def _compatible(lib: ctypes.CDLL, path: str) -> str | None:
+    """None if XLA will accept the library's handlers, else why not."""
+    built = divmod(int(lib.dsa_ffi_api_version()), 1000)
+    running = runtime_ffi_api_version()
+    if running is None or (built[0] == running[0] and built[1] <= running[1]):
+        return None
+    return (
+        f"{path} was built against XLA FFI API {built[0]}.{built[1]} (a newer jax) but jax {jax.__version__} "
+        f"speaks {running[0]}.{running[1]}: XLA would not register its handlers.  Rebuild it against the "
+        "installed jax: `pip install --no-build-isolation .` (or cmake -S ffi -B build/ffi)"
+    )
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None when it was not found/loadable (see :func:`load_error`)."""
-    global _lib, _lib_path, _load_error
+    global _lib, _lib_path, _load_error, _found_unusable
     with _lock:
         if _lib is not None or _load_error is not None:
             return _lib
@@ -101,8 +134,13 @@ def library() -> ctypes.CDLL | None:
             except (OSError, AttributeError) as e:
                 errors.append(f"{path}: {e}")
                 continue
+            why = _compatible(lib, path)
+            if why:
+                errors.append(why)
+                continue
             _lib, _lib_path = lib, path
             return _lib
+        _found_unusable = bool(errors)
         _load_error = (
             f"{LIB_NAME} not found or not loadable"
             + (f" ({'; '.join(errors)})" if errors else "")
@@ -110,6 +148,12 @@ def library() -> ctypes.CDLL | None:
             "cmake --build build/ffi`, or set JAX_DSA_EXCHANGE_FFI_LIB"
         )
         return None
+
+
+def found_unusable() -> bool:
+    """True when a library file was found but could not be loaded or is too new for this jax."""
+    library()
+    return _found_unusable
 
 
 def library_path() -> str | None:
@@ -165,8 +209,6 @@ def register_targets() -> bool:
     with _lock:
         if _registered:
             return True
-        import jax
-
         graphs = cuda_graphs_enabled()
         kwargs = {}
         try:  # XLA also takes the traits from the registration; keep both in agreement.

@@ -281,9 +281,11 @@ def topk_exchange_merge(
 
     from . import _ffi
 
-    if path == "auto" and not _ffi.available():
+    if _ffi.available():
+        _ffi.register_targets()
+    elif path == "auto" or _ffi.found_unusable():
+        # (path="ffi" without any library still traces and lowers, e.g. to inspect the HLO.)
         raise RuntimeError(f"the FFI launcher library is not available: {_ffi.load_error()} (or use path='xla')")
-    _ffi.register_targets()
     outs = topk_exchange_merge_p.bind(
         jnp.asarray(logits), jnp.asarray(row_ends), jnp.asarray(req_id), jnp.asarray(block_table),
         exchange_id=int(exchange.id), topk=int(exchange.topk), block_size=block_size,

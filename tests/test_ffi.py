@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
 SYMBOLS = [
     "DsaSelectPush", "DsaMerge", "DsaSelectPushNoGraph", "DsaMergeNoGraph", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
-    "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count",
+    "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
 ]
 
 needs_lib = pytest.mark.skipif(not _ffi.available(), reason=f"FFI library not built: {_ffi.load_error()}")
@@ -70,6 +70,22 @@ def test_exports_symbols():
     for s in SYMBOLS:
         assert getattr(lib, s) is not None
     assert _ffi.register_targets()
+
+
+@needs_lib
+def test_built_for_this_jax():
+    built = divmod(_ffi.library().dsa_ffi_api_version(), 1000)
+    running = _ffi.runtime_ffi_api_version()
+    assert running is not None and built[0] == running[0] and built[1] <= running[1]
+
+
+def test_too_new_library_is_refused_with_a_clear_message(monkeypatch):
+    class FakeLib:
+        def dsa_ffi_api_version(self):
+            return 99
+    monkeypatch.setattr(_ffi, "runtime_ffi_api_version", lambda: (0, 4))
+    why = _ffi._compatible(FakeLib(), "/x/libdsa_exchange_ffi.so")
+    assert "built against XLA FFI API 0.99" in why and "speaks 0.4" in why and "--no-build-isolation" in why
 
 
 @needs_lib

@@ -129,6 +129,12 @@ def xla_topk_merge(
     and ``counts`` [R]; ``ids`` [R, K] if ``with_ids``; ``saturated`` [R] (all
     zero: this path never needs a rescue round) if ``with_saturated``.
     ``ids``/``saturated`` are None when not requested.
+
+    Static arguments: ``topk`` (SPEC §2 limits, ValueError otherwise),
+    ``block_size``, the flags.  Works with ``jax_enable_x64`` off or on.  A
+    selected token whose block-table lookup is out of range (bad ``req_id`` or
+    too few pages) is clamped into the table, not reported: jitted code cannot
+    raise (the NumPy reference raises IndexError there).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be a positive int")

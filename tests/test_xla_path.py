@@ -37,7 +37,7 @@ def _run_worker(world: int, *extra: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 16])  # 3: not a power of two; 16: SPEC max
 def test_adversarial_cases_bit_identical(world):
     res = _run_worker(world)
     assert res["mismatches"] == [], res["mismatches"][:20]

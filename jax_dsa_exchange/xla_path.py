@@ -67,8 +67,11 @@ class MergeResult(NamedTuple):
 
 
 def ord16(logits: jax.Array) -> jax.Array:
-    """SPEC §5 order-preserving map of bf16 scores to int32 in [1, 0xFFFF]; NaN -> 0."""
-    bits = lax.bitcast_convert_type(logits.astype(jnp.bfloat16), jnp.uint16).astype(jnp.int32)
+    """SPEC §5 order-preserving map of bf16 scores to int32 in [1, 0xFFFF]; NaN -> 0.
+
+    -0 and +0 both map to 0x8000; -inf to 0x007F, +inf to 0xFF80.
+    """
+    bits = lax.bitcast_convert_type(logits, jnp.uint16).astype(jnp.int32)
     bits = jnp.where(bits == 0x8000, 0, bits)  # -0 == +0
     key = jnp.where(bits & 0x8000, (~bits) & 0xFFFF, bits | 0x8000)
     is_nan = (bits & 0x7FFF) > 0x7F80
@@ -140,6 +143,8 @@ def xla_topk_merge(
         raise ValueError(f"block_size={block_size!r} must be a positive int")
     if logits.ndim != 2:
         raise ValueError(f"logits must be [R, L] per rank, got shape {logits.shape}")
+    if logits.dtype != jnp.bfloat16:  # a silent rounding would change the ties
+        raise TypeError(f"logits must be bfloat16, got {logits.dtype}")
     world = _axis_size(axis_name)
     layout.check_config(world, topk, topk)
     R, L = logits.shape

@@ -133,6 +133,19 @@ def _worker(world: int, api: bool) -> dict:
         mismatches.append("topk=100 (not a multiple of 32) was accepted")
     except ValueError:
         pass
+    try:
+        f32 = [x.astype(np.float32) if x.dtype == reference.BF16 else x for x in stacked(case)]
+        jax.jit(lambda *a: xla_topk_merge_sharded(mesh, "dcp", *a, topk=128, block_size=4))(*f32)
+        mismatches.append("float32 logits were accepted")
+    except TypeError:
+        pass
+    # ord16 on every bf16 bit pattern equals the reference encoding (SPEC §5).
+    from jax_dsa_exchange.xla_path import ord16
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.asarray(jax.jit(ord16)(bits.view(reference.BF16)))
+    if not np.array_equal(got, reference.ord16(bits).astype(np.int32)):
+        mismatches.append("ord16 differs from reference.ord16")
     return dict(mismatches=mismatches, checked=checked)
 
 

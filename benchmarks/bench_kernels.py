@@ -16,7 +16,7 @@ warm-up; inputs rotate over several sets) of
 next to a device copy bandwidth and jax.lax.top_k baselines measured in the
 same run on [R, L] (what select+push replaces) and on [R, W*N] (the merge's
 round 1).  Ends with a table; "read" = one read of R x L bf16 at the
-measured copy bandwidth.
+measured copy bandwidth (bytes / (read + write rate of a copy)).
 """
 
 from __future__ import annotations
@@ -162,6 +162,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--cols", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--no-jax", action="store_true")
+    ap.add_argument("--diag", action="store_true", help="producer/merge time vs R, kernel attributes")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -169,6 +170,16 @@ def main(argv=None):
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []
     jax_cache = {}
+    if a.diag:
+        b = Bench(cp, a.world, a.topk, 512, 256)
+        for name, fn in b.sim.fns.items():
+            attrs = {k: getattr(fn, k, None) for k in ("num_regs", "local_size_bytes",
+                     "shared_size_bytes", "max_threads_per_block")}  # fmt: skip
+            print(f"{name}: {attrs}", flush=True)
+        for R in (1, 8, 16, 32, 64, 128, 132, 256):
+            tp, tm = b.run(R, 32768, rescue=False, iters=6, warm=2)
+            print(f"diag N=512 L=32768 R={R}: select+push {tp:.1f}us merge {tm:.1f}us", flush=True)
+        del b
     for n in a.n:
         b = Bench(cp, a.world, a.topk, n, max(a.rows))
         print(f"N={n}: loaded {b.sim.loaded_from}, smem {[i.smem for i in b.sim.images.values()]}",
@@ -179,7 +190,7 @@ def main(argv=None):
                 sat0 = b.last_sat_rows
                 _, tr = b.run(R, L, rescue=True, iters=6, warm=2)
                 sat1 = b.last_sat_rows
-                read_us = R * L * 2 / (bw / 2) * 1e6
+                read_us = R * L * 2 / bw * 1e6  # one read of the logits at copy bandwidth
                 if not a.no_jax:
                     for shape in ((R, L), (R, a.world * n)):
                         if shape not in jax_cache:

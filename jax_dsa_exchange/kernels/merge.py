@@ -150,6 +150,43 @@ class Merge:
         return self.make_key(w, m, j, q)
 
     @cute.jit
+    def load_r1_regs(self, keys: cute.Tensor, hw: cute.Tensor, hm: cute.Tensor, tid, ll0: Int64,
+                     ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64):
+        """Round-1 keys into registers, thread-major (thread tid holds
+        owner-major indices tid*kpt ...).  All 2*kpt LL halves are loaded
+        first (independent loads in flight), then only the halves whose tag
+        is not yet ep are spun on: a load-check-load chain would pay the
+        full memory latency per half."""  # fmt: skip
+        for i in cutlass.range_constexpr(self.kpt):
+            v = tid * Int32(self.kpt) + Int32(i)
+            q = v // Int32(self.n)
+            j = v - q * Int32(self.n)
+            mj = Int32(self.n) + (j >> Int32(5))
+            base = ll0 + Int64(q) * ll_stride
+            a = Uint64(ep) << Uint64(32)  # past the end: an empty word with the right tag
+            b = Uint64(ep) << Uint64(32)
+            if v < Int32(self.nk1):
+                a = C.ld_volatile_u64(base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8))
+                b = C.ld_volatile_u64(base + Int64(mj >> Int32(1)) * Int64(16) + Int64(mj & Int32(1)) * Int64(8))
+            hw[i] = a
+            hm[i] = b
+        for i in cutlass.range_constexpr(self.kpt):
+            v = tid * Int32(self.kpt) + Int32(i)
+            q = v // Int32(self.n)
+            j = v - q * Int32(self.n)
+            mj = Int32(self.n) + (j >> Int32(5))
+            base = ll0 + Int64(q) * ll_stride
+            w = Uint32(hw[i] & Uint64(0xFFFFFFFF))
+            m = Uint32(hm[i] & Uint64(0xFFFFFFFF))
+            if Int32(Uint32(hw[i] >> Uint64(32))) != ep:
+                w = self.ll_half(base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8),
+                                 ep, True, status, t, q, timeout_ns)  # fmt: skip
+            if Int32(Uint32(hm[i] >> Uint64(32))) != ep:
+                m = self.ll_half(base + Int64(mj >> Int32(1)) * Int64(16) + Int64(mj & Int32(1)) * Int64(8),
+                                 ep, True, status, t, q, timeout_ns)  # fmt: skip
+            keys[i] = self.make_key(w, m, j, q)
+
+    @cute.jit
     def key_r1(self, v: Int32, ll0: Int64, ll_stride: Int64, ep: Int32, wait: cutlass.Constexpr,
                status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
         """Round-1 key at owner-major index v = q * N + j (0 past the end)."""
@@ -187,9 +224,8 @@ class Merge:
 
     @cute.jit
     def hist_add(self, key: Uint64, hi: Int32, lo: Int32, prefix: Uint64, hist: cute.Tensor):
-        if key != Uint64(0) and (key >> Uint64(hi)) == prefix:
-            d = Int32((key >> Uint64(lo)) & ((Uint64(1) << Uint64(hi - lo)) - Uint64(1)))
-            cute.arch.atomic_add(hist.iterator + d, Int32(1), sem="relaxed", scope="cta")
+        d = Int32((key >> Uint64(lo)) & ((Uint64(1) << Uint64(hi - lo)) - Uint64(1)))
+        C.agg_add(hist, d, key != Uint64(0) and (key >> Uint64(hi)) == prefix)
 
     @cute.jit
     def find_key(self, key: Uint64, hi: Int32, prefix: Uint64, scalars: cute.Tensor):
@@ -427,6 +463,8 @@ class Merge:
         timeout_ns = Int64(timeout_us) * Int64(1000)
         ll_stride = Int64(max_rows) * Int64(self.ll_row_bytes)  # next source rank
         keys = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
+        hw = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
+        hm = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
         t = Int32(bid)
         while t < rows:
             ep = C.ld_u32(state + Int64(t) * Int64(4)) + Int32(1)
@@ -441,10 +479,7 @@ class Merge:
                 bt_row = block_table + Int64(req) * Int64(bt_cols) * Int64(4)
             # ---- round 1: wait for the W lists of epoch ep
             if cutlass.const_expr(self.use_regs):
-                for i in cutlass.range_constexpr(self.kpt):
-                    # thread-major: thread tid holds keys tid*kpt .. tid*kpt+kpt-1
-                    keys[i] = self.key_r1(tid * Int32(self.kpt) + Int32(i), ll0, ll_stride, ep,
-                                          True, status, t, timeout_ns)  # fmt: skip
+                self.load_r1_regs(keys, hw, hm, tid, ll0, ll_stride, ep, status, t, timeout_ns)
             else:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)

@@ -8,16 +8,36 @@ custom calls on XLA's stream, in this order:
    -> (token, kv_rows, counts[, ids][, saturated])``
 
 Both custom calls have ``has_side_effect=True`` (XLA never removes, merges or
-duplicates them) and are chained by an XLA token.  The primitive carries an
-*ordered* effect (:class:`DsaExchangeEffect`), so JAX threads its effect token
-through every call: calls keep their program order inside ``jit``,
-``lax.scan``, ``fori_loop``/``while_loop`` bodies and ``shard_map``, and across
-dispatches of separate jitted functions.  The effect is declared
-*shardable* (like ``io_callback(ordered=True)``): JAX allows it in
-multi-device computations (shard_map over the DCP mesh) and keeps one token per
-device, so the order is per device, which is what the protocol needs (every
-rank runs the same calls in the same order).  ``fori_loop``/``while_loop`` may
-hold it in the body, not in the condition (JAX's rule for ordered effects).
+duplicates them) and are chained by an XLA token, so merge always follows its
+select_push (adjacent on the stream, which lets merge start early through PDL).
+
+Ordering between calls (``ordered=True``, the default, SPEC §7): the primitive
+carries an *ordered* effect (:class:`DsaExchangeEffect`), so JAX threads one
+effect token through every call: calls keep their program order inside
+``jit``, ``lax.scan``, ``fori_loop``/``while_loop`` bodies and ``shard_map``,
+and across dispatches of separate jitted functions.  The effect is declared
+*shardable* (like ``io_callback(ordered=True)``), the only kind of ordered
+effect JAX (0.11, 0.12) accepts in multi-device computations: shard_map over
+the DCP mesh works, with one token per device, so the order is per device,
+which is what the protocol needs (every rank runs the same calls in the same
+order).  ``while_loop`` may hold the op in its body, not in its condition.
+
+Price of ``ordered=True`` (measured, jax 0.11/0.12): a jitted function with an
+ordered effect leaves JAX's C++ dispatch fast path, and before each dispatch
+JAX blocks the host until the previous dispatch's effect token is ready
+(``jax._src.array._token_shard_arg`` calls ``block_until_ready``), i.e. until
+the previous effectful program finished on the GPU: no host/device overlap
+between successive top-level calls.  On CPU a tiny jitted step went from 18 us
+to ~360 us per call.  Put the whole decode step (all layers) in one jitted
+function so this is paid once per step, not per layer.
+
+``ordered=False``: no JAX effect at all; the C++ fast path and asynchronous
+dispatch stay.  Then calls are ordered only by data dependencies inside a
+program (XLA may reorder two independent calls; every rank compiles the same
+program, but nothing guarantees the same schedule on every rank), and JAX may
+drop a call whose outputs are unused.  Safe when every call's inputs depend on
+the previous call's outputs (the layer chain of a decode step) and outputs are
+used; separate dispatches run in stream order on each device.
 
 ``ids``/``saturated`` are outputs of the custom call only when asked for
 (``with_ids``/``with_saturated``); otherwise the kernel gets address 0 for them.
@@ -26,9 +46,11 @@ Not differentiable (jvp/transpose raise NotImplementedError) and no vmap rule:
 the exchange is a per-rank communication with a fixed row count.
 
 Exchange records live in the C++ library keyed by (exchange id, device
-ordinal); the compiled program holds only the exchange id, so an exchange id
-must never be reused for other buffers while programs compiled for it (and
-CUDA graphs XLA recorded from them) may still run.
+ordinal); the compiled program holds only the exchange id.  XLA records the
+custom calls into CUDA graphs by default and replays them without calling the
+handler, with the exchange's device addresses baked in: an exchange's device
+buffers must stay allocated, and its id must not be reused, while any program
+that ran with it may run again (see ffi/README.md).
 """
 
 from __future__ import annotations
@@ -82,14 +104,15 @@ def _impl(*args, **params):
 topk_exchange_merge_p.def_impl(_impl)
 
 
-def _abstract_eval(logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids, with_saturated):
+def _abstract_eval(logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids, with_saturated,
+                   ordered):
     rows = logits.shape[0]
     outs = [core.ShapedArray((rows, topk), jnp.int32), core.ShapedArray((rows,), jnp.int32)]
     if with_ids:
         outs.append(core.ShapedArray((rows, topk), jnp.int32))
     if with_saturated:
         outs.append(core.ShapedArray((rows,), jnp.int32))
-    return outs, {EFFECT}
+    return outs, ({EFFECT} if ordered else core.no_effects)
 
 
 topk_exchange_merge_p.def_effectful_abstract_eval(_abstract_eval)
@@ -137,9 +160,9 @@ def _check_per_device(ctx) -> None:
 
 
 def _cuda_lowering(ctx, logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids,
-                   with_saturated):
+                   with_saturated, ordered):
     _check_per_device(ctx)
-    threaded = EFFECT in ctx.tokens_in.effects()
+    threaded = ordered and EFFECT in ctx.tokens_in.effects()
     # Without a JAX effect token here, a fresh token still chains the two calls.
     token = ctx.tokens_in.get(EFFECT) if threaded else mlir.hlo.create_token()
     tok = core.abstract_token
@@ -248,6 +271,7 @@ def topk_exchange_merge(
     with_saturated: bool = False,
     path: str = "auto",
     axis_name=None,
+    ordered: bool = True,
 ) -> MergeOutput:
     """Exact DCP top-K merge of this rank's candidates (SPEC §3) through ``exchange``.
 
@@ -260,9 +284,13 @@ def topk_exchange_merge(
     ``path``: ``"auto"`` (the FFI kernels when the default backend is CUDA,
     else the XLA path), ``"ffi"`` (always the FFI custom calls; lowering fails
     on other platforms) or ``"xla"`` (``xla_path.xla_topk_merge``; needs
-    ``axis_name``).  Returns :class:`MergeOutput`; ``ids``/``saturated`` are
-    None unless asked for.
+    ``axis_name``).  ``ordered``: the FFI path's ordering guarantee (module
+    docstring: True = ordered JAX effect, False = no effect, faster dispatch).
+    Returns :class:`MergeOutput`; ``ids``/``saturated`` are None unless asked
+    for.
     """
+    if not isinstance(ordered, (bool, np.bool_)):
+        raise TypeError(f"ordered must be a bool, got {ordered!r}")
     _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_ids, with_saturated, path)
     with_ids, with_saturated, block_size = bool(with_ids), bool(with_saturated), int(block_size)
     if not _use_ffi(path):
@@ -289,7 +317,7 @@ def topk_exchange_merge(
     outs = topk_exchange_merge_p.bind(
         jnp.asarray(logits), jnp.asarray(row_ends), jnp.asarray(req_id), jnp.asarray(block_table),
         exchange_id=int(exchange.id), topk=int(exchange.topk), block_size=block_size,
-        with_ids=with_ids, with_saturated=with_saturated,
+        with_ids=with_ids, with_saturated=with_saturated, ordered=bool(ordered),
     )
     kv_rows, counts, *rest = outs
     ids = rest.pop(0) if with_ids else None

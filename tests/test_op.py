@@ -99,6 +99,7 @@ def _call(**kw):
         (dict(path="cuda"), ValueError, "path='cuda' must be one of"),
         (dict(path="xla"), ValueError, "needs axis_name"),
         (dict(exchange=object()), TypeError, "exchange must have attribute 'id'"),
+        (dict(ordered=None), TypeError, "ordered must be a bool"),
     ],
 )
 def test_validation(kw, exc, msg):
@@ -162,6 +163,20 @@ def test_two_calls_chain_and_unused_results_are_kept():
     assert calls[1][2][0] == calls[0][0]
     assert calls[2][2][0] == calls[1][0] + "#0" or calls[2][2][0].startswith(calls[1][0].split(":")[0] + "#0")
     assert calls[3][2][0] == calls[2][0]
+
+
+def test_unordered_mode_has_no_effect_token_but_keeps_the_pair_chained():
+    """ordered=False: no JAX effect (fast dispatch); select_push -> merge still chained by a local token."""
+    jaxpr = jax.make_jaxpr(_op(ordered=False))(*ARGS)
+    assert not jaxpr.effects
+    assert jax.make_jaxpr(_op())(*ARGS).effects  # the default is ordered
+    text = cuda_text(_op(ordered=False), *ARGS)
+    assert "jax.token" not in text
+    calls = custom_calls(text)
+    assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"]
+    assert re.search(re.escape(calls[0][2][0]) + r" = stablehlo.create_token", text)
+    assert calls[1][2][0] == calls[0][0]
+    assert all("has_side_effect = true" in c[3] for c in calls)
 
 
 def test_lowering_inside_scan_and_fori_loop():

@@ -56,13 +56,14 @@ that ran with it may run again (see ffi/README.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax._src import core, effects
+from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
 from jax.interpreters import ad, batching
 
@@ -96,12 +97,8 @@ topk_exchange_merge_p = core.Primitive("dsa_topk_exchange_merge")
 topk_exchange_merge_p.multiple_results = True
 
 
-def _impl(*args, **params):
-    # Eager calls run through a one-primitive jit, like any primitive.
-    return jax.jit(lambda *a: topk_exchange_merge_p.bind(*a, **params))(*args)
-
-
-topk_exchange_merge_p.def_impl(_impl)
+# Eager calls run through a cached one-primitive jit, like any primitive.
+topk_exchange_merge_p.def_impl(functools.partial(dispatch.apply_primitive, topk_exchange_merge_p))
 
 
 def _abstract_eval(logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids, with_saturated,

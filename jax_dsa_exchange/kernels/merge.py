@@ -225,7 +225,7 @@ class Merge:
     @cute.jit
     def hist_add(self, key: Uint64, hi: Int32, lo: Int32, prefix: Uint64, hist: cute.Tensor):
         d = Int32((key >> Uint64(lo)) & ((Uint64(1) << Uint64(hi - lo)) - Uint64(1)))
-        C.agg_add(hist, d, key != Uint64(0) and (key >> Uint64(hi)) == prefix)
+        C.hist_inc(hist, d, key != Uint64(0) and (key >> Uint64(hi)) == prefix)
 
     @cute.jit
     def find_key(self, key: Uint64, hi: Int32, prefix: Uint64, scalars: cute.Tensor):
@@ -359,6 +359,7 @@ class Merge:
         Also the per-rank selected counts (sm.rcnt; a thread's keys span at
         most two ranks since kpt <= N)."""  # fmt: skip
         rcnt, warp_totals = sm.rcnt, sm.warp_totals
+        blks = cute.make_rmem_tensor((self.kpt,), Int32)
         gmask = Uint64((1 << self.gbits) - 1)
         n_sel = Int32(0)
         n_own = Int32(0)
@@ -384,6 +385,17 @@ class Merge:
         pos = excl & Int32(0xFFFF)
         kpos = excl >> Int32(16)
         if flag != Int32(0):
+            # Block-table loads of all own selected tokens first (predicated,
+            # independent: in flight together), then the stores.
+            for i in cutlass.range_constexpr(self.kpt):
+                key = keys[i]
+                blk = Int32(0)
+                g = Int32(gmask - (key & gmask))
+                lidx = g // Int32(self.world)
+                if key != Uint64(0) and key >= T and g % Int32(self.world) == rank:
+                    if req_ok != Int32(0) and lidx // block_size < bt_cols:
+                        blk = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+                blks[i] = blk
             for i in cutlass.range_constexpr(self.kpt):
                 key = keys[i]
                 if key != Uint64(0) and key >= T:
@@ -392,8 +404,11 @@ class Merge:
                         C.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(pos)) * Int64(4), g)
                     pos = pos + Int32(1)
                     if g % Int32(self.world) == rank:
-                        slot = self.kv_slot(g // Int32(self.world), bt_row, req_ok, bt_cols,
-                                            block_size)  # fmt: skip
+                        lidx = g // Int32(self.world)
+                        page = lidx // block_size
+                        slot = Int32(-1)
+                        if req_ok != Int32(0) and page < bt_cols:
+                            slot = blks[i] * block_size + (lidx - page * block_size)
                         C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(kpos)) * Int64(4),
                                  slot)  # fmt: skip
                         kpos = kpos + Int32(1)

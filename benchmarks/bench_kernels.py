@@ -15,7 +15,7 @@ warm-up; inputs rotate over several sets) of
 
 next to a device copy bandwidth and jax.lax.top_k baselines measured in the
 same run on [R, L] (what select+push replaces) and on [R, W*N] (the merge's
-round 1).  Ends with a table; "read" = one read of R x L bf16 at the
+round 1), each as device time of 16 dependent calls in one jitted loop.  Ends with a table; "read" = one read of R x L bf16 at the
 measured copy bandwidth (bytes / (read + write rate of a copy)).
 """
 
@@ -55,9 +55,10 @@ def copy_bandwidth(cp, nbytes=2 << 30, reps=10):
     return 2 * nbytes / statistics.median(ts[2:])
 
 
-def jax_topk_time(shape, k, reps=20):
-    """Median wall time per call of a jitted lax.top_k on bf16 [R, C] (calls
-    pipelined back to back, 4 rotating inputs); None if JAX has no GPU."""
+def jax_topk_time(shape, k, reps=16):
+    """Device time per lax.top_k on bf16 [R, C]: ``reps`` dependent top_k
+    calls inside ONE jitted fori_loop (rotating over 4 inputs), so dispatch
+    overhead is amortized; median of 5 timed calls.  None without a JAX GPU."""
     try:
         import jax
         import jax.numpy as jnp
@@ -66,16 +67,22 @@ def jax_topk_time(shape, k, reps=20):
     if jax.default_backend() != "gpu":
         return None
     k = min(k, shape[1])
-    f = jax.jit(lambda x: jax.lax.top_k(x, k))
-    xs = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16) for i in range(4)]
-    for x in xs:
-        jax.block_until_ready(f(x))
+    xs = jax.random.normal(jax.random.PRNGKey(0), (4,) + tuple(shape), jnp.bfloat16)
+
+    @jax.jit
+    def f(xs):
+        def body(i, acc):
+            x = jax.lax.dynamic_index_in_dim(xs, i % 4, keepdims=False)
+            # acc feeds the next input: the calls cannot overlap or be elided
+            v, idx = jax.lax.top_k(x + acc.astype(x.dtype), k)
+            return acc + v[:, -1].astype(jnp.float32).sum() * 1e-30 + idx[0, 0].astype(jnp.float32) * 1e-30
+        return jax.lax.fori_loop(0, reps, body, jnp.zeros((), jnp.float32))
+
+    jax.block_until_ready(f(xs))
     ts = []
     for _ in range(5):
         t0 = time.perf_counter()
-        for i in range(reps):
-            r = f(xs[i % 4])
-        jax.block_until_ready(r)
+        jax.block_until_ready(f(xs))
         ts.append((time.perf_counter() - t0) / reps)
     return statistics.median(ts)
 

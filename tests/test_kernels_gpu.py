@@ -144,3 +144,27 @@ def test_missing_rank_times_out():
         st = got[q]["status"]
         assert st[0] == layout.STATUS_TIMEOUT_ROUND1, (q, st)
         assert 0 <= st[1] < case.rows and st[2] == 1 and st[3] == missing, (q, st)
+
+
+def test_missing_rescue_times_out():
+    """A saturated rank that pushed round 1 but never runs its merge (so never
+    rescues): the others record [2, row, epoch, that rank], no hang."""
+    from jax_dsa_exchange.kernels.sim import Sim
+
+    world = 4
+    sim = Sim(world, SMALL_K, SMALL_N, 16)
+    rng = np.random.default_rng(9)
+    case = cases.saturating_case(rng, world, SMALL_K, SMALL_N, 1, rows=6, cols=400)
+    ref = reference.protocol_merge(*case.args, topk=case.topk, local_topk=case.local_topk,
+                                   block_size=case.block_size)  # fmt: skip
+    mask0 = int(ref[0].saturated[0])
+    assert mask0 != 0
+    victim = (mask0 & -mask0).bit_length() - 1
+    got = sim.call(case, skip_merge_rank=victim, timeout_us=100_000)
+    for q in range(world):
+        if q == victim:
+            continue
+        st = got[q]["status"]
+        assert st[0] == layout.STATUS_TIMEOUT_RESCUE, (q, st)
+        assert st[3] == victim and st[2] == 1, (q, st)
+        assert (int(ref[0].saturated[st[1]]) >> victim) & 1, (q, st)

@@ -73,6 +73,12 @@ class MergeSmem:
         # seg_off[q] (q <= W) and seg_slot[q] of round 2's owner-major segments
         self.seg = smem.allocate_tensor(Int32, cute.make_layout((48,)), 16)
 
+    def parts(self):
+        """The tensors as locals: the DSL cannot carry a Python object whose
+        attributes are written through a dynamic if / loop, but it carries
+        tensors fine."""
+        return self.buf, self.hist, self.warp_totals, self.scalars, self.rcnt, self.seg
+
 
 class Merge:
     """Exchange merge for one static (world, topk, local_topk)."""
@@ -311,7 +317,7 @@ class Merge:
                    block_size: Int32):
         """One TB-chunk of the owner-major compaction of {key >= T}; returns
         the updated (all_run, own_run)."""  # fmt: skip
-        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.buf, sm.hist, sm.warp_totals, sm.scalars, sm.rcnt, sm.seg
+        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         sel = key != Uint64(0) and key >= T
         g = Int32(0)
         q = Int32(0)
@@ -423,7 +429,7 @@ class Merge:
         """Outputs of row t from the selection {key >= T}: kv_rows (own
         tokens, ascending l), ids (owner-major), counts; -1 padding.  Round 1
         also counts the selected keys of every rank (sm_rcnt)."""  # fmt: skip
-        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.buf, sm.hist, sm.warp_totals, sm.scalars, sm.rcnt, sm.seg
+        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         if tid < Int32(16):
             sm_rcnt[tid] = Int32(0)
         cute.arch.sync_threads()
@@ -472,7 +478,7 @@ class Merge:
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         sm = MergeSmem(self.rw_k)
-        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.buf, sm.hist, sm.warp_totals, sm.scalars, sm.rcnt, sm.seg
+        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         W = self.world
         status = state + Int64(max_rows) * Int64(8)
         timeout_ns = Int64(timeout_us) * Int64(1000)
@@ -540,7 +546,7 @@ class Merge:
                ll_stride: Int64, resc0: Int64, ids: Int64, kv_rows: Int64, counts: Int64,
                bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32,
                keys: cute.Tensor):  # fmt: skip
-        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.buf, sm.hist, sm.warp_totals, sm.scalars, sm.rcnt, sm.seg
+        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         W = self.world
         flag_val = seq + Int32(1)
         if ((mask >> rank) & Int32(1)) != Int32(0):

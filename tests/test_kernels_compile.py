@@ -43,7 +43,7 @@ def test_compiles_to_sm90a(images):
     for name, (img, secs) in images.items():
         assert img.cubin[:4] == b"\x7fELF", name
         assert ".target sm_90a" in img.ptx, name
-        assert img.block == (512, 1, 1) and 0 < img.smem <= 48 * 1024
+        assert img.block == 512 and 0 < img.smem <= 48 * 1024
         print(f"{name} {img.config}: compiled in {secs:.1f}s")
 
 
@@ -70,7 +70,7 @@ def test_metadata_matches_abi(images, tmp_path):
         assert [p[0] for p in meta["params"]] == ABI[name]
         assert [p[1] for p in meta["params"]] == ["i32" if p in I32 else "i64" for p in ABI[name]]
         assert meta["entry"] == img.entry and meta["kernel"] == name
-        assert meta["block"] == [512, 1, 1] and meta["smem"] == img.smem
+        assert meta["block"] == 512 and meta["smem"] == img.smem
         assert meta["arch"] == "sm_90a" and meta["source_hash"] == cache.source_hash()
         assert meta["config"] == img.config
         kinds = _entry_params(img.ptx, img.entry)

@@ -16,7 +16,7 @@ with ``tag = f"{arch}-w{W}-k{K}-n{N}-{hash[:16]}"``.  The JSON::
 
     {"kernel": "select_push" | "merge", "entry": <PTX entry symbol>,
      "params": [[name, "i64" | "i32"], ...]  (launch order),
-     "block": [512, 1, 1], "smem": <dynamic shared bytes>,
+     "block": 512 (threads per CTA, 1-D), "smem": <dynamic shared bytes>,
      "config": {"world": W, "topk": K, "local_topk": N},
      "arch": "sm_90a", "source_hash": <sha256 hex>, "grid": <how to size it>,
      "compile_seconds": <float>, "cubin": <file>, "ptx": <file>}
@@ -63,7 +63,7 @@ class KernelImage:
     entry: str
     cubin: bytes
     ptx: str
-    block: tuple
+    block: int  # threads per CTA (block = (block, 1, 1))
     smem: int
     params: tuple  # ((name, "i64" | "i32"), ...)
     config: dict
@@ -73,7 +73,7 @@ class KernelImage:
     def metadata(self) -> dict:
         return {
             "kernel": self.kernel, "entry": self.entry,
-            "params": [list(p) for p in self.params], "block": list(self.block),
+            "params": [list(p) for p in self.params], "block": self.block,
             "smem": self.smem, "config": dict(self.config), "arch": self.arch,
             "source_hash": self.source_hash, "grid": GRID_DOC[self.kernel],
         }  # fmt: skip
@@ -135,6 +135,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
     """Compile both kernels -> {name: (KernelImage, compile seconds)}."""
     layout.check_config(world, topk, local_topk)
     from . import merge, select_push
+    from .common import TB
 
     params = {"select_push": select_push.PARAMS, "merge": merge.PARAMS}
     shash = source_hash()
@@ -146,14 +147,11 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
             raise RuntimeError(f"{name}: expected one kernel entry, got {entries}")
         img = KernelImage(
             kernel=name, entry=entries[0], cubin=bytes(compiled.__cubin__),
-            ptx=str(compiled.__ptx__), block=(512, 1, 1), smem=int(obj.smem),
+            ptx=str(compiled.__ptx__), block=TB, smem=int(obj.smem),
             params=tuple(tuple(p) for p in params[name]),
             config={"world": world, "topk": topk, "local_topk": local_topk},
             arch=arch, source_hash=shash,
         )  # fmt: skip
-        from .common import TB
-
-        assert img.block[0] == TB
         out[name] = (img, secs)
     return out
 
@@ -189,7 +187,8 @@ def read_images(folder) -> dict:
         out[name] = KernelImage(
             kernel=meta["kernel"], entry=meta["entry"],
             cubin=(d / meta["cubin"]).read_bytes(), ptx=(d / meta["ptx"]).read_text(),
-            block=tuple(meta["block"]), smem=int(meta["smem"]),
+            block=int(meta["block"][0] if isinstance(meta["block"], list) else meta["block"]),
+            smem=int(meta["smem"]),
             params=tuple(tuple(p) for p in meta["params"]), config=meta["config"],
             arch=meta["arch"], source_hash=meta["source_hash"],
         )  # fmt: skip

@@ -101,14 +101,14 @@ class Sim:
         with self.streams[q]:
             if producer:
                 self.fns["select_push"](
-                    (rows,), sp.block,
+                    (rows,), (sp.block,),
                     (i64(d["logits"].data.ptr), i64(d["row_ends"].data.ptr), i32(rows), i32(cols),
                      i64(self.states[q].data.ptr), i64(self.peers.data.ptr), i32(q),
                      i32(self.max_rows)), shared_mem=sp.smem)  # fmt: skip
             if merge:
                 bt = d["bt"]
                 self.fns["merge"](
-                    (grid or self.merge_grid(rows),), mg.block,
+                    (grid or self.merge_grid(rows),), (mg.block,),
                     (i64(self.peers.data.ptr), i64(self.bufs[q].data.ptr),
                      i64(self.states[q].data.ptr), i64(d["logits"].data.ptr),
                      i64(d["row_ends"].data.ptr), i64(d["req_id"].data.ptr), i64(bt.data.ptr),

@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -161,6 +163,76 @@ class Bench:
         return statistics.median(tp), statistics.median(tm)
 
 
+VARIANTS = {  # static tunings of the local select (common.local_select)
+    "v8B_u4_c8_b9": dict(vec=4, u12=4, u3=8, bits1=9),
+    "v16B_u4_c4_b9": dict(vec=8, u12=4, u3=4, bits1=9),
+    "v16B_u8_c4_b9": dict(vec=8, u12=8, u3=4, bits1=9),
+    "v16B_u4_c4_b11": dict(vec=8, u12=4, u3=4, bits1=11),
+    "v16B_u8_c8_b11": dict(vec=8, u12=8, u3=8, bits1=11),
+    "v16B_u2_c4_b11": dict(vec=8, u12=2, u3=4, bits1=11),
+}
+
+
+def build_variants(out, world=8, n=512):
+    """(CuTe DSL machine) select_push variants -> out/<name>/select_push.*"""
+    import json
+    import pathlib
+
+    from jax_dsa_exchange.kernels.select_push import SelectPush
+
+    for name, kw in VARIANTS.items():
+        obj = SelectPush(world, n, **kw)
+        t0 = time.perf_counter()
+        c = obj.compile()
+        d = pathlib.Path(out) / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "select_push.cubin").write_bytes(bytes(c.__cubin__))
+        (d / "select_push.json").write_text(json.dumps(dict(
+            entry=list(c.kernel_info)[0], smem=obj.smem, tune=kw, world=world, n=n,
+            compile_seconds=time.perf_counter() - t0)))
+        print(name, f"{time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def run_variants(cp, vdir, world=8, topk=2048, n=512, rows=64, cols=(8192, 32768, 131072)):
+    """(GPU) time each variant's producer (rank 0 alone) and check that it
+    writes exactly the bytes of the default build."""
+    import json
+    import pathlib
+
+    b = Bench(cp, world, topk, n, rows)
+    sim = b.sim
+    res = []
+    for L in cols:
+        d = b.inputs(rows, L, 1, False, seed=L)[0][0]
+        sim.launch_rank(0, d, rows, L, 64, merge=False)
+        cp.cuda.Device().synchronize()
+        want = sim.bufs[0].copy()
+        for vd in sorted(pathlib.Path(vdir).iterdir()):
+            meta = json.loads((vd / "select_push.json").read_text())
+            fn = cp.RawModule(path=str(vd / "select_push.cubin")).get_function(meta["entry"])
+            args = (np.int64(d["logits"].data.ptr), np.int64(d["row_ends"].data.ptr),
+                    np.int32(rows), np.int32(L), np.int64(sim.states[0].data.ptr),
+                    np.int64(sim.peers.data.ptr), np.int32(0), np.int32(sim.max_rows))
+            sim.bufs[0].fill(0)
+            s0 = sim.streams[0]
+            ts = []
+            for it in range(8):
+                e0, e1 = _events(cp)
+                with s0:
+                    b.spacer.fill(it)
+                    e0.record(s0)
+                    fn((rows,), (512,), args, shared_mem=meta["smem"])
+                    e1.record(s0)
+                s0.synchronize()
+                if it >= 2:
+                    ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+            same = bool((sim.bufs[0] == want).all())
+            res.append((vd.name, L, statistics.median(ts), same))
+            print(f"variant {vd.name} L={L}: {statistics.median(ts):.1f}us same_bytes={same}",
+                  flush=True)  # fmt: skip
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=8)
@@ -170,10 +242,21 @@ def main(argv=None):
     ap.add_argument("--cols", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--no-jax", action="store_true")
     ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--build-variants", metavar="DIR")
+    ap.add_argument("--variants", metavar="DIR", help="time prebuilt select_push variants")
+    ap.add_argument("--only-variants", action="store_true")
     ap.add_argument("--no-rescue", action="store_true")
     ap.add_argument("--diag", action="store_true", help="producer/merge time vs R, kernel attributes")
     a = ap.parse_args(argv)
+    if a.build_variants:
+        build_variants(a.build_variants)
+        return
     import cupy as cp
+
+    if a.variants:
+        run_variants(cp, a.variants)
+        if a.only_variants:
+            return
 
     bw = copy_bandwidth(cp)
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)

@@ -241,112 +241,184 @@ def find_bin(hist: cute.Tensor, nbins, need: Int32, tid, lane, warp, warp_totals
 # --------------------------------------------------------------------------
 
 
-U12 = 4  # quads per thread in flight in the histogram passes
-U3 = 8  # consecutive quads per thread per chunk in the compaction pass
+# Static tuning of the local select (SelectPush / Merge pass them on).
+VEC = 8  # tokens per load unit: 8 -> one 16-byte load, 4 -> one 8-byte load
+U12 = 4  # load units per thread in flight in the histogram passes
+U3 = 4  # consecutive load units per thread per chunk of the compaction pass
+B1 = 9  # bits of ord16 histogrammed by the first pass (then 16 - B1)
+
+
+def hist_bins(b1: int = B1) -> int:
+    """Histogram entries the CTA needs (>= TB: the merge's radix uses TB)."""
+    return max(TB, 1 << b1)
+
+
+@dsl_user_op
+def ld_nc_v2_u64(addr: Int64, *, loc=None, ip=None):
+    """Eight bf16 in one 16-byte load (16-byte aligned; read-only input)."""
+    st = llvm.StructType.get_literal([T.i64(), T.i64()])
+    r = _asm(st, [Int64(addr)], "ld.global.nc.v2.u64 {$0, $1}, [$2];", "=l,=l,l", loc, ip)
+    return (Uint64(llvm.extractvalue(T.i64(), r, [0], loc=loc, ip=ip)),
+            Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
 
 
 @cute.jit
-def load_ords(row_addr: Int64, qi: Int32, end: Int32, aligned: Int32) -> Uint64:
-    """ord16 of tokens 4qi .. 4qi+3 packed 16 bits each (0 = NaN or past
-    end).  One 8-byte load when the row is 8-byte aligned and the quad is
-    whole, else 2-byte loads."""  # fmt: skip
-    l0 = qi * Int32(4)
+def pack4(x: Uint64) -> Uint64:
+    """Four bf16 bit patterns -> their ord16 (0 for NaN), 16 bits each."""
     r = Uint64(0)
-    if aligned != Int32(0) and l0 + Int32(4) <= end:
-        x = ld_nc_u64(row_addr + Int64(l0) * Int64(2))
-        for k in cutlass.range_constexpr(4):
-            o = ord16(Uint32((x >> Uint64(16 * k)) & Uint64(0xFFFF)))
-            r = r | (Uint64(o) << Uint64(16 * k))
-    else:
-        for k in cutlass.range_constexpr(4):
-            if l0 + Int32(k) < end:
-                o = ord16(ld_u16(row_addr + Int64(l0 + Int32(k)) * Int64(2)))
-                r = r | (Uint64(o) << Uint64(16 * k))
+    for k in cutlass.range_constexpr(4):
+        o = ord16(Uint32((x >> Uint64(16 * k)) & Uint64(0xFFFF)))
+        r = r | (Uint64(o) << Uint64(16 * k))
     return r
 
 
 @cute.jit
+def load_unit(row_addr: Int64, ui: Int32, end: Int32, aligned: Int32, xs: cute.Tensor,
+              off: cutlass.Constexpr, vec: cutlass.Constexpr):
+    """ord16 of tokens vec*ui .. vec*ui+vec-1 into xs[off : off + vec/4]
+    (4 per Uint64; 0 = NaN or past end).  One vector load when the row is
+    aligned to the unit and the unit is whole, else 2-byte loads."""  # fmt: skip
+    l0 = ui * Int32(vec)
+    for k in cutlass.range_constexpr(vec // 4):
+        xs[off + k] = Uint64(0)
+    if aligned != Int32(0) and l0 + Int32(vec) <= end:
+        if cutlass.const_expr(vec == 8):
+            a, b = ld_nc_v2_u64(row_addr + Int64(l0) * Int64(2))
+            xs[off] = pack4(a)
+            xs[off + 1] = pack4(b)
+        else:
+            xs[off] = pack4(ld_nc_u64(row_addr + Int64(l0) * Int64(2)))
+    else:
+        for k in cutlass.range_constexpr(vec):
+            if l0 + Int32(k) < end:
+                o = ord16(ld_u16(row_addr + Int64(l0 + Int32(k)) * Int64(2)))
+                xs[off + k // 4] = xs[off + k // 4] | (Uint64(o) << Uint64(16 * (k % 4)))
+
+
+@cute.jit
 def hist_pass(row_addr: Int64, end: Int32, aligned: Int32, hist: cute.Tensor, tid, b1: Int32,
-              second: cutlass.Constexpr):
-    """Histogram of the valid tokens: 9 high bits of ord16 (first pass), or
-    the 7 low bits of those whose high bits are b1 (second pass).  Strided
-    quads (coalesced), U12 loads in flight per thread."""  # fmt: skip
-    nq = (end + Int32(3)) >> Int32(2)
-    xs = cute.make_rmem_tensor((U12,), Uint64)
-    for base in cutlass.range(0, nq, TB * U12, unroll=1):
-        for u in cutlass.range_constexpr(U12):
-            qi = base + Int32(u * TB) + tid
-            x = Uint64(0)
-            if qi < nq:
-                x = load_ords(row_addr, qi, end, aligned)
-            xs[u] = x
-        for u in cutlass.range_constexpr(U12):
-            x = xs[u]
+              second: cutlass.Constexpr, vec: cutlass.Constexpr, u12: cutlass.Constexpr,
+              bits1: cutlass.Constexpr):
+    """Histogram of the valid tokens: the bits1 high bits of ord16 (first
+    pass), or the low 16 - bits1 bits of those whose high bits are b1 (second
+    pass).  Strided units (coalesced), u12 vector loads in flight per thread
+    (bytes in flight, not instructions, bound a single CTA's read rate)."""  # fmt: skip
+    nu = (end + Int32(vec - 1)) // Int32(vec)
+    w = vec // 4
+    xs = cute.make_rmem_tensor((u12 * w,), Uint64)
+    for base in cutlass.range(0, nu, TB * u12, unroll=1):
+        for u in cutlass.range_constexpr(u12):
+            ui = base + Int32(u * TB) + tid
+            if ui < nu:
+                load_unit(row_addr, ui, end, aligned, xs, u * w, vec)
+            else:
+                for k in cutlass.range_constexpr(w):
+                    xs[u * w + k] = Uint64(0)
+        for i in cutlass.range_constexpr(u12 * w):
+            x = xs[i]
             for k in cutlass.range_constexpr(4):
                 o = Uint32((x >> Uint64(16 * k)) & Uint64(0xFFFF))
                 if cutlass.const_expr(second):
-                    hist_inc(hist, Int32(o & Uint32(127)),
-                             o != Uint32(0) and Int32(o >> Uint32(7)) == b1)
+                    hist_inc(hist, Int32(o & Uint32((1 << (16 - bits1)) - 1)),
+                             o != Uint32(0) and Int32(o >> Uint32(16 - bits1)) == b1)
                 else:
-                    hist_inc(hist, Int32(o >> Uint32(7)), o != Uint32(0))
+                    hist_inc(hist, Int32(o >> Uint32(16 - bits1)), o != Uint32(0))
+
+
+@cute.jit
+def find_bin_p(hist: cute.Tensor, nbins: cutlass.Constexpr, need: Int32, tid, lane, warp,
+               warp_totals, scalars: cute.Tensor, slot: cutlass.Constexpr):
+    """find_bin for nbins = P * TB bins: thread t owns the P bins ranked
+    t*P .. t*P+P-1 from the top; one block scan of its sums, then the owner
+    of the need-th element walks its P bins."""  # fmt: skip
+    P = nbins // TB
+    s = Int32(0)
+    for p in cutlass.range_constexpr(P):
+        s = s + hist[Int32(nbins - 1 - p) - tid * Int32(P)]
+    incl, total = block_scan(s, lane, warp, warp_totals)
+    run = incl - s
+    if run < need and incl >= need:
+        for p in cutlass.range_constexpr(P):
+            b = Int32(nbins - 1 - p) - tid * Int32(P)
+            c = hist[b]
+            if c > Int32(0) and run < need and run + c >= need:
+                scalars[slot] = b
+                scalars[slot + 1] = run
+                scalars[slot + 2] = c
+            run = run + c
+    cute.arch.sync_threads()
+    return total
 
 
 @cute.jit
 def local_select(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                  buf: cute.Tensor, hist: cute.Tensor, warp_totals: cute.Tensor,
-                 scalars: cute.Tensor, tid, lane, warp):
+                 scalars: cute.Tensor, tid, lane, warp, vec: cutlass.Constexpr = VEC,
+                 u12: cutlass.Constexpr = U12, u3: cutlass.Constexpr = U3,
+                 bits1: cutlass.Constexpr = B1):
     """Top-min(n, valid) of the ``end`` first bf16 of ``row_addr`` (SPEC §4 on
     one rank) -> ``buf[0:rw]`` packed (SPEC §5), ascending local index, empty
-    words last, mask words after the n words, zero padding.  Ends with a
-    barrier: ``buf`` is complete for every thread."""  # fmt: skip
+    words last, mask words after the n words, zero padding.  ``hist`` needs
+    hist_bins(bits1) entries.  Ends with a barrier: ``buf`` is complete for
+    every thread."""  # fmt: skip
+    nb1 = 1 << bits1
+    nb2 = 1 << (16 - bits1)
     aligned = Int32(0)
-    if (row_addr & Int64(7)) == Int64(0):
+    if (row_addr & Int64(2 * vec - 1)) == Int64(0):
         aligned = Int32(1)
     for i in cutlass.range(tid, rw, TB, unroll=1):
         buf[i] = Int32(0)
-    hist[tid] = Int32(0)
+    for i in cutlass.range_constexpr(hist_bins(bits1) // TB):
+        hist[tid + Int32(i * TB)] = Int32(0)
     cute.arch.sync_threads()
-    # Pass 1: histogram of the 9 high bits of ord16 over the valid tokens.
-    hist_pass(row_addr, end, aligned, hist, tid, Int32(0), False)
+    # Pass 1: histogram of the high bits of ord16 over the valid tokens.
+    hist_pass(row_addr, end, aligned, hist, tid, Int32(0), False, vec, u12, bits1)
     cute.arch.sync_threads()
-    total = find_bin(hist, Int32(TB), Int32(n), tid, lane, warp, warp_totals, scalars, 0)
+    total = Int32(0)
+    if cutlass.const_expr(nb1 > TB):
+        total = find_bin_p(hist, nb1, Int32(n), tid, lane, warp, warp_totals, scalars, 0)
+    else:
+        total = find_bin(hist, Int32(nb1), Int32(n), tid, lane, warp, warp_totals, scalars, 0)
     # Fewer than n valid tokens: keep them all (v = 0: every ord16 > 0).
     v = Uint32(0)
     c_gt = total
     if total > Int32(n):
         b1 = scalars[0]
         above = scalars[1]
-        hist[tid] = Int32(0)  # every thread read its bin before find_bin's barriers
+        for i in cutlass.range_constexpr(hist_bins(bits1) // TB):
+            hist[tid + Int32(i * TB)] = Int32(0)  # read before find_bin's barriers
         cute.arch.sync_threads()
-        # Pass 2: the 7 low bits inside bin b1.
-        hist_pass(row_addr, end, aligned, hist, tid, b1, True)
+        # Pass 2: the low bits inside bin b1.
+        hist_pass(row_addr, end, aligned, hist, tid, b1, True, vec, u12, bits1)
         cute.arch.sync_threads()
-        find_bin(hist, Int32(128), Int32(n) - above, tid, lane, warp, warp_totals, scalars, 3)
-        v = (Uint32(b1) << Uint32(7)) | Uint32(scalars[3])
+        find_bin(hist, Int32(nb2), Int32(n) - above, tid, lane, warp, warp_totals, scalars, 3)
+        v = (Uint32(b1) << Uint32(16 - bits1)) | Uint32(scalars[3])
         c_gt = above + scalars[4]
     need_eq = Int32(0)
     if total > Int32(n):
         need_eq = Int32(n) - c_gt
     # Pass 3: compaction in index order.  Before token l, (#gt) + min(#eq,
     # need_eq) tokens are kept: that is its position in the ascending list.
-    # Thread tid owns U3 consecutive quads of each chunk; ONE block scan of
+    # Thread tid owns u3 consecutive load units of each chunk; ONE block scan of
     # its packed (gt << 16 | eq) counts per chunk gives its offsets.
-    nq = (end + Int32(3)) >> Int32(2)
-    xs = cute.make_rmem_tensor((U3,), Uint64)
+    nu = (end + Int32(vec - 1)) // Int32(vec)
+    w = vec // 4
+    xs = cute.make_rmem_tensor((u3 * w,), Uint64)
     gt_run = Int32(0)
     eq_run = Int32(0)
     base = Int32(0)
-    while base < nq and (gt_run < c_gt or eq_run < need_eq):
-        q0 = base + tid * Int32(U3)
+    while base < nu and (gt_run < c_gt or eq_run < need_eq):
+        u0 = base + tid * Int32(u3)
         cnt = Int32(0)
-        for u in cutlass.range_constexpr(U3):
-            x = Uint64(0)
-            if q0 + Int32(u) < nq:
-                x = load_ords(row_addr, q0 + Int32(u), end, aligned)
-            xs[u] = x
-        for u in cutlass.range_constexpr(U3):
+        for u in cutlass.range_constexpr(u3):
+            if u0 + Int32(u) < nu:
+                load_unit(row_addr, u0 + Int32(u), end, aligned, xs, u * w, vec)
+            else:
+                for k in cutlass.range_constexpr(w):
+                    xs[u * w + k] = Uint64(0)
+        for i in cutlass.range_constexpr(u3 * w):
             for k in cutlass.range_constexpr(4):
-                o = Uint32((xs[u] >> Uint64(16 * k)) & Uint64(0xFFFF))
+                o = Uint32((xs[i] >> Uint64(16 * k)) & Uint64(0xFFFF))
                 if o > v:
                     cnt = cnt + Int32(1 << 16)
                 if o == v and v != Uint32(0):
@@ -356,9 +428,9 @@ def local_select(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.
         gt_b = gt_run + (excl >> Int32(16))
         eq_b = eq_run + (excl & Int32(0xFFFF))
         if cnt != Int32(0):
-            for u in cutlass.range_constexpr(U3):
+            for i in cutlass.range_constexpr(u3 * w):
                 for k in cutlass.range_constexpr(4):
-                    o = Uint32((xs[u] >> Uint64(16 * k)) & Uint64(0xFFFF))
+                    o = Uint32((xs[i] >> Uint64(16 * k)) & Uint64(0xFFFF))
                     pos = Int32(-1)
                     if o > v:
                         pos = gt_b + cutlass.min(eq_b, need_eq)
@@ -368,7 +440,7 @@ def local_select(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.
                             pos = gt_b + eq_b
                         eq_b = eq_b + Int32(1)
                     if pos >= Int32(0):
-                        lu = Uint32((q0 + Int32(u)) * Int32(4) + Int32(k))
+                        lu = Uint32(u0 * Int32(vec) + Int32(i * 4 + k))
                         buf[pos] = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
                         if (lu >> Uint32(16)) != Uint32(0):
                             cute.arch.atomic_or(buf.iterator + (Int32(n) + (pos >> Int32(5))),
@@ -376,5 +448,5 @@ def local_select(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.
                                                 sem="relaxed", scope="cta")  # fmt: skip
         gt_run = gt_run + (tot >> Int32(16))
         eq_run = eq_run + (tot & Int32(0xFFFF))
-        base = base + Int32(TB * U3)
+        base = base + Int32(TB * u3)
     cute.arch.sync_threads()

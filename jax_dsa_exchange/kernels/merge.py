@@ -59,14 +59,15 @@ def _align(x, a):
 def smem_bytes(topk: int) -> int:
     rw = layout.row_words(topk)
     # buf, hist, warp_totals, scalars, rcnt, seg (MergeSmem order) + slack
-    return _align(rw * 4, 16) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + 128
+    return _align(rw * 4, 16) + C.hist_bins() * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + 128
 
 
 class MergeSmem:
     def __init__(self, rw: int):
         smem = cutlass.memory.SmemAllocator()
         self.buf = smem.allocate_tensor(Int32, cute.make_layout((rw,)), 16)
-        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
+        # hist_bins() >= TB: the rescue's local select may use more bins
+        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.hist_bins(),)), 16)
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
         self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         self.rcnt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)

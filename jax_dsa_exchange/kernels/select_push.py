@@ -27,10 +27,10 @@ PARAMS = [
 ]  # fmt: skip
 
 
-def smem_bytes(n: int) -> int:
-    """Dynamic shared memory of the CTA (allocation order of ``_smem``)."""
+def smem_bytes(n: int, bits1: int = C.B1) -> int:
+    """Dynamic shared memory of the CTA (SmemParts order) + slack."""
     rw = layout.row_words(n)
-    return _align(_align(rw * 4, 16) + C.TB * 4, 16) + C.NWARPS * 4 + 16 * 4 + 64
+    return _align(rw * 4, 16) + C.hist_bins(bits1) * 4 + (C.NWARPS + 16) * 4 + 128
 
 
 def _align(x, a):
@@ -40,10 +40,10 @@ def _align(x, a):
 class SmemParts:
     """The CTA's shared arrays (one allocator, static sizes)."""
 
-    def __init__(self, rw: int):
+    def __init__(self, rw: int, bits1: int):
         smem = cutlass.memory.SmemAllocator()
         self.buf = smem.allocate_tensor(Int32, cute.make_layout((rw,)), 16)
-        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
+        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.hist_bins(bits1),)), 16)
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
         self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
 
@@ -65,11 +65,12 @@ def row_end(row_ends: Int64, t: Int32, cols: Int32) -> Int32:
 class SelectPush:
     """select_push for one static (world, n); n = local_topk."""
 
-    def __init__(self, world: int, n: int):
+    def __init__(self, world: int, n: int, *, vec=C.VEC, u12=C.U12, u3=C.U3, bits1=C.B1):
         self.world, self.n = world, n
         self.rw = layout.row_words(n)
         self.ll_row_bytes = layout.ll_row_bytes(n)
-        self.smem = smem_bytes(n)
+        self.tune = (vec, u12, u3, bits1)  # static tuning of the select (common.py)
+        self.smem = smem_bytes(n, bits1)
 
     @cute.kernel
     def kernel(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
@@ -79,7 +80,7 @@ class SelectPush:
         nblk, _, _ = cute.arch.grid_dim()
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sm = SmemParts(self.rw)
+        sm = SmemParts(self.rw, self.tune[3])
         # The logits and epochs come from earlier kernels (PDL-safe).
         C.pdl_wait()
         t = Int32(bid)
@@ -87,8 +88,8 @@ class SelectPush:
             e = C.ld_u32(epoch + Int64(t) * Int64(4)) + Int32(1)
             end = row_end(row_ends, t, cols)
             row_addr = logits + Int64(t) * Int64(cols) * Int64(2)
-            C.local_select(row_addr, end, self.n, self.rw, sm.buf, sm.hist,
-                           sm.warp_totals, sm.scalars, tid, lane, warp)  # fmt: skip
+            C.local_select(row_addr, end, self.n, self.rw, sm.buf, sm.hist, sm.warp_totals,
+                           sm.scalars, tid, lane, warp, *self.tune)  # fmt: skip
             off = (((Int64(e & Int32(1)) * Int64(self.world) + Int64(rank)) * Int64(max_rows)
                     + Int64(t)) * Int64(self.ll_row_bytes))  # fmt: skip
             for p in cutlass.range(self.world, unroll=1):

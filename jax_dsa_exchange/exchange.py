@@ -46,6 +46,7 @@ DEFAULT_TIMEOUT_US = 5_000_000  # a kernel wait gives up after 5 s (SPEC §6.7)
 _ids = itertools.count(1)
 _ids_lock = threading.Lock()
 _live: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
+_retired_states: list = []  # state words of closed exchanges, kept for graph replays
 
 
 def _next_id() -> int:
@@ -271,6 +272,8 @@ class Exchange:
 
     def check(self) -> None:
         """Raise if a kernel of this exchange timed out waiting for a peer (synchronizes)."""
+        if getattr(self, "_freed", False):
+            raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed")
         st = self.read_state()["status"]
         code, row, epoch, peer = (int(x) for x in st[:4])
         if code != layout.STATUS_OK:
@@ -302,6 +305,15 @@ class Exchange:
         with cp.cuda.Device(self.ordinal):
             try:
                 cp.cuda.runtime.deviceSynchronize()  # no kernel of ours still writes to a peer
+                # XLA may replay CUDA graphs that recorded this exchange's addresses without
+                # calling our handler: the kernels check this status word first and then
+                # do nothing, so the (small) state allocation outlives close().
+                closed = np.array([layout.STATUS_CLOSED], np.int32)
+                cp.cuda.runtime.memcpy(self._state.ptr + 4 * self.state_layout.status_off,
+                                       closed.ctypes.data, 4, cp.cuda.runtime.memcpyHostToDevice)
+                cp.cuda.runtime.deviceSynchronize()
+                _retired_states.append(self._state)
+                self._state = None
             except Exception:
                 pass
             for ptr in self._ipc_opened:

@@ -23,7 +23,11 @@ offsets from :class:`BufferLayout`:
 
 Local (not shared) state, int32, from :class:`StateLayout`: ``epoch[max_rows]``,
 ``seq[max_rows]`` (rescue sequence per row) and ``status[STATUS_WORDS]``
-(``[code, row, epoch, rank, ...]``, 0 = healthy).
+(``[code, row, epoch, rank, ...]``, 0 = healthy).  A kernel that finds a
+non-zero status when it starts does no exchange work at all (no peer store, no
+wait, no epoch bump; the merge writes empty outputs): a failed exchange refuses
+further calls until it is recreated, and a closed one is safe against replays
+of CUDA graphs that XLA recorded with its addresses.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ STATUS_WORDS = 8
 STATUS_OK = 0
 STATUS_TIMEOUT_ROUND1 = 1  # a peer's LL words of the current epoch never came
 STATUS_TIMEOUT_RESCUE = 2  # a saturated peer's rescue flag never came
+STATUS_CLOSED = 3  # Exchange.close() ran: kernels (e.g. CUDA-graph replays) must do nothing
 
 
 def _round_up(x: int, m: int) -> int:

@@ -48,9 +48,11 @@ the exchange is a per-rank communication with a fixed row count.
 Exchange records live in the C++ library keyed by (exchange id, device
 ordinal); the compiled program holds only the exchange id.  XLA records the
 custom calls into CUDA graphs by default and replays them without calling the
-handler, with the exchange's device addresses baked in: an exchange's device
-buffers must stay allocated, and its id must not be reused, while any program
-that ran with it may run again (see ffi/README.md).
+handler, with the exchange's device addresses baked in.  ``Exchange.close()``
+therefore keeps the exchange's small state allocation and sets its status word
+to closed; both kernels read that word first and then do nothing (no peer
+store, no wait; the merge returns empty outputs), so a replay after close
+touches no freed memory (see ffi/README.md and layout.py).
 """
 
 from __future__ import annotations

@@ -168,3 +168,34 @@ def test_missing_rescue_times_out():
         assert st[0] == layout.STATUS_TIMEOUT_RESCUE, (q, st)
         assert st[3] == victim and st[2] == 1, (q, st)
         assert (int(ref[0].saturated[st[1]]) >> victim) & 1, (q, st)
+
+
+def test_failed_or_closed_exchange_refuses_calls():
+    """After a timeout (status set) every later call of the exchange does no exchange work:
+    empty outputs at once (no wait, no hang), epochs unchanged, no store into any peer.
+    The same holds for a closed exchange (status STATUS_CLOSED), which is what makes a
+    CUDA-graph replay after Exchange.close() harmless."""
+    from jax_dsa_exchange.kernels.sim import Sim
+
+    world = 4
+    sim = Sim(world, SMALL_K, SMALL_N, 16)
+    rng = np.random.default_rng(6)
+    case = cases.random_case(rng, world=world, topk=SMALL_K, local_topk=SMALL_N, rows=6, cols=300)
+    sim.call(case, skip_rank=1, timeout_us=100_000)  # every rank times out: status set
+    epochs = [sim.epochs(q) for q in range(world)]
+    bufs = [b.get() for b in sim.bufs]
+    t0 = time.perf_counter()
+    got = sim.call(case, timeout_us=10_000_000)  # a wait would take 10 s: there must be none
+    assert time.perf_counter() - t0 < 5
+    for q in range(world):
+        assert (got[q]["counts"] == 0).all() and (got[q]["kv_rows"] == -1).all(), q
+        assert (got[q]["ids"] == -1).all() and (got[q]["saturated"] == 0).all(), q
+        assert (sim.epochs(q) == epochs[q]).all(), q
+        assert (sim.bufs[q].get() == bufs[q]).all(), f"rank {q}'s buffer was written"
+    # A healthy exchange that was closed behaves the same.
+    sim2 = Sim(world, SMALL_K, SMALL_N, 16)
+    for q in range(world):
+        sim2.states[q][sim2.st.status_off] = layout.STATUS_CLOSED
+    got = sim2.call(case, timeout_us=10_000_000)
+    for q in range(world):
+        assert (got[q]["counts"] == 0).all() and (sim2.bufs[q].get() == 0).all(), q

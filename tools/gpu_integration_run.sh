@@ -22,10 +22,10 @@ python3 -c "import jax, jax_dsa_exchange._ffi as f; print('jax', jax.__version__
 rc=0
 for step in ${STEPS:-ops demo}; do
   case $step in
-    kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py 2>&1 | tee "$OUT/kernels.log" | tail -15 || rc=1 ;;
-    ops) timeout 400 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/test_op_gpu.py 2>&1 | tee "$OUT/ops.log" | tail -60 || rc=1 ;;
+    kernels) timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py 2>&1 | tee "$OUT/kernels.log" | tail -15 || rc=1 ;;
+    ops) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/test_op_gpu.py 2>&1 | tee "$OUT/ops.log" | grep -E "step|RANK|MISMATCH|passed|failed|Error|error" | tail -40 || rc=1 ;;
     demo) timeout 200 python3 -m jax_dsa_exchange.launch -n 4 --timeout 180 -- python3 -m jax_dsa_exchange.demo --path ffi --world 4 2>&1 | tee "$OUT/demo.log" | tail -25 || rc=1 ;;
-    bench) timeout 300 python3 -m jax_dsa_exchange.bench ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" | tail -40 || rc=1 ;;
+    bench) timeout 240 python3 -m jax_dsa_exchange.bench ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" | tail -40 || rc=1 ;;
   esac
 done
 exit $rc

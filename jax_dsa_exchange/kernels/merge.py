@@ -488,6 +488,12 @@ class Merge:
         hw = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
         hm = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
         t = Int32(bid)
+        # A failed or closed exchange (status set before this launch) does no exchange
+        # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
+        if C.ld_volatile_u32(status) != Uint32(0):
+            while t < rows:
+                self.empty_row(t, tid, kv_rows, counts, ids, saturated)
+                t = t + Int32(nblk)
         while t < rows:
             ep = C.ld_u32(state + Int64(t) * Int64(4)) + Int32(1)
             seq = C.ld_u32(state + (Int64(max_rows) + Int64(t)) * Int64(4))
@@ -538,6 +544,20 @@ class Merge:
             if tid == Int32(0):
                 C.st_u32(state + Int64(t) * Int64(4), ep)
             t = t + Int32(nblk)
+
+    @cute.jit
+    def empty_row(self, t: Int32, tid: Int32, kv_rows: Int64, counts: Int64, ids: Int64,
+                  saturated: Int64):
+        """Outputs of a row the exchange refused: nothing selected."""
+        base = Int64(t) * Int64(self.topk) * Int64(4)
+        for i in cutlass.range(tid, self.topk, C.TB, unroll=1):
+            C.st_u32(kv_rows + base + Int64(i) * Int64(4), Int32(-1))
+            if ids != Int64(0):
+                C.st_u32(ids + base + Int64(i) * Int64(4), Int32(-1))
+        if tid == Int32(0):
+            C.st_u32(counts + Int64(t) * Int64(4), Int32(0))
+            if saturated != Int64(0):
+                C.st_u32(saturated + Int64(t) * Int64(4), Int32(0))
 
     @cute.jit
     def rescue(self, mask: Int32, nsat: Int32, sm: MergeSmem, tid, lane, warp, peers: Int64,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64
+from cutlass import Int32, Int64, Uint32
 
 from .. import layout
 from . import common as C
@@ -84,6 +84,9 @@ class SelectPush:
         # The logits and epochs come from earlier kernels (PDL-safe).
         C.pdl_wait()
         t = Int32(bid)
+        # A failed or closed exchange (status word set) pushes nothing (layout.py).
+        if C.ld_volatile_u32(epoch + Int64(max_rows) * Int64(8)) != Uint32(0):
+            t = rows
         while t < rows:
             e = C.ld_u32(epoch + Int64(t) * Int64(4)) + Int32(1)
             end = row_end(row_ends, t, cols)

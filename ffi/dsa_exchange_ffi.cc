@@ -153,7 +153,8 @@ ffi::Error CollectArgs(const ffi::RemainingArgs& args, ffi::AnyBuffer* out, size
   for (size_t i = 0; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return ffi::Error::InvalidArgument(std::string(target) + ": operand is not a buffer");
-    if (b->element_type() == ffi::DataType::TOKEN) continue;
+    // Tokens and rank-0 "tickets" only order the calls (op.py): not kernel operands.
+    if (b->element_type() == ffi::DataType::TOKEN || b->dimensions().size() == 0) continue;
     if (n == want) return ffi::Error::InvalidArgument(std::string(target) + ": too many operands");
     out[n++] = *b;
   }
@@ -169,7 +170,7 @@ ffi::Error CollectRets(const ffi::RemainingRets& rets, void** out, ffi::AnyBuffe
   for (size_t i = 0; i < rets.size(); ++i) {
     auto b = rets.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return ffi::Error::InvalidArgument(std::string(target) + ": result is not a buffer");
-    if ((*b)->element_type() == ffi::DataType::TOKEN) continue;
+    if ((*b)->element_type() == ffi::DataType::TOKEN || (*b)->dimensions().size() == 0) continue;
     if (n == want) return ffi::Error::InvalidArgument(std::string(target) + ": too many results");
     if ((*b)->element_type() != ffi::DataType::S32)
       return ffi::Error::InvalidArgument(std::string(target) + ": results must be int32");
@@ -225,8 +226,8 @@ ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stre
 }
 
 // ---------------------------------------------------------------------------
-// dsa_select_push: operands logits bf16[R, L], row_ends s32[R] (+ tokens);
-// results: tokens only.
+// dsa_select_push: operands logits bf16[R, L], row_ends s32[R] (+ an s32[]
+// ticket); results: an s32[] ticket only (never written: it orders the merge).
 // ---------------------------------------------------------------------------
 ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {
@@ -263,9 +264,8 @@ ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, 
 
 // ---------------------------------------------------------------------------
 // dsa_merge: operands logits bf16[R, L], row_ends s32[R], req_id s32[R],
-// block_table s32[NR, P] (+ tokens); results kv_rows s32[R, K], counts s32[R],
-// then ids s32[R, K] iff with_ids, then saturated s32[R] iff with_saturated
-// (+ tokens).  Launched with programmatic stream serialization (PDL) so it can
+// block_table s32[NR, P] (+ the s32[] ticket of select_push); results kv_rows s32[R, K], counts s32[R],
+// then ids s32[R, K] iff with_ids, then saturated s32[R] iff with_saturated.  Launched with programmatic stream serialization (PDL) so it can
 // start while select_push (the previous kernel on the stream) still runs.
 // ---------------------------------------------------------------------------
 ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32_t block_size, bool with_ids,

@@ -94,6 +94,8 @@ def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: in
         raise NotImplementedError(
             f"--path ffi needs NVIDIA GPUs, this job has {sorted(platforms)} devices; "
             "use --path xla (or auto)")
+    import jax
+
     try:
         from .exchange import Exchange
         from .op import topk_exchange_merge

@@ -234,9 +234,7 @@ def run(a) -> int:
         for ly in range(a.layers):
             lg = [logits[ly, q] for q in range(world)]
             want = reference.topk_merge(lg, list(row_ends), list(req_id), list(tables), topk=K, block_size=B)
-            model_sat = None
-            if not reports_rescue or lead:
-                model_sat = reference.saturated_masks(lg, list(row_ends), topk=K, local_topk=N)
+            model_sat = reference.saturated_masks(lg, list(row_ends), topk=K, local_topk=N)
             for q in kv:  # the ranks this process holds
                 got = dict(kv_rows=kv[q][ly], counts=cnt[q][ly], ids=ids[q][ly])
                 for name, g in got.items():

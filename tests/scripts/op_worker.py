@@ -31,6 +31,9 @@ p.add_argument("--cols", type=int, default=4096)
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--chain", action="store_true",
+               help="make each layer's row_ends depend on the previous layer's counts, as in a "
+                    "real decode step (the next layer's input depends on this layer's attention)")
 a = p.parse_args()
 K, N, R, L, B = a.topk, a.local_topk, a.rows, a.cols, 16
 
@@ -41,11 +44,13 @@ ex = Exchange.create(topk=K, local_topk=N, max_rows=R)
 def decode_step(logits_by_layer, row_ends_by_layer, req_id, block_table):
     def layer(carry, xs):
         logits, row_ends = xs
+        if a.chain:  # a data dependence on the previous call that XLA cannot fold away
+            row_ends = row_ends + jnp.where(carry < -1, 1, 0).astype(jnp.int32)
         out = topk_exchange_merge(ex, logits, row_ends, req_id, block_table, block_size=B,
                                   with_ids=True, with_saturated=True)
-        return carry, (out.kv_rows, out.counts, out.ids, out.saturated)
+        return out.counts[0], (out.kv_rows, out.counts, out.ids, out.saturated)
 
-    return jax.lax.scan(layer, 0, (logits_by_layer, row_ends_by_layer))[1]
+    return jax.lax.scan(layer, jnp.int32(0), (logits_by_layer, row_ends_by_layer))[1]
 
 
 slots = (K - 1) // N

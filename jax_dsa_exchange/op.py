@@ -3,16 +3,16 @@
 One primitive, ``dsa_topk_exchange_merge``, that lowers on CUDA to two XLA FFI
 custom calls on XLA's stream, in this order:
 
-1. ``dsa_select_push(logits, row_ends, ticket) -> ticket``
-2. ``dsa_merge(ticket, logits, row_ends, req_id, block_table)
-   -> (kv_rows, counts[, ids][, saturated])``
+1. ``dsa_select_push(token, logits, row_ends) -> (token, s32[] unused)``
+2. ``dsa_merge(token, logits, row_ends, req_id, block_table)
+   -> (token, kv_rows, counts[, ids][, saturated])``
 
 Both custom calls have ``has_side_effect=True`` (XLA never removes, merges or
-duplicates them) and are chained by an s32[] "ticket" array, so merge always
-follows its select_push (adjacent on the stream, which lets merge start early
-through PDL).  No XLA token enters a custom call: XLA's GPU fusion passes abort
-on token-typed values next to custom calls (jax 0.11.2), so the effect token is
-tied to the tickets by optimization barriers (see ``_cuda_lowering``).
+duplicates them) and are chained by an XLA token, so merge always follows its
+select_push (adjacent on the stream, which lets merge start early through PDL).
+Both results are tuples holding a token on purpose: XLA's GPU dynamic-slice
+fusion skips such calls; it aborted on, or duplicated, calls fed by a scan's
+slices otherwise (jax 0.11.2, H200; see ``_cuda_lowering``).
 
 Ordering between calls (``ordered=True``, the default, SPEC §7): the primitive
 carries an *ordered* effect (:class:`DsaExchangeEffect`), so JAX threads one
@@ -163,33 +163,31 @@ def _check_per_device(ctx) -> None:
 
 def _cuda_lowering(ctx, logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids,
                    with_saturated, ordered):
-    # No token enters or leaves the custom calls: XLA's GPU fusion passes (e.g. the
-    # dynamic-slice fusion that feeds a scan's slice straight into a custom call)
-    # abort on token-typed values (seen with jax 0.11.2 on an H200).  The order is
-    # carried by arrays instead: an s32[] "ticket" tied to the incoming effect token by
-    # an optimization barrier feeds select_push, select_push's ticket feeds merge, and
-    # the outgoing effect token is tied to merge's counts by another barrier.
+    # Both custom calls return a TUPLE holding a token: XLA's GPU dynamic-slice fusion
+    # (on in jax 0.11.2) leaves such calls alone.  Without it, it rewrote calls fed by
+    # a scan's slices: a lone-token result aborted the compiler, and a merge whose
+    # results had other users was DUPLICATED (two merges per call: the second waited
+    # for an epoch no peer would send).  The token chain is also the order:
+    # (effect token ->) select_push -> merge (-> effect token), no barrier needed.
     _check_per_device(ctx)
     threaded = ordered and EFFECT in ctx.tokens_in.effects()
-    ticket_aval = core.ShapedArray((), np.int32)
-    ticket = mlir.ir_constant(np.int32(0))
-    if threaded:
-        token, ticket = mlir.hlo.OptimizationBarrierOp([ctx.tokens_in.get(EFFECT), ticket]).results
+    token = ctx.tokens_in.get(EFFECT) if threaded else mlir.hlo.create_token()
+    tok = core.abstract_token
+    ticket_aval = core.ShapedArray((), np.int32)  # never written; only makes the tuple
     lg_aval, re_aval = ctx.avals_in[0], ctx.avals_in[1]
 
-    push_ctx = dataclasses.replace(ctx, avals_in=[lg_aval, re_aval, ticket_aval], avals_out=[ticket_aval])
-    (ticket,) = jax.ffi.ffi_lowering("dsa_select_push", has_side_effect=True)(
-        push_ctx, logits, row_ends, ticket, exchange_id=np.int64(exchange_id)
+    push_ctx = dataclasses.replace(ctx, avals_in=[tok, lg_aval, re_aval], avals_out=[tok, ticket_aval])
+    token, _ = jax.ffi.ffi_lowering("dsa_select_push", has_side_effect=True)(
+        push_ctx, token, logits, row_ends, exchange_id=np.int64(exchange_id)
     )
 
-    merge_ctx = dataclasses.replace(ctx, avals_in=[ticket_aval, *ctx.avals_in])
-    outs = jax.ffi.ffi_lowering("dsa_merge", has_side_effect=True)(
-        merge_ctx, ticket, logits, row_ends, req_id, block_table,
+    merge_ctx = dataclasses.replace(ctx, avals_in=[tok, *ctx.avals_in], avals_out=[tok, *ctx.avals_out])
+    token, *outs = jax.ffi.ffi_lowering("dsa_merge", has_side_effect=True)(
+        merge_ctx, token, logits, row_ends, req_id, block_table,
         exchange_id=np.int64(exchange_id), block_size=np.int32(block_size),
         with_ids=np.bool_(with_ids), with_saturated=np.bool_(with_saturated),
     )
     if threaded:
-        token, _ = mlir.hlo.OptimizationBarrierOp([token, outs[1]]).results
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({EFFECT: token})))
     return outs
 

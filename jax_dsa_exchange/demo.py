@@ -150,6 +150,11 @@ def run(a) -> int:
     from . import distributed
 
     rank, nproc = distributed.initialize()
+    if a.path != "xla":
+        try:  # before any JAX backend starts: the op sets XLA flags it needs (op.py)
+            from . import op  # noqa: F401
+        except ImportError:
+            pass
     import jax
     import jax.numpy as jnp
     from jax import lax

@@ -72,6 +72,10 @@ from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
 from jax.interpreters import ad, batching
 
+from . import _ffi
+
+_ffi.disable_dynamic_slice_fusion()  # before a GPU backend starts (see _ffi)
+
 from . import layout
 
 __all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p"]

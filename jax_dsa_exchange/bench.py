@@ -93,8 +93,7 @@ def run(a) -> int:
         print("bench: no GPU: nothing to measure (the XLA path on CPU is not a baseline "
               "worth timing)", flush=True)
         return 2
-    # One node: ranks on distinct GPUs have distinct local ordinals.
-    distinct_gpus = len({d.local_hardware_id for d in gpus})
+    distinct_gpus = _gpus_on_this_node()
     client = distributed_client()
     lead = rank == 0
     K, B = a.topk, 64
@@ -106,8 +105,11 @@ def run(a) -> int:
               f"{len(configs)} configurations", flush=True)
         if distinct_gpus < world:
             print(f"bench: NOTE: the {world} ranks share {distinct_gpus} GPU(s): the NVLink part is "
-                  "NOT measured (peer stores are local stores) and the ranks' kernels compete "
-                  "for the same SMs.", flush=True)
+                  "NOT measured (peer stores are local stores), and without MPS the GPU "
+                  "time-slices between the ranks' processes, so a merge waits for peers whose "
+                  "process is not scheduled: the op's numbers then measure context switching, "
+                  "not the op (benchmarks/bench_kernels.py times the kernels of W ranks in one "
+                  "process instead).", flush=True)
     rng = np.random.default_rng(rank)
     top_k_cache = {}
     for ci, (N, L, R) in enumerate(configs):
@@ -166,6 +168,18 @@ def run(a) -> int:
                   f"(this machine: {distinct_gpus}; NCCL refuses several ranks on one GPU)", flush=True)
         _write(a.out, rows_out)
     return 0
+
+
+def _gpus_on_this_node() -> int:
+    """GPUs of this host (CUDA's count: the launcher binds ranks through JAX, not CUDA)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        import jax
+
+        return len(jax.local_devices(backend="gpu"))
 
 
 def _time_xla_path(a, world, K, N, R, L, B, rng):

@@ -81,9 +81,12 @@ def ll_offset(j: int) -> int:
     return (j >> 1) * 16 + (j & 1) * 8
 
 
-def rescue_slots(topk: int, local_topk: int) -> int:
-    """Most ranks that can be saturated in one row: floor((K-1)/N) (SPEC §6.4)."""
-    return (topk - 1) // local_topk
+def rescue_slots(topk: int, local_topk: int, world: int | None = None) -> int:
+    """Most ranks that can be saturated in one row: floor((K-1)/N) (SPEC §6.4), and
+    never more than the W ranks there are (sizes the rescue slots: at K = 2048, N = 32,
+    W = 16 that is 16 slots, not 63)."""
+    bound = (topk - 1) // local_topk
+    return bound if world is None else min(world, bound)
 
 
 def gid_bits(world: int) -> int:
@@ -107,7 +110,7 @@ class BufferLayout:
 
     @property
     def slots(self) -> int:
-        return rescue_slots(self.topk, self.local_topk)
+        return rescue_slots(self.topk, self.local_topk, self.world)
 
     @property
     def ll_row_bytes(self) -> int:

@@ -117,6 +117,6 @@ def test_layout_constants_used_by_kernels():
     from jax_dsa_exchange.kernels import merge, select_push
 
     m = merge.Merge(16, 4096, 32)
-    assert m.slots == layout.rescue_slots(4096, 32) and m.keybits == 16 + layout.gid_bits(16)
+    assert m.slots == layout.rescue_slots(4096, 32, 16) == 16 and m.keybits == 16 + layout.gid_bits(16)
     assert not merge.Merge(16, 4096, 1024).use_regs and merge.Merge(8, 2048, 512).use_regs
     assert select_push.SelectPush(8, 4096).smem <= 48 * 1024 and m.smem <= 48 * 1024

@@ -199,3 +199,79 @@ def test_failed_or_closed_exchange_refuses_calls():
     got = sim2.call(case, timeout_us=10_000_000)
     for q in range(world):
         assert (got[q]["counts"] == 0).all() and (sim2.bufs[q].get() == 0).all(), q
+
+
+@pytest.mark.parametrize("start", [2**31 - 3, 2**32 - 3])
+def test_epochs_across_the_int32_and_uint32_wrap(start):
+    """Epochs started just below 2^31 (sign flip) and 2^32 (wrap through 0) keep working:
+    tags compare as 32-bit words and the parity is the low bit, so nothing changes there."""
+    from jax_dsa_exchange.kernels.sim import Sim
+
+    world = 4
+    sim = Sim(world, SMALL_K, SMALL_N, 16)
+    e0 = np.array([start], np.uint32).view(np.int32)[0]
+    for q in range(world):
+        sim.states[q][:16] = e0
+    rng = np.random.default_rng(start % 1000)
+    for i in range(8):  # crosses the boundary after 2-3 calls
+        if i % 2:
+            case = cases.saturating_case(rng, world, SMALL_K, SMALL_N, 1 + i % 3, rows=16, cols=300)
+        else:
+            case = cases.random_case(rng, world=world, topk=SMALL_K, local_topk=SMALL_N, rows=16,
+                                     cols=300, distinct_values=5)
+        _run_check(sim, case)
+    want = np.array([start + 8], np.uint64).astype(np.uint32).view(np.int32)[0]
+    for q in range(world):
+        assert (sim.epochs(q)[:16] == want).all(), (q, sim.epochs(q)[:4], want)
+
+
+def test_long_run():
+    """Many consecutive calls on one set of buffers, no host synchronisation between them
+    (ranks may run a call ahead of each other), varying R, forced rescues, checked against
+    the model at intervals with poisoned outputs.  DSA_LONG_RUN_CALLS sets the count
+    (default 100000)."""
+    import os
+
+    from jax_dsa_exchange.kernels.sim import POISON, Sim
+
+    world, calls = 4, int(os.environ.get("DSA_LONG_RUN_CALLS", "100000"))
+    sim = Sim(world, SMALL_K, SMALL_N, 64)
+    rng = np.random.default_rng(2026)
+    pool = []
+    for i, rows in enumerate([1, 7, 16, 64, 3, 33, 64, 12]):
+        if i % 3 == 2:
+            c = cases.saturating_case(rng, world, SMALL_K, SMALL_N, 1 + i % 3, rows=rows, cols=300)
+        else:
+            c = cases.random_case(rng, world=world, topk=SMALL_K, local_topk=SMALL_N, rows=rows,
+                                  cols=300, distinct_values=None if i % 2 else 6)
+        ref = reference.protocol_merge(*c.args, topk=SMALL_K, local_topk=SMALL_N,
+                                       block_size=c.block_size)
+        pool.append((c, sim.upload(c), ref))
+    checked = 0
+    t0 = time.perf_counter()
+    for i in range(calls):
+        c, dev, ref = pool[i % len(pool)]
+        check_now = i % 5000 < len(pool) or i >= calls - len(pool)
+        if check_now:
+            for s in sim.streams:
+                s.synchronize()
+            for d in dev:
+                for k in ("kv", "counts", "ids", "sat"):
+                    d[k].fill(POISON)
+            sim.cp.cuda.Device().synchronize()
+        for q in range(world):
+            sim.launch_rank(q, dev[q], c.rows, c.cols[0], c.block_size)
+        if check_now:
+            for s in sim.streams:
+                s.synchronize()
+            for q in range(world):
+                d, r = dev[q], ref[q]
+                assert (sim.status(q) == 0).all(), (i, q, sim.status(q))
+                for k, name in (("kv", "kv_rows"), ("counts", "counts"), ("ids", "ids"),
+                                ("sat", "saturated")):
+                    assert np.array_equal(d[k].get(), getattr(r, name)), (i, q, name, c.name)
+            checked += 1
+    dt = time.perf_counter() - t0
+    print(f"long run: {calls} calls x {world} ranks, {checked} checked, {dt:.1f} s "
+          f"({dt / calls * 1e6:.0f} us per call)")
+    assert checked >= 2 * len(pool)

@@ -92,7 +92,7 @@ class Merge:
         self.rw_n = layout.row_words(n)
         self.rw_k = layout.row_words(topk)
         self.ll_row_bytes = layout.ll_row_bytes(n)
-        self.slots = layout.rescue_slots(topk, n)
+        self.slots = layout.rescue_slots(topk, n, world)
         self.nk1 = world * n
         self.kpt = -(-self.nk1 // C.TB)
         self.use_regs = self.kpt <= KPT_REGS

@@ -65,7 +65,7 @@ def _cupy():
     return cupy
 
 
-def kernel_build_id(arch: str, world: int, topk: int, local_topk: int) -> str:
+def kernel_build_id() -> str:
     """The kernel version the ranks must agree on (hash of the kernel sources)."""
     from .kernels import cache
 
@@ -103,6 +103,7 @@ class Exchange:
         self._ipc_opened: list[int] = []  # peer pointers this process must close
         self._rdv: Rendezvous | None = None
         self._registered = False
+        self._ranks_on_gpu = 1  # ranks whose merge grids share this GPU (merge_grid)
 
     # -- creation ---------------------------------------------------------------------
 
@@ -125,7 +126,7 @@ class Exchange:
         rdv = Rendezvous(distributed_client(), world=world, rank=rank,
                          prefix=f"jax_dsa_exchange/{exchange_id}", timeout_s=timeout_s)
         cp = _cupy()
-        build = kernel_build_id(arch, world, topk, local_topk)
+        build = kernel_build_id()
         ex = None
         error = None
         try:
@@ -215,7 +216,6 @@ class Exchange:
         peers = [ex._buffer.ptr for ex in exs]
         for ex in exs:
             ex._write_peers(peers)
-            ex._ranks_on_gpu = 1
             ex._register()
             _live.add(ex)
         return exs

@@ -153,3 +153,24 @@ def _worker(argv) -> int:
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     sys.exit(_worker(sys.argv[2:]))
+
+
+def _pytest_in_every_rank(world, extra_env=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd(), **(extra_env or {}))
+    cmd = [sys.executable, "-m", "jax_dsa_exchange.launch", "-n", str(world), "--timeout", "240",
+           "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           os.path.join(os.path.dirname(__file__), "ranks")]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_pytest_runs_in_every_rank():
+    r = _pytest_in_every_rank(2)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for q in range(2):
+        assert f"[rank {q}] 2 passed" in r.stdout, r.stdout[-3000:]
+
+
+def test_a_test_failing_on_one_rank_fails_the_run():
+    r = _pytest_in_every_rank(2, {"DSA_TEST_FAIL_RANK": "1"})
+    assert r.returncode != 0
+    assert "[rank 1] FAILED" in r.stdout or "deliberate failure on rank 1" in r.stdout, r.stdout[-3000:]

@@ -360,3 +360,18 @@ def adversarial_cases(rng, *, world, topk, local_topk, cols=None, block_size=16,
         out.append(random_case(rng, rows=rows, cols=ucols, distinct_values=5, name="uneven_cols", **common))
         out.append(_specials(rng, world, topk, local_topk, rows, ucols, block_size, 0.2, "uneven_cols_specials"))
     return out
+
+
+def bad_lookup_case(rng, *, world, topk, local_topk, rows=8, cols=300, block_size=16) -> Case:
+    """Random scores with out-of-range block-table lookups: every third row's req_id is
+    negative or too large, and every block table has only half the pages the rows need.
+    Selected tokens keep their place in ids/counts and get kv_rows -1 (every path)."""
+    c = random_case(rng, world=world, topk=topk, local_topk=local_topk, rows=rows, cols=cols,
+                    block_size=block_size, row_ends="full", name="bad_lookups")
+    bad = np.array([-1, 10**6, -(2**31)], np.int64)
+    for q in range(world):
+        idx = np.arange(0, rows, 3)
+        c.req_id[q][idx] = bad[np.arange(idx.size) % bad.size].astype(np.int32)
+        c.block_tables[q] = np.ascontiguousarray(c.block_tables[q][:, : max(1, c.block_tables[q].shape[1] // 2)])
+    return c
+

@@ -23,11 +23,11 @@ any integer dtype whose values fit int32 is accepted); ``block_tables[q]`` is a
 2-D integer array.  Wrong types raise TypeError, wrong shapes or values
 ValueError, each naming the argument and rank.
 
-Block-table lookups happen only for tokens that are selected (as the kernel
-does): a row whose ``req_id`` is outside ``[0, num_requests)`` or whose block
-table row has too few pages for a selected token raises IndexError naming the
-rank, the row and the offending value.  Rows of a rank that selects nothing are
-never looked up, so their ``req_id`` may be anything.
+Block-table lookups happen only for tokens that are selected.  A selected token
+whose lookup is out of range (``req_id`` outside ``[0, num_requests)``, or a page
+past the block table's row) stays selected (it is in ``ids`` and ``counts``) but
+its ``kv_rows`` entry is -1: the same rule as the kernels and the XLA path, which
+cannot raise from inside a jitted step and must never read out of bounds.
 """
 
 from __future__ import annotations
@@ -131,15 +131,12 @@ def _check_inputs(logits, row_ends, req_id, block_tables, topk, block_size):
 
 
 def _kv_slot(table: np.ndarray, req: int, l: np.ndarray, block_size: int, rank: int, row: int):
-    """Physical KV slots of local indices ``l`` (SPEC §3), with IndexError on a bad lookup."""
-    if not 0 <= req < table.shape[0]:
-        raise IndexError(f"rank {rank} row {row}: req_id={req} is outside the block table "
-                         f"of {table.shape[0]} requests")
+    """Physical KV slots of local indices ``l`` (SPEC §3); -1 where the lookup is out of range."""
     pages = l // block_size
-    if pages.size and pages.max() >= table.shape[1]:
-        raise IndexError(f"rank {rank} row {row}: selected local index {int(l.max())} needs page "
-                         f"{int(pages.max())}, block table has {table.shape[1]} pages")
-    slots = table[req, pages] * block_size + l % block_size
+    ok = (0 <= req < table.shape[0]) & (pages < table.shape[1])
+    slots = np.full(l.shape, -1, np.int64)
+    if ok.any():
+        slots[ok] = table[req, pages[ok]].astype(np.int64) * block_size + l[ok] % block_size
     if slots.size and (slots.min() < _INT32_MIN or slots.max() > _INT32_MAX):
         raise ValueError(f"rank {rank} row {row}: KV slot overflows int32")
     return slots

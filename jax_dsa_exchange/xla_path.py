@@ -136,8 +136,8 @@ def xla_topk_merge(
     Static arguments: ``topk`` (SPEC §2 limits, ValueError otherwise),
     ``block_size``, the flags.  Works with ``jax_enable_x64`` off or on.  A
     selected token whose block-table lookup is out of range (bad ``req_id`` or
-    too few pages) is clamped into the table, not reported: jitted code cannot
-    raise (the NumPy reference raises IndexError there).
+    too few pages) stays selected but gets kv_rows -1 (the rule of every path,
+    layout.py).
     """
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be a positive int")
@@ -174,10 +174,14 @@ def xla_topk_merge(
     mine = lax.dynamic_slice_in_dim(chosen, me * n, n, axis=1)
     counts = jnp.sum(mine, axis=-1, dtype=jnp.int32)
     own_l = _compact(mine, cand_l, topk)  # ascending l
-    page = jnp.clip(own_l // block_size, 0, block_table.shape[1] - 1)
-    req = jnp.clip(req_id.astype(jnp.int32), 0, block_table.shape[0] - 1)[:, None]
-    phys = block_table.astype(jnp.int32)[req, page]
-    kv_rows = jnp.where(own_l >= 0, phys * block_size + own_l % block_size, -1)
+    # A selected token whose lookup is out of range stays selected (ids, counts) with
+    # kv_rows -1, the same rule as the kernels and the reference (layout.py).
+    page = own_l // block_size
+    req = req_id.astype(jnp.int32)[:, None]
+    ok = (own_l >= 0) & (page < block_table.shape[1]) & (req >= 0) & (req < block_table.shape[0])
+    phys = block_table.astype(jnp.int32)[jnp.clip(req, 0, block_table.shape[0] - 1),
+                                         jnp.clip(page, 0, block_table.shape[1] - 1)]
+    kv_rows = jnp.where(ok, phys * block_size + own_l % block_size, -1)
 
     ids = _compact(chosen, all_g, topk) if with_ids else None
     saturated = jnp.zeros((R,), jnp.int32) if with_saturated else None

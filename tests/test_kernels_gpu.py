@@ -275,3 +275,14 @@ def test_long_run():
     print(f"long run: {calls} calls x {world} ranks, {checked} checked, {dt:.1f} s "
           f"({dt / calls * 1e6:.0f} us per call)")
     assert checked >= 2 * len(pool)
+
+
+def test_out_of_range_lookups_give_minus_one():
+    """Bad req_ids (negative, huge) and block tables with too few pages: the selected
+    tokens stay in ids/counts, their kv_rows entries are -1, no out-of-bounds read."""
+    world = 4
+    sim = sim_for(world, SMALL_K, SMALL_N)
+    rng = np.random.default_rng(21)
+    for _ in range(3):
+        _run_check(sim, cases.bad_lookup_case(rng, world=world, topk=SMALL_K, local_topk=SMALL_N,
+                                              rows=9, cols=400))

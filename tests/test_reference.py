@@ -133,12 +133,15 @@ def test_block_table_mapping():
     assert res[0].ids.tolist() == [[2, 10, 15]]
 
 
-def test_bad_block_lookup_raises_index_error():
-    x = bf([[1, 2, 3, 4, 5]])
-    with pytest.raises(IndexError, match="row 0.*req_id=3"):
-        oracle([x], None, [i32([3])], [i32([[0, 1]])], topk=4, block_size=4)
-    with pytest.raises(IndexError, match="row 0.*page 1"):
-        oracle([x], None, [i32([0])], [i32([[0]])], topk=4, block_size=4)
+def test_bad_block_lookup_gives_minus_one_but_stays_selected():
+    x = bf([[1, 2, 3, 4, 5]])  # K=4 picks l = 4, 3, 2, 1
+    res = oracle([x], None, [i32([3])], [i32([[0, 1]])], topk=4, block_size=4)  # req_id 3 of 1
+    assert res[0].kv_rows.tolist() == [[-1, -1, -1, -1]] and res[0].counts.tolist() == [4]
+    assert res[0].ids.tolist() == [[1, 2, 3, 4]]
+    res = oracle([x], None, [i32([0])], [i32([[6]])], topk=4, block_size=4)  # 1 page: l=4 has none
+    assert res[0].kv_rows.tolist() == [[25, 26, 27, -1]] and res[0].counts.tolist() == [4]
+    res = oracle([x], None, [i32([-1])], [i32([[6, 7]])], topk=4, block_size=4)
+    assert res[0].kv_rows.tolist() == [[-1] * 4]
     # A rank that selects nothing in a row never looks its request up.
     res = oracle([x, bf([[NAN]])], None, [i32([0]), i32([77])], [i32([[0, 1]]), i32([[0]])],
                  topk=4, block_size=4)
@@ -467,3 +470,19 @@ def test_merge_result_is_frozen():
     assert dataclasses.is_dataclass(res)
     with pytest.raises(dataclasses.FrozenInstanceError):
         res.ids = None
+
+
+def test_bad_lookups_same_rule_in_the_xla_path(rng):
+    """kv_rows -1 for a selected token whose lookup is out of range; ids/counts unchanged."""
+    import jax
+
+    from jax_dsa_exchange.xla_path import xla_topk_merge_sharded
+
+    c = cases.bad_lookup_case(rng, world=1, topk=64, local_topk=32)
+    want = ref.topk_merge(*c.args, topk=64, block_size=c.block_size)[0]
+    assert (want.kv_rows == -1).sum() > (want.ids == -1).sum()  # some lookups did fail
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dcp",))
+    got = xla_topk_merge_sharded(mesh, "dcp", *[np.stack(x) for x in c.args], topk=64,
+                                 block_size=c.block_size, with_ids=True)
+    for k in ("kv_rows", "counts", "ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, k))[0], getattr(want, k), err_msg=k)

@@ -45,6 +45,7 @@ struct Driver {
   CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
   CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int);
   CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
+  CUresult (*MemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
 };
 
 std::mutex g_mu;  // guards everything below (loads, registry, driver init)
@@ -74,6 +75,7 @@ const Driver* GetDriverLocked() {
       {(void**)&d.CtxPopCurrent, "cuCtxPopCurrent_v2"},
       {(void**)&d.ModuleLoadDataEx, "cuModuleLoadDataEx"},
       {(void**)&d.ModuleGetFunction, "cuModuleGetFunction"},
+      {(void**)&d.MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2"},
       {(void**)&d.FuncSetAttribute, "cuFuncSetAttribute"},
       {(void**)&d.LaunchKernelEx, "cuLaunchKernelEx"},
   };
@@ -121,6 +123,9 @@ struct Kernel {
 struct Record {
   int rank, world, topk, local_topk, max_rows, timeout_us, merge_grid;
   int64_t peers, local, state, rescue_off, flags_off;
+  // Pinned host copy of the state's status words, refreshed after every merge by an
+  // async copy on XLA's stream; read (no sync) when the next call starts (0 = none).
+  int64_t host_status;
   Kernel select, merge;  // copies: a CUfunction lives as long as the process
 };
 
@@ -201,6 +206,30 @@ ffi::Error Lookup(int64_t exchange_id, int device, const char* target, Record* r
   return ffi::Error::Success();
 }
 
+// The failure a previous call of this exchange left in its status words (layout.py:
+// [code, row, epoch, rank]), as an error the jitted call raises in Python; Success
+// while healthy.  The copy it reads lags the device by the calls still in flight.
+ffi::Error CheckStatus(const Record& rec, const char* target, int64_t exchange_id, int device) {
+  if (!rec.host_status) return ffi::Error::Success();
+  const volatile int32_t* st = reinterpret_cast<const volatile int32_t*>(rec.host_status);
+  int32_t code = st[0];
+  if (code == 0) return ffi::Error::Success();
+  std::string what = code == 1   ? "its candidates"
+                     : code == 2 ? "its rescue list"
+                     : code == 3 ? ""
+                                 : "status " + std::to_string(code);
+  if (code == 3)
+    return ffi::Error::Internal(std::string(target) + ": exchange " + std::to_string(exchange_id) +
+                                " is closed" + Where(exchange_id, device));
+  return ffi::Error::Internal(std::string(target) + ": exchange " + std::to_string(exchange_id) + " rank " +
+                              std::to_string(rec.rank) + ": rank " + std::to_string(st[3]) +
+                              " did not deliver " + what + " for row " + std::to_string(st[1]) +
+                              " at epoch " + std::to_string(st[2]) + " within " +
+                              std::to_string(rec.timeout_us) +
+                              " us; the exchange refuses further calls: recreate it" +
+                              Where(exchange_id, device));
+}
+
 ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stream, bool pdl,
                   void** params, const char* target, int64_t exchange_id, int device) {
   CUlaunchAttribute attr;
@@ -247,6 +276,7 @@ ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, 
   Record rec;
   const Driver* d;
   if (auto e = Lookup(exchange_id, device, target, &rec, &d); e.failure()) return e;
+  if (auto e = CheckStatus(rec, target, exchange_id, device); e.failure()) return e;
   int32_t rows = static_cast<int32_t>(ld[0]), cols = static_cast<int32_t>(ld[1]);
   if (rows > rec.max_rows)
     return ffi::Error::InvalidArgument("dsa_select_push: R=" + std::to_string(rows) + " > max_rows=" +
@@ -294,6 +324,7 @@ ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32
   Record rec;
   const Driver* d;
   if (auto e = Lookup(exchange_id, device, target, &rec, &d); e.failure()) return e;
+  if (auto e = CheckStatus(rec, target, exchange_id, device); e.failure()) return e;
   if (R > rec.max_rows)
     return ffi::Error::InvalidArgument("dsa_merge: R=" + std::to_string(R) + " > max_rows=" +
                                        std::to_string(rec.max_rows) + Where(exchange_id, device));
@@ -319,7 +350,17 @@ ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32
                     &bt_cols,   &block_size,   &rank,       &max_rows, &rec.rescue_off, &rec.flags_off,
                     &timeout_us};
   unsigned grid = static_cast<unsigned>(rows < rec.merge_grid ? rows : rec.merge_grid);
-  return Launch(d, rec.merge, grid, stream, /*pdl=*/true, params, target, exchange_id, device);
+  if (auto e = Launch(d, rec.merge, grid, stream, /*pdl=*/true, params, target, exchange_id, device);
+      e.failure())
+    return e;
+  if (rec.host_status) {  // the next call's CheckStatus reads this copy (no sync)
+    CUdeviceptr status = static_cast<CUdeviceptr>(rec.state + 8 * static_cast<int64_t>(rec.max_rows));
+    CUresult rc = d->MemcpyDtoHAsync(reinterpret_cast<void*>(rec.host_status), status, 16, stream);
+    if (rc != CUDA_SUCCESS)
+      return ffi::Error::Internal(std::string(target) + ": " + CuError(d, "cuMemcpyDtoHAsync", rc) +
+                                  Where(exchange_id, device));
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -439,7 +480,7 @@ int dsa_load_kernel(const char* key, const void* cubin, int64_t cubin_size, cons
 int dsa_register_exchange(int64_t exchange_id, int device, int rank, int world, int topk, int local_topk,
                           int max_rows, int64_t peers, int64_t local, int64_t state, int64_t rescue_off,
                           int64_t flags_off, int timeout_us, int merge_grid, const char* select_key,
-                          const char* merge_key) {
+                          const char* merge_key, int64_t host_status) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::string where = Where(exchange_id, device);
   if (g_records.count({exchange_id, device})) return Fail("exchange already registered" + where);
@@ -467,6 +508,7 @@ int dsa_register_exchange(int64_t exchange_id, int device, int rank, int world, 
   r.state = state;
   r.rescue_off = rescue_off;
   r.flags_off = flags_off;
+  r.host_status = host_status;
   r.select = ks->second;
   r.merge = km->second;
   g_records[{exchange_id, device}] = r;

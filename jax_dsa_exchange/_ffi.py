@@ -83,7 +83,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_load_kernel.restype = i32
     lib.dsa_load_kernel.argtypes = [cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32]
     lib.dsa_register_exchange.restype = i32
-    lib.dsa_register_exchange.argtypes = [i64, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i32, i32, cp, cp]
+    lib.dsa_register_exchange.argtypes = [i64, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i32, i32, cp, cp,
+                                          i64]
     lib.dsa_unregister_exchange.restype = i32
     lib.dsa_unregister_exchange.argtypes = [i64, i32]
     lib.dsa_num_exchanges.restype = i32
@@ -261,18 +262,23 @@ def register_exchange(
     merge_grid: int,
     select_key: str,
     merge_key: str,
+    host_status: int = 0,
 ) -> None:
     """Registers the per-rank constants of one exchange on CUDA device ``device``.
 
     ``peers``: device address of an int64[world] table of every rank's symmetric
     buffer base; ``local``: this rank's buffer base; ``state``: this rank's int32
     state (epoch at byte 0).  Both kernels must have been loaded on ``device``.
+    ``host_status``: address of 16 bytes of pinned host memory (0 = none): after each
+    merge the handler copies the state's status words there (async, on XLA's stream),
+    and every call first reads them, so a failure of an earlier call (a peer that did
+    not arrive) fails the next call with a Python error naming row, epoch and rank.
     """
     lib = _require()
     rc = lib.dsa_register_exchange(
         int(exchange_id), int(device), int(rank), int(world), int(topk), int(local_topk), int(max_rows),
         int(peers), int(local), int(state), int(rescue_off), int(flags_off), int(timeout_us),
-        int(merge_grid), select_key.encode(), merge_key.encode(),
+        int(merge_grid), select_key.encode(), merge_key.encode(), int(host_status),
     )
     _check(lib, rc)
 

@@ -100,6 +100,10 @@ class Exchange:
         self._buffer = _DeviceMemory(ordinal, self.layout.nbytes)
         self._state = _DeviceMemory(ordinal, self.state_layout.words * 4)
         self._peers_table = _DeviceMemory(ordinal, 8 * world)
+        # Pinned host copy of the status words, refreshed by the FFI launcher after each
+        # merge and read when the next call starts: an earlier failure fails that call.
+        self._host_status = _cupy().cuda.alloc_pinned_memory(16)
+        np.frombuffer(self._host_status, np.int32, 4)[:] = 0
         self._ipc_opened: list[int] = []  # peer pointers this process must close
         self._rdv: Rendezvous | None = None
         self._registered = False
@@ -253,7 +257,8 @@ class Exchange:
             local_topk=self.local_topk, max_rows=self.max_rows, peers=self._peers_table.ptr,
             local=self._buffer.ptr, state=self._state.ptr, rescue_off=self.layout.rescue_off,
             flags_off=self.layout.flags_off, timeout_us=self.timeout_us,
-            merge_grid=self.merge_grid, select_key=keys["select_push"], merge_key=keys["merge"])
+            merge_grid=self.merge_grid, select_key=keys["select_push"], merge_key=keys["merge"],
+            host_status=self._host_status.ptr)
         self._registered = True
 
     def read_state(self) -> dict:

@@ -30,3 +30,20 @@ def test_multiprocess_decode_loop_matches_oracle(world, topk, local_topk):
     print(r.stdout[-6000:], r.stderr[-6000:])
     assert r.returncode == 0
     assert r.stdout.count("RANK OK") == world
+
+
+@requires_gpu_stack
+@pytest.mark.gpu
+def test_a_rank_that_stops_fails_the_others_in_python():
+    """Rank 1 exits before step 1: rank 0's call of step 1 times out on the device (after
+    0.5 s, no hang) and its next call raises in Python, naming rank 1, the row and epoch."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               JAX_DSA_EXCHANGE_CUDA_GRAPHS="0")  # the check runs in the handler (ffi/README.md)
+    cmd = [sys.executable, "-m", "jax_dsa_exchange.launch", "-n", "2", "--timeout", "200",
+           "--grace", "60", "--", sys.executable, WORKER, "--topk", "256", "--local-topk", "64",
+           "--rows", "8", "--cols", "1024", "--layers", "2", "--steps", "3", "--stop-rank", "1",
+           "--stop-step", "1", "--timeout-us", "500000"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=260)
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    assert "[rank 0] RAISED OK" in r.stdout
+    assert r.returncode == 0

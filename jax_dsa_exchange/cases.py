@@ -312,6 +312,16 @@ def _short_rows(rng, world, topk, local_topk, rows, cols, block_size) -> Case:
     return _finish(rng, "short_rows", world, topk, local_topk, block_size, logits, ends)
 
 
+def _every_special_end(rng, c: Case) -> Case:
+    """``c`` with row_ends cycling through every special value (row-major over rows x
+    ranks, from a random offset): all of them occur once rows * W >= their count."""
+    specials = np.array(special_row_ends(c.topk, c.local_topk, c.cols[0]), np.int64)
+    slot = (np.arange(c.rows)[:, None] * c.world + np.arange(c.world)[None, :]
+            + int(rng.integers(0, specials.size))) % specials.size
+    ends = [specials[slot[:, q]].astype(np.int32) for q in range(c.world)]
+    return dataclasses.replace(c, row_ends=ends)
+
+
 def adversarial_cases(rng, *, world, topk, local_topk, cols=None, block_size=16, rows=32,
                       uneven_cols=False, n_equals_k=False, saturating_rows=None) -> list:
     """The adversarial set for one configuration (W, K, N); see the module docstring.
@@ -337,7 +347,8 @@ def adversarial_cases(rng, *, world, topk, local_topk, cols=None, block_size=16,
         random_case(rng, rows=rows, cols=cl, distinct_values=3, name="heavy_ties", **common),
         random_case(rng, rows=rows, cols=cl, distinct_values=1, row_ends="special",
                     name="one_value_special_ends", **common),
-        random_case(rng, rows=rows, cols=cl, row_ends="special", name="special_row_ends", **common),
+        _every_special_end(rng, random_case(rng, rows=rows, cols=cl, row_ends="special",
+                                            name="special_row_ends", **common)),
         _ties_at_kth(rng, world, topk, local_topk, rows, cl, block_size),
         _all_equal(rng, world, topk, local_topk, rows, cl, block_size),
         _specials(rng, world, topk, local_topk, rows, cl, block_size, 0.05, "nan_inf_zero"),

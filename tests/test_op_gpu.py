@@ -47,3 +47,18 @@ def test_a_rank_that_stops_fails_the_others_in_python():
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert "[rank 0] RAISED OK" in r.stdout
     assert r.returncode == 0
+
+
+@requires_gpu_stack
+@pytest.mark.gpu
+def test_concurrency_patterns():
+    """Two exchanges alternately in one program, two programs interleaving on one exchange
+    with different R, scan vs unrolled: all bit-identical to the model (W = 2 processes).
+    Written in the first session after its last GPU run: not yet run on a GPU."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    worker = os.path.join(os.path.dirname(__file__), "scripts", "concurrency_worker.py")
+    cmd = [sys.executable, "-m", "jax_dsa_exchange.launch", "-n", "2", "--timeout", "300", "--",
+           sys.executable, worker]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=360)
+    print(r.stdout[-4000:], r.stderr[-4000:])
+    assert r.returncode == 0 and r.stdout.count("RANK OK") == 2

@@ -214,13 +214,12 @@ ffi::Error CheckStatus(const Record& rec, const char* target, int64_t exchange_i
   const volatile int32_t* st = reinterpret_cast<const volatile int32_t*>(rec.host_status);
   int32_t code = st[0];
   if (code == 0) return ffi::Error::Success();
-  std::string what = code == 1   ? "its candidates"
-                     : code == 2 ? "its rescue list"
-                     : code == 3 ? ""
-                                 : "status " + std::to_string(code);
   if (code == 3)
     return ffi::Error::Internal(std::string(target) + ": exchange " + std::to_string(exchange_id) +
                                 " is closed" + Where(exchange_id, device));
+  std::string what = code == 1   ? "its candidates"
+                     : code == 2 ? "its rescue list"
+                                 : "status " + std::to_string(code);
   return ffi::Error::Internal(std::string(target) + ": exchange " + std::to_string(exchange_id) + " rank " +
                               std::to_string(rec.rank) + ": rank " + std::to_string(st[3]) +
                               " did not deliver " + what + " for row " + std::to_string(st[1]) +

@@ -69,7 +69,7 @@ def _time_steps(fn, inputs, reps, warmup, layers):
     return float(np.median(ts)), float(np.percentile(ts, 10)), float(np.percentile(ts, 90))
 
 
-def _barrier(client, key, rank, nproc):
+def _barrier(client, key, nproc):
     """All ranks meet (key-value store: no XLA collective, works on a shared GPU)."""
     if nproc > 1:
         client.wait_at_barrier(key, 600_000)
@@ -128,10 +128,10 @@ def run(a) -> int:
 
         sets = [(jnp.asarray(rng.standard_normal((a.layers, R, L), np.float32), jnp.bfloat16),)
                 for _ in range(a.sets)]
-        _barrier(client, f"bench/{ci}/start", rank, nproc)
+        _barrier(client, f"bench/{ci}/start", nproc)
         med, p10, p90 = _time_steps(step, sets, a.reps, a.warmup, a.layers)
         ex.check()
-        _barrier(client, f"bench/{ci}/done", rank, nproc)
+        _barrier(client, f"bench/{ci}/done", nproc)
         del sets
         ex.close()
         if lead:
@@ -161,7 +161,7 @@ def run(a) -> int:
                 rows_out.append(dict(method=METHODS[2], W=world, K=K, N=N, R=R, L=L,
                                      us_per_layer=xm, p10=x10, p90=x90))
                 print(f"    xla path (all_gather + exact top-K): {xm:.1f} us/layer", flush=True)
-        _barrier(client, f"bench/{ci}/next", rank, nproc)
+        _barrier(client, f"bench/{ci}/next", nproc)
     if lead:
         if distinct_gpus < world:
             print(f"bench: xla path (all_gather): not measured: it needs W={world} distinct GPUs "

@@ -146,6 +146,49 @@ def test_missing_rank_times_out():
         assert 0 <= st[1] < case.rows and st[2] == 1 and st[3] == missing, (q, st)
 
 
+def test_a_late_rank_after_a_timeout_times_out_too():
+    """Rank 1 starts after rank 0 gave up on it.  Rank 0 withdrew its pushed words when it
+    timed out, so rank 1 does not merge with a call rank 0 abandoned: it times out too,
+    naming rank 0.  Every row of both ranks is empty (a failed call voids its rows)."""
+    from jax_dsa_exchange.kernels.sim import Sim
+
+    world = 2
+    sim = Sim(world, SMALL_K, SMALL_N, 16)
+    rng = np.random.default_rng(12)
+    case = cases.random_case(rng, world=world, topk=SMALL_K, local_topk=SMALL_N, rows=6, cols=300)
+    got = sim.call(case, delay_rank=1, delay_s=0.6, timeout_us=100_000)
+    st0, st1 = got[0]["status"], got[1]["status"]
+    assert st0[0] == layout.STATUS_TIMEOUT_ROUND1 and st0[3] == 1 and st0[2] == 1, st0
+    assert st1[0] == layout.STATUS_TIMEOUT_ROUND1 and st1[3] == 0 and st1[2] == 1, st1
+    for q in range(world):
+        assert (got[q]["counts"] == 0).all() and (got[q]["kv_rows"] == -1).all(), q
+        assert (got[q]["ids"] == -1).all() and (got[q]["saturated"] == 0).all(), q
+
+
+def test_rows_of_a_failed_call_are_right_or_empty():
+    """Rank 3 never pushes rows 3.. (it is given fewer rows): every rank's rows are either
+    bit-identical to the model (rows every rank pushed, merged before the failure) or
+    empty; none is a guess from stale words."""
+    from jax_dsa_exchange.kernels.sim import Sim
+
+    world = 4
+    sim = Sim(world, SMALL_K, SMALL_N, 16)
+    rng = np.random.default_rng(13)
+    case = cases.random_case(rng, world=world, topk=SMALL_K, local_topk=SMALL_N, rows=8, cols=300)
+    ref = reference.protocol_merge(*case.args, topk=SMALL_K, local_topk=SMALL_N,
+                                   block_size=case.block_size)
+    got = sim.call(case, short_rank=3, short_rows=3, timeout_us=200_000)
+    for q in range(world):
+        st = got[q]["status"]
+        if q != 3:
+            assert st[0] == layout.STATUS_TIMEOUT_ROUND1 and st[1] >= 3 and st[3] == 3, (q, st)
+        for r in range(got[q]["counts"].shape[0] if q != 3 else 3):
+            g = {k: got[q][k][r] for k in ("kv_rows", "counts", "ids")}
+            right = all(np.array_equal(g[k], getattr(ref[q], k)[r]) for k in g)
+            empty = g["counts"] == 0 and (g["kv_rows"] == -1).all() and (g["ids"] == -1).all()
+            assert right or empty, (q, r)
+
+
 def test_missing_rescue_times_out():
     """A saturated rank that pushed round 1 but never runs its merge (so never
     rescues): the others record [2, row, epoch, that rank], no hang."""

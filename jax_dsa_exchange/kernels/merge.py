@@ -488,9 +488,11 @@ class Merge:
         hw = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
         hm = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
         t = Int32(bid)
+        refused = Int32(0)
         # A failed or closed exchange (status set before this launch) does no exchange
         # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
         if C.ld_volatile_u32(status) != Uint32(0):
+            refused = Int32(1)
             while t < rows:
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
                 t = t + Int32(nblk)
@@ -540,10 +542,49 @@ class Merge:
                     C.st_u32(saturated + Int64(t) * Int64(4), mask)
             # ---- every word of the row was read; the producer grid is done
             C.pdl_wait()
+            # A failure anywhere in the grid (status set) voids this row: waits that gave
+            # up read stale words, so the row gets empty outputs, never a guess.
+            if self.failed(status, sm_seg, tid) != Int32(0):
+                self.empty_row(t, tid, kv_rows, counts, ids, saturated)
             cute.arch.sync_threads()
             if tid == Int32(0):
                 C.st_u32(state + Int64(t) * Int64(4), ep)
             t = t + Int32(nblk)
+        if refused == Int32(0):
+            # This call failed here or elsewhere in the grid: withdraw this rank's pushed
+            # rows from every peer (both parities), so a peer that arrives late times out
+            # too instead of pairing its call with this one's words (the producer grid is
+            # complete: pdl_wait above, or below when this CTA had no row).
+            C.pdl_wait()
+            if self.failed(status, sm_seg, tid) != Int32(0):
+                self.withdraw(peers, state, rank, max_rows, tid)
+
+    @cute.jit
+    def failed(self, status: Int64, sm_seg: cute.Tensor, tid: Int32) -> Int32:
+        """CTA-uniform: 1 when a timeout was recorded (status 1 or 2)."""
+        cute.arch.sync_threads()
+        if tid == Int32(0):
+            code = Int32(C.ld_volatile_u32(status))
+            sm_seg[47] = Int32(0)
+            if code == Int32(layout.STATUS_TIMEOUT_ROUND1) or code == Int32(layout.STATUS_TIMEOUT_RESCUE):
+                sm_seg[47] = Int32(1)
+        cute.arch.sync_threads()
+        return sm_seg[47]
+
+    @cute.jit
+    def withdraw(self, peers: Int64, state: Int64, rank: Int32, max_rows: Int32, tid: Int32):
+        """Overwrite the first LL record of each of this rank's rows, both parities,
+        in every rank's buffer, with a tag 2^31 away from the row's epoch: no reader
+        within 2^31 calls accepts it (idempotent: every failed CTA may do it)."""
+        for p in cutlass.range(self.world, unroll=1):
+            base = C.ld_u64(peers + Int64(p) * Int64(8))
+            for i in cutlass.range(tid, Int32(2) * max_rows, C.TB, unroll=1):
+                par = i // max_rows
+                r = i - par * max_rows
+                bad = C.ld_u32(state + Int64(r) * Int64(4)) ^ Int32(-(2**31))
+                off = ((Int64(par) * Int64(self.world) + Int64(rank)) * Int64(max_rows) + Int64(r)) * Int64(
+                    self.ll_row_bytes)
+                C.st_ll_v4(base + off, Int32(0), bad, Int32(0))
 
     @cute.jit
     def empty_row(self, t: Int32, tid: Int32, kv_rows: Int64, counts: Int64, ids: Int64,

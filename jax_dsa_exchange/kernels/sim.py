@@ -120,11 +120,14 @@ class Sim:
                      i32(timeout_us)), shared_mem=mg.smem)  # fmt: skip
 
     def call(self, case, *, want_ids=True, want_sat=True, delay_rank=None, delay_s=0.0,
-             skip_rank=None, skip_merge_rank=None, timeout_us=2_000_000, grid=None):  # fmt: skip
+             skip_rank=None, skip_merge_rank=None, short_rank=None, short_rows=0,
+             timeout_us=2_000_000, grid=None):  # fmt: skip
         """One exchange call of every rank on a Case -> per-rank dict of NumPy
         outputs (kv_rows, counts, ids, saturated, status).  ``skip_rank``
         never pushes (its merge still runs); ``skip_merge_rank`` pushes but
-        never merges (so never rescues); ``delay_rank`` starts late."""
+        never merges (so never rescues); ``delay_rank`` starts late;
+        ``short_rank`` calls with only ``short_rows`` rows (its outputs past
+        them stay poisoned)."""
         cp = self.cp
         dev = self.upload(case)
         cp.cuda.Device().synchronize()
@@ -132,8 +135,8 @@ class Sim:
         kw = dict(want_ids=want_ids, want_sat=want_sat, timeout_us=timeout_us, grid=grid)
         order = [q for q in range(self.world) if q != delay_rank]
         for q in order:
-            self.launch_rank(q, dev[q], R, L, case.block_size, producer=q != skip_rank,
-                             merge=q != skip_merge_rank, **kw)  # fmt: skip
+            self.launch_rank(q, dev[q], short_rows if q == short_rank else R, L, case.block_size,
+                             producer=q != skip_rank, merge=q != skip_merge_rank, **kw)  # fmt: skip
         if delay_rank is not None:
             time.sleep(delay_s)  # the other ranks' merges spin meanwhile
             self.launch_rank(delay_rank, dev[delay_rank], R, L, case.block_size, **kw)

@@ -191,15 +191,34 @@ def _check(lib: ctypes.CDLL, rc: int) -> int:
     return rc
 
 
-def cuda_graphs_enabled() -> bool:
-    """Whether the registered handlers let XLA record them into CUDA graphs.
+GRAPH_MODES = ("on", "off", "checked")
 
-    On by default (checked on the H200, jax 0.11.2: the multi-process decode-loop
-    tests pass with and without graphs).  ``JAX_DSA_EXCHANGE_CUDA_GRAPHS=0`` (read
-    once, at import) registers the variants without the command-buffer trait, so
-    XLA calls the handlers on every execution (see ffi/README.md).
+
+def cuda_graph_mode() -> str:
+    """Which handlers XLA may record into CUDA graphs (``JAX_DSA_EXCHANGE_CUDA_GRAPHS``,
+    read once, at registration):
+
+    * ``checked`` (default): the merge may be recorded, select_push never is, so its
+      handler (and the status check: a failed exchange raises on the next call) runs on
+      every call; XLA splits its graphs around it.
+    * ``on`` (also ``1``): both custom calls.  Graph replays skip the handlers, so the
+      status check runs only when XLA calls them: call ``Exchange.check()`` between steps.
+    * ``off`` (also ``0``): neither; XLA calls both handlers on every execution.
+
+    The modes cost the same within the noise of ``python -m jax_dsa_exchange.bench`` (H200,
+    W = 8 under MPS, N = 512, L = 32K: 90 / 94 / 97 us per layer at R = 1 and 270 / 261 /
+    258 us at R = 64 for on / checked / off), so the checked mode is the default.
     """
-    return os.environ.get("JAX_DSA_EXCHANGE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+    v = os.environ.get("JAX_DSA_EXCHANGE_CUDA_GRAPHS", "checked").strip().lower()
+    v = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(v, v)
+    if v not in GRAPH_MODES:
+        raise ValueError(f"JAX_DSA_EXCHANGE_CUDA_GRAPHS={v!r} must be one of {GRAPH_MODES}")
+    return v
+
+
+def cuda_graphs_enabled() -> bool:
+    """True unless ``JAX_DSA_EXCHANGE_CUDA_GRAPHS`` is off (see :func:`cuda_graph_mode`)."""
+    return cuda_graph_mode() != "off"
 
 
 def register_targets() -> bool:
@@ -211,16 +230,19 @@ def register_targets() -> bool:
     with _lock:
         if _registered:
             return True
-        graphs = cuda_graphs_enabled()
-        kwargs = {}
+        mode = cuda_graph_mode()
         try:  # XLA also takes the traits from the registration; keep both in agreement.
             from jax._src.lib import xla_client
 
             traits = xla_client.CustomCallTargetTraits
-            kwargs["traits"] = traits.COMMAND_BUFFER_COMPATIBLE if graphs else traits.DEFAULT
         except (ImportError, AttributeError):  # pragma: no cover - other jaxlib layouts
-            pass
-        for name, symbol in (TARGETS if graphs else TARGETS_NO_GRAPH).items():
+            traits = None
+        for name in TARGETS:
+            graphed = mode == "on" or (mode == "checked" and name == "dsa_merge")
+            symbol = (TARGETS if graphed else TARGETS_NO_GRAPH)[name]
+            kwargs = {}
+            if traits is not None:
+                kwargs["traits"] = traits.COMMAND_BUFFER_COMPATIBLE if graphed else traits.DEFAULT
             capsule = jax.ffi.pycapsule(getattr(lib, symbol))
             jax.ffi.register_ffi_target(name, capsule, platform="CUDA", api_version=1, **kwargs)
         _registered = True

@@ -298,6 +298,7 @@ class Exchange:
         if getattr(self, "_freed", False):
             return
         self.closed = True
+        _forget_failed_jax_tokens()
         if self._registered:
             from . import _ffi
 
@@ -385,6 +386,28 @@ def _bus_id(ordinal: int) -> str:
         return f"ordinal-{ordinal}"
 
 
+def _forget_failed_jax_tokens() -> None:
+    """JAX keeps the effect token of the last ordered call; when that call failed (e.g. the
+    launcher refused a failed or closed exchange), JAX re-raises its error at the next
+    ordered dispatch and again at exit (seen with jax 0.11.2: such an exit aborted the
+    jax.distributed leader).  The error has reached the caller already: wait for the calls
+    in flight and drop a failed token (JAX itself makes a fresh one after such an error)."""
+    import sys
+
+    if "jax" not in sys.modules:
+        return
+    try:
+        import jax
+        from jax._src import dispatch
+
+        try:
+            jax.effects_barrier()
+        except Exception:  # noqa: BLE001 - the failed call's error, reported before
+            dispatch.runtime_tokens.clear()
+    except Exception:  # noqa: BLE001 - other JAX versions: keep their behaviour
+        pass
+
+
 @atexit.register
 def _close_all():
     for ex in list(_live):
@@ -392,3 +415,4 @@ def _close_all():
             ex.close()
         except Exception:
             pass
+    _forget_failed_jax_tokens()

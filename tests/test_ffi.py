@@ -164,3 +164,24 @@ def test_load_kernel_cubin_ptx_fallback_and_register(tmp_path):
     _ffi.unregister_exchange(4242, 0)
     assert _ffi.num_exchanges() == 0
 
+
+
+@pytest.mark.parametrize("value,mode", [(None, "checked"), ("1", "on"), ("on", "on"), ("0", "off"),
+                                        ("off", "off"), ("checked", "checked"), ("CHECKED", "checked")])
+def test_cuda_graph_mode_from_the_environment(monkeypatch, value, mode):
+    from jax_dsa_exchange import _ffi
+
+    if value is None:
+        monkeypatch.delenv("JAX_DSA_EXCHANGE_CUDA_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("JAX_DSA_EXCHANGE_CUDA_GRAPHS", value)
+    assert _ffi.cuda_graph_mode() == mode
+    assert _ffi.cuda_graphs_enabled() == (mode != "off")
+
+
+def test_cuda_graph_mode_rejects_unknown_values(monkeypatch):
+    from jax_dsa_exchange import _ffi
+
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_CUDA_GRAPHS", "sometimes")
+    with pytest.raises(ValueError, match="sometimes"):
+        _ffi.cuda_graph_mode()

@@ -2,12 +2,14 @@
 # The JAX op on the GPU machine (no CuTe DSL, no network there): cubins prebuilt here in
 # .cubins, the FFI library prebuilt here (jax 0.11.2 headers) in build/ffi_lib; both carried.
 #   here:  tools/gpu_integration_run.sh --build
-#   there: OUT=... bash tools/gpu_integration_run.sh
+#   there: OUT=... STEPS="kernels ops sanitizer mps long bench nomps" bash tools/gpu_integration_run.sh
+# Steps run in the order given; "mps" starts an MPS daemon (W processes then share the
+# GPU's SMs instead of time-slicing it) and "nomps" stops it.
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}
-  for cfg in "2 256 64" "4 512 128" "8 2048 512" "4 2048 1024" "8 2048 256" "8 2048 1024"; do
+  for cfg in "2 256 64" "3 256 64" "4 512 128" "8 2048 512" "4 2048 1024" "8 2048 256" "8 2048 1024"; do
     set -- $cfg
     $PY -m jax_dsa_exchange.build --world $1 --topk $2 --local-topk $3 --out .cubins || exit 1
   done
@@ -16,16 +18,28 @@ if [ "$1" = "--build" ]; then
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=. JAX_DSA_EXCHANGE_CUBIN_DIR=${JAX_DSA_EXCHANGE_CUBIN_DIR:-.cubins}
 export JAX_DSA_EXCHANGE_FFI_LIB=$PWD/build/ffi_lib/libdsa_exchange_ffi.so XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PATH=$PATH:/usr/local/cuda/bin
 OUT=${OUT:-/tmp/integration_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax, jax_dsa_exchange._ffi as f; print('jax', jax.__version__, 'ffi', f.available(), f.load_error())"
+quiet() { grep -v -E "GRPC|grpc|WatchTasks|UNAVAILABLE|Source Location|CANCELLED|^\[rank .\] *$"; }
 rc=0
 for step in ${STEPS:-ops demo}; do
+  echo "=== $step $(date +%T)"
   case $step in
-    kernels) timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py 2>&1 | tee "$OUT/kernels.log" | tail -15 || rc=1 ;;
-    ops) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/test_op_gpu.py 2>&1 | tee "$OUT/ops.log" | grep -E "step|RANK|MISMATCH|passed|failed|Error|error" | tail -40 || rc=1 ;;
-    demo) timeout 200 python3 -m jax_dsa_exchange.launch -n 4 --timeout 180 -- python3 -m jax_dsa_exchange.demo --path ffi --world 4 2>&1 | tee "$OUT/demo.log" | tail -25 || rc=1 ;;
-    bench) timeout 240 python3 -m jax_dsa_exchange.bench ${BENCH_ARGS} 2>&1 | tee "$OUT/bench.log" | tail -40 || rc=1 ;;
+    kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py 2>&1 | tee "$OUT/kernels.log" | tail -15 || rc=1 ;;
+    ops) timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/test_op_gpu.py -k "${OPS_K:-not long_run}" 2>&1 | tee "$OUT/ops.log" | quiet | grep -E "step|RANK|MISMATCH|PROBLEM|RAISED|passed|failed|Error|error|closed" | tail -60 || rc=1 ;;
+    long) JAX_DSA_EXCHANGE_LONG_STEPS=${LONG_STEPS:-1000} timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/test_op_gpu.py -k long_run 2>&1 | tee "$OUT/long.log" | quiet | grep -E "step|RANK|MISMATCH|calls|passed|failed|rror" | tail -30 || rc=1 ;;
+    sanitizer)
+      timeout 240 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "not long_run" 2>&1 | tee "$OUT/sanitizer_kernels.log" | tail -8 || rc=1
+      timeout 200 compute-sanitizer --tool memcheck --target-processes all --print-limit 20 python3 -m jax_dsa_exchange.launch -n 2 --timeout 180 -- python3 tests/scripts/op_worker.py --rows 8 --cols 1024 --layers 2 --steps 2 2>&1 | tee "$OUT/sanitizer_op.log" | quiet | grep -E "ERROR SUMMARY|RANK|Invalid|rror" | tail -12 || rc=1 ;;
+    demo) timeout 200 python3 -m jax_dsa_exchange.launch -n 4 --timeout 180 -- python3 -m jax_dsa_exchange.demo --path ffi --world 4 2>&1 | tee "$OUT/demo.log" | quiet | tail -25 || rc=1 ;;
+    bench) timeout ${BENCH_TIMEOUT:-400} python3 -m jax_dsa_exchange.bench --out "$OUT/bench${BENCH_TAG}" ${BENCH_ARGS} 2>&1 | tee "$OUT/bench${BENCH_TAG}.log" | quiet | tail -${BENCH_TAIL:-30} || rc=1 ;;
+    mps)
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+      mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+      nvidia-cuda-mps-control -d && echo "MPS daemon started" ;;
+    nomps) echo quit | nvidia-cuda-mps-control; sleep 1; unset CUDA_MPS_PIPE_DIRECTORY ;;
   esac
 done
 exit $rc

@@ -34,27 +34,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jax_dsa_exchange import layout  # noqa: E402
-
-
-def _events(cp):
-    return cp.cuda.Event(), cp.cuda.Event()
-
-
-def copy_bandwidth(cp, nbytes=2 << 30, reps=10):
-    a = cp.ones(nbytes // 4, cp.float32)
-    b = cp.empty_like(a)
-    s = cp.cuda.Stream(non_blocking=True)
-    ts = []
-    with s:
-        for _ in range(reps + 2):
-            e0, e1 = _events(cp)
-            e0.record(s)
-            cp.copyto(b, a)
-            e1.record(s)
-            e1.synchronize()
-            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3)
-    del a, b
-    return 2 * nbytes / statistics.median(ts[2:])
+from jax_dsa_exchange.kernels.timing import KernelTimer as Bench, copy_bandwidth  # noqa: E402
 
 
 def jax_topk_time(shape, k, reps=16):
@@ -87,80 +67,6 @@ def jax_topk_time(shape, k, reps=16):
         jax.block_until_ready(f(xs))
         ts.append((time.perf_counter() - t0) / reps)
     return statistics.median(ts)
-
-
-class Bench:
-    def __init__(self, cp, world, topk, n, max_rows):
-        from jax_dsa_exchange.kernels.sim import Sim
-
-        self.cp = cp
-        self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world)
-        self.spacer = cp.empty(256 << 20, cp.uint8)
-        self.world, self.topk, self.n = world, topk, n
-
-    def inputs(self, R, L, nsets, rescue, seed):
-        """Device-generated inputs (host RNG is far too slow at R x L = 32M)."""
-        cp, W = self.cp, self.world
-        cp.random.seed(seed)
-        sets = []
-        npages = -(-L // 64)
-        for s in range(nsets):
-            per = []
-            for q in range(W):
-                x = cp.random.standard_normal((R, L), dtype=cp.float32)
-                if rescue and q == 0:
-                    x += 100.0
-                bits = (x.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16 (truncated)
-                del x
-                d = dict(
-                    logits=bits, row_ends=cp.full((R,), L, cp.int32),
-                    req_id=cp.arange(R, dtype=cp.int32) % 4,
-                    bt=cp.random.permutation(4 * npages).reshape(4, npages).astype(cp.int32),
-                    kv=cp.empty((R, self.topk), cp.int32), counts=cp.empty((R,), cp.int32),
-                    ids=cp.empty((R, self.topk), cp.int32), sat=cp.empty((R,), cp.int32),
-                )  # fmt: skip
-                per.append(d)
-            sets.append(per)
-        return sets
-
-    def run(self, R, L, rescue, iters=12, warm=3, seed=0):
-        cp, sim, W = self.cp, self.sim, self.world
-        nsets = 2 if R * L * W * 2 > (1 << 29) else 4
-        sets = self.inputs(R, L, nsets, rescue, seed)
-        s0 = sim.streams[0]
-        tp, tm = [], []
-        for it in range(warm + iters):
-            d = sets[it % nsets]
-            for q in range(1, W):  # the other producers first: rank 0's runs alone
-                sim.launch_rank(q, d[q], R, L, 64, merge=False)
-            cp.cuda.Device().synchronize()
-            e0, e1 = _events(cp)
-            with s0:
-                self.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
-                e0.record(s0)
-                sim.launch_rank(0, d[0], R, L, 64, merge=False)
-                e1.record(s0)
-            cp.cuda.Device().synchronize()
-            e2, e3 = _events(cp)
-            with s0:
-                self.spacer.fill(it & 0xFF)
-                e2.record(s0)
-                sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=min(R, 64))
-                e3.record(s0)
-            # The other ranks' merges run beside it (a rescue may wait on them);
-            # 64 + 7 * 8 CTAs are co-resident on 132 SMs.
-            for q in range(1, W):
-                sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
-            cp.cuda.Device().synchronize()
-            if it >= warm:
-                tp.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
-                tm.append(cp.cuda.get_elapsed_time(e2, e3) * 1e3)
-        st = sim.status(0)
-        assert st[0] == 0, f"status {st}"
-        sat = sets[0][0]["sat"].get()
-        self.last_sat_rows = float((sat != 0).mean())
-        del sets
-        return statistics.median(tp), statistics.median(tm)
 
 
 VARIANTS = {  # static tunings of the local select (common.local_select)

@@ -2,22 +2,30 @@
 
 ``python -m jax_dsa_exchange.bench`` (W processes through the launcher, one rank each):
 for every configuration (K, N, R, L), every rank runs a jitted decode step that calls
-``topk_exchange_merge`` once per layer inside ``lax.scan`` (rotating through several input
-sets, so the L2 does not hold the logits between calls), and times whole steps after a
-warm-up; per-layer time = step time / layers, median and spread over the repetitions.
-In the same run, rank 0 times the baselines:
+``topk_exchange_merge`` once per layer inside ``lax.scan``, rotating through several
+input sets so the L2 does not hold the logits between calls.
+
+Time per layer is the device time of the layer loop, measured by difference: each
+repetition times one step of ``layers`` layers and one of ``2 * layers`` layers (wall
+clock around ``block_until_ready``, after a warm-up); (long - short) / layers cancels
+the per-step costs (dispatch, the ordered effect's host wait, the transfer of the
+result) and leaves what one more layer costs on the device.  Median and p10/p90 over
+the repetitions.  In the same run, rank 0 times, by the same method:
 
 * ``jax.lax.top_k`` over the whole row on one device: bf16 [R, W*L], k = K (what a single
   GPU holding the whole context would do);
 * the XLA path (``all_gather`` + exact top-K) where the W ranks have W distinct GPUs
-  (it needs NCCL, which refuses several ranks on one GPU).
+  (it needs NCCL, which refuses several ranks on one GPU);
 
-The producer and merge kernels alone (CUDA events, W ranks simulated in one process)
-are measured by ``benchmarks/bench_kernels.py``.
+and the kernels alone (``kernels.timing``: CUDA events, W ranks simulated in one
+process, rank 0's select+push and merge) next to the memory floor of the producer (one
+read of R x L bf16 at the copy bandwidth measured in the same run).
 
-On a machine with fewer GPUs than W, the W processes share one GPU: their kernels
-compete for its SMs and every "peer" store is a local store, so the numbers do NOT
-measure NVLink, and they overstate the per-rank cost of the compute; the report says so.
+On a machine with fewer GPUs than W the W processes share one GPU: every "peer" store is
+a local store (NVLink is NOT measured), and the W ranks' kernels share one GPU's SMs and
+memory bandwidth, so the op's numbers are an upper bound of its per-GPU cost.  Without
+MPS the GPU time-slices between the processes and a merge waits for peers whose process
+is not scheduled: run under MPS (``nvidia-cuda-mps-control -d``); the report says which.
 
 Output: progress lines, ``bench.csv`` and ``bench.png`` (time per layer vs R, one line
 per method and (N, L)) in ``--out``, and a short table last.
@@ -34,7 +42,8 @@ import time
 
 import numpy as np
 
-METHODS = ("op (ffi)", "lax.top_k whole row", "xla path")
+METHODS = ("op (ffi)", "lax.top_k whole row", "xla path", "select+push kernel", "merge kernel",
+           "1 read of [R, L]")
 
 
 def _args(argv):
@@ -50,23 +59,37 @@ def _args(argv):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="bench_out")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernels-alone rows")
     return p.parse_args(argv)
 
 
-def _time_steps(fn, inputs, reps, warmup, layers):
-    """Median and (p10, p90) of the per-layer time in us, over ``reps`` timed steps."""
+def _time_layers(step, make_inputs, reps, warmup, layers):
+    """Per-layer device time in us: median, p10, p90 of (t(2 layers) - t(layers)) / layers.
+
+    ``step(x)`` runs one decode step over x's leading (layer) axis; ``make_inputs(n)``
+    returns input sets of n layers (rotated through)."""
     import jax
 
+    short, long_ = make_inputs(layers), make_inputs(2 * layers)
     for i in range(warmup):
-        jax.block_until_ready(fn(*inputs[i % len(inputs)]))
+        jax.block_until_ready(step(*short[i % len(short)]))
+        jax.block_until_ready(step(*long_[i % len(long_)]))
     ts = []
     for i in range(reps):
-        x = inputs[i % len(inputs)]
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(*x))
-        ts.append((time.perf_counter() - t0) / layers * 1e6)
+        jax.block_until_ready(step(*short[i % len(short)]))
+        t1 = time.perf_counter()
+        jax.block_until_ready(step(*long_[i % len(long_)]))
+        t2 = time.perf_counter()
+        ts.append(((t2 - t1) - (t1 - t0)) / layers * 1e6)
     ts = np.array(ts)
     return float(np.median(ts)), float(np.percentile(ts, 10)), float(np.percentile(ts, 90))
+
+
+def _mps_active() -> bool:
+    """An MPS control daemon answers on this machine (the default or the env pipe)."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
 
 
 def _barrier(client, key, nproc):
@@ -83,6 +106,7 @@ def run(a) -> int:
     import jax
     import jax.numpy as jnp
 
+    from . import _ffi
     from .exchange import Exchange
     from .op import topk_exchange_merge
     from .rendezvous import distributed_client
@@ -94,6 +118,7 @@ def run(a) -> int:
               "worth timing)", flush=True)
         return 2
     distinct_gpus = _gpus_on_this_node()
+    graph_mode, mps = _ffi.cuda_graph_mode(), _mps_active()
     client = distributed_client()
     lead = rank == 0
     K, B = a.topk, 64
@@ -103,15 +128,21 @@ def run(a) -> int:
     if lead:
         print(f"bench: W={world} processes, {jax.devices()[0].device_kind}, jax {jax.__version__}; "
               f"{len(configs)} configurations", flush=True)
+        print(f"bench: CUDA graphs {graph_mode!r} (JAX_DSA_EXCHANGE_CUDA_GRAPHS), MPS "
+              f"{'on' if mps else 'off'}", flush=True)
         if distinct_gpus < world:
             print(f"bench: NOTE: the {world} ranks share {distinct_gpus} GPU(s): the NVLink part is "
-                  "NOT measured (peer stores are local stores), and without MPS the GPU "
-                  "time-slices between the ranks' processes, so a merge waits for peers whose "
-                  "process is not scheduled: the op's numbers then measure context switching, "
-                  "not the op (benchmarks/bench_kernels.py times the kernels of W ranks in one "
-                  "process instead).", flush=True)
+                  "NOT measured (peer stores are local stores) and the ranks' kernels share one "
+                  "GPU's SMs and bandwidth (an upper bound of the per-GPU cost)."
+                  + ("" if mps else " MPS is off: the GPU time-slices between the processes, "
+                     "so the op's numbers measure context switching, not the op."), flush=True)
     rng = np.random.default_rng(rank)
     top_k_cache = {}
+    kernel_rows = _kernel_rows(a, world, K, lead) if lead and not a.no_kernels else {}
+
+    def device_normal(shape, seed):  # drawn on the device: host RNG is slow at 10^9 values
+        return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.bfloat16)
+
     for ci, (N, L, R) in enumerate(configs):
         ex = Exchange.create(topk=K, local_topk=N, max_rows=R)
         pages = -(-L // B)
@@ -126,17 +157,20 @@ def run(a) -> int:
                 return c + o.counts.sum(), None
             return jax.lax.scan(layer, jnp.int32(0), logits)[0]
 
-        sets = [(jnp.asarray(rng.standard_normal((a.layers, R, L), np.float32), jnp.bfloat16),)
-                for _ in range(a.sets)]
+        # The W ranks' input sets share one GPU here: keep them under ~24 GiB in all.
+        nsets = max(2, min(a.sets, (24 << 30) // (3 * a.layers * R * L * 2 * world)))
+
+        def make(n):
+            return [(device_normal((n, R, L), 1000 * rank + 10 * ci + i),) for i in range(nsets)]
+
         _barrier(client, f"bench/{ci}/start", nproc)
-        med, p10, p90 = _time_steps(step, sets, a.reps, a.warmup, a.layers)
+        med, p10, p90 = _time_layers(step, make, a.reps, a.warmup, a.layers)
         ex.check()
         _barrier(client, f"bench/{ci}/done", nproc)
-        del sets
         ex.close()
         if lead:
-            rows_out.append(dict(method=METHODS[0], W=world, K=K, N=N, R=R, L=L,
-                                 us_per_layer=med, p10=p10, p90=p90))
+            common = dict(W=world, K=K, N=N, R=R, L=L, graphs=graph_mode, mps=mps)
+            rows_out.append(dict(method=METHODS[0], **common, us_per_layer=med, p10=p10, p90=p90))
             key = (R, L)
             if key not in top_k_cache:  # the baseline does not depend on N
                 @jax.jit
@@ -146,20 +180,24 @@ def run(a) -> int:
                         return c + i[:, 0].sum(), None
                     return jax.lax.scan(layer, jnp.int32(0), x)[0]
 
-                bsets = [(jnp.asarray(rng.standard_normal((a.layers, R, world * L), np.float32),
-                                      jnp.bfloat16),) for _ in range(2)]
-                top_k_cache[key] = _time_steps(base, bsets, a.reps, a.warmup, a.layers)
-                del bsets
+                # [R, W*L] is W times an op input: fewer layers when 3 x layers would not fit
+                # in ~24 GiB (the difference method cancels the layer count anyway).
+                bl = max(1, min(a.layers, (8 << 30) // (R * world * L * 2)))
+                top_k_cache[key] = _time_layers(
+                    base, lambda n: [(device_normal((n, R, world * L), 7 + i),) for i in range(2)],
+                    a.reps, a.warmup, bl)
             bm, b10, b90 = top_k_cache[key]
-            rows_out.append(dict(method=METHODS[1], W=world, K=K, N=N, R=R, L=L,
-                                 us_per_layer=bm, p10=b10, p90=b90))
+            rows_out.append(dict(method=METHODS[1], **common, us_per_layer=bm, p10=b10, p90=b90))
+            extra = ""
+            for name, v in kernel_rows.get((N, R, L), {}).items():
+                rows_out.append(dict(method=name, **common, us_per_layer=v, p10=v, p90=v))
+                extra += f"; {name} {v:.1f} us"
             print(f"[{ci + 1}/{len(configs)}] N={N} L={L} R={R}: op {med:.1f} us/layer "
-                  f"(p10 {p10:.1f}, p90 {p90:.1f}); lax.top_k [R, W*L] {bm:.1f} us", flush=True)
+                  f"(p10 {p10:.1f}, p90 {p90:.1f}); lax.top_k [R, W*L] {bm:.1f} us{extra}", flush=True)
         if distinct_gpus >= world:  # all ranks take part: it is a collective
             xm, x10, x90 = _time_xla_path(a, world, K, N, R, L, B, rng)
             if lead:
-                rows_out.append(dict(method=METHODS[2], W=world, K=K, N=N, R=R, L=L,
-                                     us_per_layer=xm, p10=x10, p90=x90))
+                rows_out.append(dict(method=METHODS[2], **common, us_per_layer=xm, p10=x10, p90=x90))
                 print(f"    xla path (all_gather + exact top-K): {xm:.1f} us/layer", flush=True)
         _barrier(client, f"bench/{ci}/next", nproc)
     if lead:
@@ -200,20 +238,52 @@ def _time_xla_path(a, world, K, N, R, L, B, rng):
     bt = put(np.tile(np.arange(R * pages, dtype=np.int32).reshape(1, R, pages), (world, 1, 1)))
 
     @jax.jit
-    def step(logits):  # [layers, W, R, L]
+    def xla_step(logits, ends, req, bt):  # logits [layers, W, R, L]; global arrays are arguments
         def layer(c, lg):
             o = xla_topk_merge_sharded(mesh, "dcp", lg, ends, req, bt, topk=K, block_size=B)
             return c + o.counts.sum(), None
         return jax.lax.scan(layer, jnp.int32(0), logits)[0]
 
-    shape = (a.layers, world, R, L)
+    step = lambda logits: xla_step(logits, ends, req, bt)  # noqa: E731
+
     lsharding = NamedSharding(mesh, P(None, "dcp"))
 
-    def make():
-        x = rng.standard_normal((a.layers, 1, R, L), np.float32).astype(jnp.bfloat16)
-        return jax.make_array_from_callback(shape, lsharding, lambda i: x)
+    def make(n):
+        out = []
+        for _ in range(2):
+            x = rng.standard_normal((n, 1, R, L), np.float32).astype(jnp.bfloat16)
+            out.append((jax.make_array_from_callback((n, world, R, L), lsharding, lambda i: x),))
+        return out
 
-    return _time_steps(step, [(make(),) for _ in range(2)], a.reps, a.warmup, a.layers)
+    return _time_layers(step, make, a.reps, a.warmup, a.layers)
+
+
+def _kernel_rows(a, world, K, lead) -> dict:
+    """{(N, R, L): {method: us}}: rank 0's kernels alone (W ranks simulated in this
+    process, CUDA events) and the producer's memory floor, for every configuration."""
+    try:
+        import cupy as cp
+
+        from .kernels.timing import KernelTimer, copy_bandwidth
+    except ImportError as e:
+        print(f"bench: kernels alone not measured: {e}", flush=True)
+        return {}
+    bw = copy_bandwidth(cp)
+    print(f"bench: device copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+    out = {}
+    for N in a.local_topk:
+        try:
+            timer = KernelTimer(cp, world, K, N, max(a.rows))
+        except Exception as e:  # noqa: BLE001 - e.g. no cubin for this configuration
+            print(f"bench: kernels alone for N={N} not measured: {e}", flush=True)
+            continue
+        for R in a.rows:
+            for L in a.cols:
+                tp, tm = timer.run(R, L, rescue=False, iters=a.reps, warm=min(3, a.reps))
+                out[(N, R, L)] = {METHODS[3]: tp, METHODS[4]: tm, METHODS[5]: R * L * 2 / bw * 1e6}
+        del timer
+        cp.get_default_memory_pool().free_all_blocks()
+    return out
 
 
 def _write(out, rows):
@@ -228,32 +298,50 @@ def _write(out, rows):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 5))
-        groups = sorted({(r["method"], r["N"], r["L"]) for r in rows})
-        for m, n, l in groups:
-            if m != METHODS[0] and n != min(r["N"] for r in rows):
-                continue  # the baseline does not depend on N: one line per L
-            pts = sorted((r["R"], r["us_per_layer"]) for r in rows
-                         if (r["method"], r["N"], r["L"]) == (m, n, l))
-            label = f"{m} L={l // 1024}K" + (f" N={n}" if m == METHODS[0] else "")
-            ax.plot(*zip(*pts), marker="o", label=label, linestyle="-" if m == METHODS[0] else "--")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("rows R")
-        ax.set_ylabel("time per layer (us)")
-        ax.set_title(f"top-K merge per layer, W={rows[0]['W']}, K={rows[0]['K']}")
-        ax.legend(fontsize=7)
+        Ls = sorted({r["L"] for r in rows})
+        Ns = sorted({r["N"] for r in rows})
+        fig, axes = plt.subplots(1, len(Ls), figsize=(5 * len(Ls), 4.5), squeeze=False)
+        style = {METHODS[0]: "-", METHODS[1]: "--", METHODS[2]: "--", METHODS[3]: ":",
+                 METHODS[4]: ":", METHODS[5]: "-."}
+        for ax, L in zip(axes[0], Ls):
+            for m in METHODS:
+                for n in (Ns if m in (METHODS[0], METHODS[3], METHODS[4]) else Ns[:1]):
+                    if m in (METHODS[3], METHODS[4]) and n != Ns[len(Ns) // 2]:
+                        continue  # kernels: the middle N only, to keep the plot readable
+                    pts = sorted((r["R"], r["us_per_layer"]) for r in rows
+                                 if (r["method"], r["N"], r["L"]) == (m, n, L))
+                    if pts:
+                        label = m + (f" N={n}" if m != METHODS[1] and m != METHODS[5] else "")
+                        ax.plot(*zip(*pts), marker="o", ms=3, label=label, linestyle=style[m])
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("rows R")
+            ax.set_ylabel("time per layer (us)")
+            ax.set_title(f"L = {L // 1024}K per rank", fontsize=10)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(f"top-K merge per layer, W={rows[0]['W']}, K={rows[0]['K']} "
+                     f"(CUDA graphs {rows[0]['graphs']}, MPS {'on' if rows[0]['mps'] else 'off'})")
         fig.tight_layout()
         fig.savefig(os.path.join(out, "bench.png"), dpi=110)
     except ImportError:
         print("bench: matplotlib missing: no plot (pip install '.[bench]')", flush=True)
-    print(f"\n{'N':>5} {'L':>7} {'R':>4} {'op us':>9} {'top_k us':>9} {'speedup':>8}")
+    def find(method, r):
+        return next((x["us_per_layer"] for x in rows if x["method"] == method
+                     and (x["N"], x["R"], x["L"]) == (r["N"], r["R"], r["L"])), float("nan"))
+
+    first = rows[0]
+    print(f"\nW={first['W']} K={first['K']}, CUDA graphs {first['graphs']}, MPS {'on' if first['mps'] else 'off'}; "
+          "us per layer (median); kernels: rank 0 alone, CUDA events; floor: one read of [R, L]")
+    print(f"{'N':>5} {'L':>7} {'R':>4} {'op':>9} {'top_k':>9} {'speedup':>8} {'sel+push':>9} {'merge':>7} "
+          f"{'floor':>7}")
     for r in rows:
         if r["method"] != METHODS[0]:
             continue
-        b = next(x for x in rows if x["method"] == METHODS[1] and (x["R"], x["L"]) == (r["R"], r["L"]))
-        print(f"{r['N']:>5} {r['L']:>7} {r['R']:>4} {r['us_per_layer']:>9.1f} "
-              f"{b['us_per_layer']:>9.1f} {b['us_per_layer'] / r['us_per_layer']:>7.1f}x")
+        b = find(METHODS[1], r)
+        print(f"{r['N']:>5} {r['L']:>7} {r['R']:>4} {r['us_per_layer']:>9.1f} {b:>9.1f} "
+              f"{b / r['us_per_layer']:>7.1f}x {find(METHODS[3], r):>9.1f} {find(METHODS[4], r):>7.1f} "
+              f"{find(METHODS[5], r):>7.1f}")
     print(f"wrote {path}", flush=True)
 
 

@@ -138,7 +138,7 @@ def run(a) -> int:
                      "so the op's numbers measure context switching, not the op."), flush=True)
     rng = np.random.default_rng(rank)
     top_k_cache = {}
-    kernel_rows = _kernel_rows(a, world, K, lead) if lead and not a.no_kernels else {}
+    kernel_rows = _kernel_rows(a, world, K) if lead and not a.no_kernels else {}
 
     def device_normal(shape, seed):  # drawn on the device: host RNG is slow at 10^9 values
         return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.bfloat16)
@@ -258,7 +258,7 @@ def _time_xla_path(a, world, K, N, R, L, B, rng):
     return _time_layers(step, make, a.reps, a.warmup, a.layers)
 
 
-def _kernel_rows(a, world, K, lead) -> dict:
+def _kernel_rows(a, world, K) -> dict:
     """{(N, R, L): {method: us}}: rank 0's kernels alone (W ranks simulated in this
     process, CUDA events) and the producer's memory floor, for every configuration."""
     try:

@@ -115,25 +115,47 @@ class Merge:
         return key
 
     @cute.jit
+    def probe(self, addr: Int64, flag: cutlass.Constexpr) -> Uint64:
+        """One load of what a wait watches, tag in the high word: an LL half
+        (word | tag << 32, volatile load) or a rescue flag (acquire load at system
+        scope; the flag's value is its tag)."""
+        h = Uint64(0)
+        if cutlass.const_expr(flag):
+            h = Uint64(Uint32(C.ld_acquire_sys(addr))) << Uint64(32)
+        else:
+            h = C.ld_volatile_u64(addr)
+        return h
+
+    @cute.jit
+    def wait_tag(self, addr: Int64, want: Int32, flag: cutlass.Constexpr, status: Int64,
+                 code: cutlass.Constexpr, t: Int32, ep: Int32, q: Int32, timeout_ns: Int64) -> Uint64:
+        """probe(addr) once its tag is ``want``.  Spins with a %globaltimer timeout:
+        on timeout it records [code, row, epoch, rank] once (the first failure in
+        the whole grid wins); once status is set every wait gives up at once."""  # fmt: skip
+        h = self.probe(addr, flag)
+        if Int32(Uint32(h >> Uint64(32))) != want:
+            start = C.globaltimer()
+            go = Int32(1)
+            while go != Int32(0):
+                h = self.probe(addr, flag)
+                if Int32(Uint32(h >> Uint64(32))) == want:
+                    go = Int32(0)
+                elif C.ld_volatile_u32(status) != Uint32(0):
+                    go = Int32(0)
+                elif C.globaltimer() - start > timeout_ns:
+                    self.record(status, Int32(code), t, ep, q)
+                    go = Int32(0)
+        return h
+
+    @cute.jit
     def ll_half(self, addr: Int64, ep: Int32, wait: cutlass.Constexpr, status: Int64,
                 t: Int32, q: Int32, timeout_ns: Int64) -> Uint32:
-        """Word of the LL half at addr.  With ``wait``: spin until its tag is
-        ep; on timeout record [1, row, epoch, rank] once (first failure in the
-        whole grid wins); once status is set every wait gives up at once."""  # fmt: skip
-        h = C.ld_volatile_u64(addr)
+        """Word of the LL half at addr; with ``wait``, once its tag is ep."""
+        h = Uint64(0)
         if cutlass.const_expr(wait):
-            if Int32(Uint32(h >> Uint64(32))) != ep:
-                start = C.globaltimer()
-                go = Int32(1)
-                while go != Int32(0):
-                    h = C.ld_volatile_u64(addr)
-                    if Int32(Uint32(h >> Uint64(32))) == ep:
-                        go = Int32(0)
-                    elif C.ld_volatile_u32(status) != Uint32(0):
-                        go = Int32(0)
-                    elif C.globaltimer() - start > timeout_ns:
-                        self.record(status, Int32(layout.STATUS_TIMEOUT_ROUND1), t, ep, q)
-                        go = Int32(0)
+            h = self.wait_tag(addr, ep, False, status, layout.STATUS_TIMEOUT_ROUND1, t, ep, q, timeout_ns)
+        else:
+            h = C.ld_volatile_u64(addr)
         return Uint32(h & Uint64(0xFFFFFFFF))
 
     @cute.jit
@@ -544,9 +566,9 @@ class Merge:
             C.pdl_wait()
             # A failure anywhere in the grid (status set) voids this row: waits that gave
             # up read stale words, so the row gets empty outputs, never a guess.
+            # (failed() starts with a barrier: every thread is done reading the row)
             if self.failed(status, sm_seg, tid) != Int32(0):
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
-            cute.arch.sync_threads()
             if tid == Int32(0):
                 C.st_u32(state + Int64(t) * Int64(4), ep)
             t = t + Int32(nblk)
@@ -636,17 +658,8 @@ class Merge:
         if tid < Int32(W):
             if ((mask >> tid) & Int32(1)) != Int32(0):
                 addr = local + flags_off + (Int64(tid) * Int64(max_rows) + Int64(t)) * Int64(4)
-                if C.ld_acquire_sys(addr) != flag_val:
-                    start = C.globaltimer()
-                    go = Int32(1)
-                    while go != Int32(0):
-                        if C.ld_acquire_sys(addr) == flag_val:
-                            go = Int32(0)
-                        elif C.ld_volatile_u32(status) != Uint32(0):
-                            go = Int32(0)
-                        elif C.globaltimer() - start > timeout_ns:
-                            self.record(status, Int32(layout.STATUS_TIMEOUT_RESCUE), t, ep, tid)
-                            go = Int32(0)
+                self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
+                              timeout_ns)  # fmt: skip
         if tid == Int32(0):
             off = Int32(0)
             s = Int32(0)

@@ -34,7 +34,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jax_dsa_exchange import layout  # noqa: E402
-from jax_dsa_exchange.kernels.timing import KernelTimer as Bench, copy_bandwidth  # noqa: E402
+from jax_dsa_exchange.kernels.timing import KernelTimer as Bench, _events, copy_bandwidth  # noqa: E402
 
 
 def jax_topk_time(shape, k, reps=16):
@@ -69,74 +69,92 @@ def jax_topk_time(shape, k, reps=16):
     return statistics.median(ts)
 
 
-VARIANTS = {  # static tunings of the local select (common.local_select)
-    "v8B_u4_c8_b9": dict(vec=4, u12=4, u3=8, bits1=9),
-    "v16B_u4_c4_b9": dict(vec=8, u12=4, u3=4, bits1=9),
-    "v16B_u8_c4_b9": dict(vec=8, u12=8, u3=4, bits1=9),
-    "v16B_u4_c4_b11": dict(vec=8, u12=4, u3=4, bits1=11),
-    "v16B_u8_c8_b11": dict(vec=8, u12=8, u3=8, bits1=11),
-    "v16B_u2_c4_b11": dict(vec=8, u12=2, u3=4, bits1=11),
-}
+def torch_topk_time(shape, k, dtype="bfloat16", reps=20):
+    """Device time of torch.topk(x, k) on a [R, C] tensor by CUDA-graph replay of
+    ``reps`` calls over 4 rotating inputs (median of 5 replays); None without
+    PyTorch + CUDA.  dtype "bfloat16" (the logits) or "int64" (merge keys)."""
+    try:
+        import torch
+    except Exception:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    k = min(k, shape[1])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if dtype == "int64":
+        xs = [torch.randint(1, 1 << 62, tuple(shape), device="cuda", generator=g) for _ in range(4)]
+    else:
+        xs = [torch.randn(tuple(shape), device="cuda", generator=g).to(torch.bfloat16) for _ in range(4)]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for x in xs:  # warm-up outside the graph (allocations, kernel selection)
+            torch.topk(x, k)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s):
+        for i in range(reps):
+            torch.topk(xs[i % 4], k)
+    ts = []
+    for _ in range(7):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) * 1e-3 / reps)
+    del graph, xs
+    return statistics.median(ts[2:])
 
 
-def build_variants(out, world=8, n=512):
-    """(CuTe DSL machine) select_push variants -> out/<name>/select_push.*"""
-    import json
-    import pathlib
-
-    from jax_dsa_exchange.kernels.select_push import SelectPush
-
-    for name, kw in VARIANTS.items():
-        obj = SelectPush(world, n, **kw)
-        t0 = time.perf_counter()
-        c = obj.compile()
-        d = pathlib.Path(out) / name
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "select_push.cubin").write_bytes(bytes(c.__cubin__))
-        (d / "select_push.json").write_text(json.dumps(dict(
-            entry=list(c.kernel_info)[0], smem=obj.smem, tune=kw, world=world, n=n,
-            compile_seconds=time.perf_counter() - t0)))
-        print(name, f"{time.perf_counter() - t0:.1f}s", flush=True)
-
-
-def run_variants(cp, vdir, world=8, topk=2048, n=512, rows=64, cols=(8192, 32768, 131072)):
-    """(GPU) time each variant's producer (rank 0 alone) and check that it
-    writes exactly the bytes of the default build."""
-    import json
-    import pathlib
-
-    b = Bench(cp, world, topk, n, rows)
+def probe(cp, world, topk, n, reps=20):
+    """select_push per launch when launched back to back (a CUDA graph of reps
+    launches, median of 5 replays; no other kernel in between) at R = 1: empty rows (the fixed
+    cost), then growing rows, per cluster size."""
+    b = Bench(cp, world, topk, n, 8)
     sim = b.sim
-    res = []
-    for L in cols:
-        d = b.inputs(rows, L, 1, False, seed=L)[0][0]
-        sim.launch_rank(0, d, rows, L, 64, merge=False)
-        cp.cuda.Device().synchronize()
-        want = sim.bufs[0].copy()
-        for vd in sorted(pathlib.Path(vdir).iterdir()):
-            meta = json.loads((vd / "select_push.json").read_text())
-            fn = cp.RawModule(path=str(vd / "select_push.cubin")).get_function(meta["entry"])
-            args = (np.int64(d["logits"].data.ptr), np.int64(d["row_ends"].data.ptr),
-                    np.int32(rows), np.int32(L), np.int64(sim.states[0].data.ptr),
-                    np.int64(sim.peers.data.ptr), np.int32(0), np.int32(sim.max_rows))
-            sim.bufs[0].fill(0)
-            s0 = sim.streams[0]
-            ts = []
-            for it in range(8):
-                e0, e1 = _events(cp)
-                with s0:
-                    b.spacer.fill(it)
-                    e0.record(s0)
-                    fn((rows,), (512,), args, shared_mem=meta["smem"])
-                    e1.record(s0)
+    s0 = sim.streams[0]
+    for L in (8192, 131072):
+        d = b.inputs(1, L, 1, False, seed=1)[0][0]
+        for end in (0, 1024, L):
+            d["row_ends"].fill(end)
+            for c in (1, 2, 4, 8):
+                for _ in range(3):
+                    sim.launch_rank(0, d, 1, L, 64, merge=False, cluster=c)
                 s0.synchronize()
-                if it >= 2:
-                    ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
-            same = bool((sim.bufs[0] == want).all())
-            res.append((vd.name, L, statistics.median(ts), same))
-            print(f"variant {vd.name} L={L}: {statistics.median(ts):.1f}us same_bytes={same}",
-                  flush=True)  # fmt: skip
-    return res
+                s0.begin_capture()  # a CUDA graph of reps launches: no host gaps
+                for _ in range(reps):
+                    sim.launch_rank(0, d, 1, L, 64, merge=False, cluster=c)
+                g = s0.end_capture()
+                ts = []
+                for _ in range(5):
+                    e0, e1 = _events(cp)
+                    e0.record(s0)
+                    g.launch(s0)
+                    e1.record(s0)
+                    s0.synchronize()
+                    ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps)
+                t = statistics.median(ts)
+                print(f"probe N={n} R=1 L={L} end={end} C={c}: {t:.2f}us per launch (back to back)",
+                      flush=True)  # fmt: skip
+    del b
+
+
+def cluster_sweep(cp, world, topk, n, rows, cols, clusters, iters):
+    """select_push time per forced cluster size (the policy's choice marked)."""
+    from jax_dsa_exchange import layout
+
+    b = Bench(cp, world, topk, n, max(rows))
+    out = []
+    for R in rows:
+        for L in cols:
+            for c in clusters:
+                tp, _ = b.run(R, L, rescue=False, iters=iters, warm=2, cluster=c, merge=False)
+                pol = layout.producer_cluster(R, L)
+                out.append((n, R, L, c, tp, c == pol))
+                print(f"sweep N={n} R={R} L={L} C={c}{' (policy)' if c == pol else ''}: "
+                      f"select+push {tp:.1f}us", flush=True)  # fmt: skip
+    del b
+    return out
 
 
 def main(argv=None):
@@ -148,20 +166,26 @@ def main(argv=None):
     ap.add_argument("--cols", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--no-jax", action="store_true")
     ap.add_argument("--iters", type=int, default=12)
-    ap.add_argument("--build-variants", metavar="DIR")
-    ap.add_argument("--variants", metavar="DIR", help="time prebuilt select_push variants")
-    ap.add_argument("--only-variants", action="store_true")
+    ap.add_argument("--clusters", type=int, nargs="*", default=None,
+                    help="also time select_push with each forced cluster size (CTAs per row)")
+    ap.add_argument("--only-sweep", action="store_true", help="only the cluster sweep")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--probe", action="store_true", help="back-to-back select_push launches at R=1")
     ap.add_argument("--no-rescue", action="store_true")
     ap.add_argument("--diag", action="store_true", help="producer/merge time vs R, kernel attributes")
     a = ap.parse_args(argv)
-    if a.build_variants:
-        build_variants(a.build_variants)
-        return
     import cupy as cp
 
-    if a.variants:
-        run_variants(cp, a.variants)
-        if a.only_variants:
+    if a.probe:
+        probe(cp, a.world, a.topk, a.n[0])
+    sweep = []
+    if a.clusters:
+        for n in a.n:
+            sweep += cluster_sweep(cp, a.world, a.topk, n, a.rows, a.cols, a.clusters, a.iters)
+        print("\nselect_push by cluster size (us):")
+        for n, R, L, c, tp, pol in sweep:
+            print(f"  N={n:>5} R={R:>4} L={L:>7} C={c} {tp:8.1f}{'  <- policy' if pol else ''}")
+        if a.only_sweep:
             return
 
     bw = copy_bandwidth(cp)
@@ -178,6 +202,20 @@ def main(argv=None):
             tp, tm = b.run(R, 32768, rescue=False, iters=6, warm=2)
             print(f"diag N=512 L=32768 R={R}: select+push {tp:.1f}us merge {tm:.1f}us", flush=True)
         del b
+    from jax_dsa_exchange import layout
+
+    base_cache = {}
+
+    def baseline(kind, shape, k, dtype):
+        key = (kind, shape, k, dtype)
+        if key not in base_cache:
+            if kind == "jax":
+                t = None if a.no_jax else jax_topk_time(shape, k)
+            else:
+                t = None if a.no_torch else torch_topk_time(shape, k, dtype)
+            base_cache[key] = None if t is None else t * 1e6
+        return base_cache[key]
+
     for n in a.n:
         b = Bench(cp, a.world, a.topk, n, max(a.rows))
         print(f"N={n}: loaded {b.sim.loaded_from}, smem {[i.smem for i in b.sim.images.values()]}",
@@ -190,27 +228,34 @@ def main(argv=None):
                 if not a.no_rescue:
                     _, tr = b.run(R, L, rescue=True, iters=6, warm=2)
                     sat1 = b.last_sat_rows
-                read_us = R * L * 2 / bw * 1e6  # one read of the logits at copy bandwidth
-                if not a.no_jax:
-                    for shape in ((R, L), (R, a.world * n)):
-                        if shape not in jax_cache:
-                            t = jax_topk_time(shape, a.topk)
-                            jax_cache[shape] = None if t is None else t * 1e6
-                jl = jax_cache.get((R, L))
-                jm = jax_cache.get((R, a.world * n))
-                rows.append((n, R, L, tp, read_us, tm, tr, jl, jm, sat0, sat1))
-                print(f"N={n} R={R} L={L}: select+push {tp:.1f}us (read {read_us:.1f}us) "
-                      f"merge {tm:.1f}us (rescued rows {sat0:.2f}) rescue-merge {tr:.1f}us jax top_k[R,L] {jl} "
-                      f"[R,W*N] {jm}", flush=True)  # fmt: skip
+                # memory floor of select_push: one read of the logits or one write of the
+                # LL rows it pushes to the W ranks, at the copy bandwidth (read + write)
+                read_us = R * L * 2 / bw * 1e6
+                push_us = R * a.world * layout.ll_row_bytes(n) / bw * 1e6
+                floor = max(read_us, push_us)
+                goal = max(6.0, 3 * floor)
+                jl = baseline("jax", (R, L), n, "bfloat16")
+                tl = baseline("torch", (R, L), n, "bfloat16")
+                jm = baseline("jax", (R, a.world * n), a.topk, "bfloat16")
+                tmk = baseline("torch", (R, a.world * n), a.topk, "int64")
+                rows.append((n, R, L, tp, floor, goal, tl, jl, tm, tr, tmk, jm, sat0, sat1,
+                             layout.producer_cluster(R, L)))  # fmt: skip
+                print(f"N={n} R={R} L={L}: select+push {tp:.1f}us (floor {floor:.2f}us, goal "
+                      f"{goal:.1f}us, C={layout.producer_cluster(R, L)}) torch.topk[R,L] {tl} "
+                      f"jax top_k[R,L] {jl}; merge {tm:.1f}us (rescued rows {sat0:.2f}) "
+                      f"rescue-merge {tr:.1f}us torch.topk[R,W*N] {tmk} jax [R,W*N] {jm}",
+                      flush=True)  # fmt: skip
         del b
-    f = lambda v: "-" if v is None else f"{v:9.1f}"  # noqa: E731
-    print(f"\nW={a.world} K={a.topk}; times in us (median, CUDA events); copy bw {bw / 1e12:.2f} TB/s")
-    print(f"{'N':>5} {'R':>4} {'L':>7} | {'sel+push':>9} {'1 read':>9} {'x read':>6} | "
-          f"{'merge':>9} {'sat':>4} {'+rescue':>9} {'sat':>4} | {'jax tk RL':>9} {'jax tk RWN':>10}")  # fmt: skip
-    for n, R, L, tp, rd, tm, tr, jl, jm, s0, s1 in rows:
-        print(f"{n:>5} {R:>4} {L:>7} | {tp:9.1f} {rd:9.1f} {tp / rd:6.1f} | {tm:9.1f} {s0:4.2f} "
-              f"{tr:9.1f} {s1:4.2f} | "
-              f"{f(jl)} {f(jm):>10}")  # fmt: skip
+    f = lambda v: "-" if v is None else f"{v:8.1f}"  # noqa: E731
+    print(f"\nW={a.world} K={a.topk}; times in us (median, CUDA events / graph replay); copy bw "
+          f"{bw / 1e12:.2f} TB/s; floor = max(one read of [R,L] bf16, one write of the pushed LL "
+          f"rows); goal = max(6, 3 x floor); baselines: top-N of [R,L] bf16, top-K of [R,W*N] "
+          f"(torch: int64 keys)")  # fmt: skip
+    print(f"{'N':>5} {'R':>4} {'L':>7} {'C':>2} | {'sel+push':>8} {'floor':>6} {'goal':>6} {'met':>3} "
+          f"{'torch':>8} {'jax':>8} | {'merge':>8} {'+rescue':>8} {'torch':>8} {'jax':>8} {'sat':>4}")  # fmt: skip
+    for n, R, L, tp, fl, goal, tl, jl, tm, tr, tmk, jm, s0, s1, c in rows:
+        print(f"{n:>5} {R:>4} {L:>7} {c:>2} | {tp:8.1f} {fl:6.2f} {goal:6.1f} {'yes' if tp <= goal else 'no':>3} "
+              f"{f(tl)} {f(jl)} | {tm:8.1f} {tr:8.1f} {f(tmk)} {f(jm)} {s1:4.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -118,7 +118,25 @@ struct Kernel {
   int block = 0;      // threads per block (x)
   int smem = 0;       // dynamic shared memory bytes
   int source = 0;     // 1 = cubin, 2 = PTX JIT
+  // select_push's row split (layout.producer_split(), from the kernel metadata):
+  // slice_max, cluster_max, min_slice, fill_ctas; cluster_max == 0: no cluster launch.
+  int split[4] = {0, 0, 0, 0};
 };
+
+// CTAs per row of a select_push launch: the same rule as layout.producer_cluster()
+// (a CI test compares the two): the fewest CTAs that keep every slice on chip, then
+// more while the grid has room and the slices keep min_slice tokens.
+int ProducerCluster(int rows, int cols, const int split[4]) {
+  const int slice_max = split[0], cluster_max = split[1], min_slice = split[2], fill = split[3];
+  if (cluster_max < 1 || slice_max < 1) return 1;
+  long long length = cols < 1 ? 1 : (cols > (1 << 17) ? (1 << 17) : cols);
+  long long c = (length + slice_max - 1) / slice_max;
+  while (c < cluster_max && static_cast<long long>(rows) * (c + 1) <= fill &&
+         (length + c) / (c + 1) >= min_slice)
+    ++c;
+  if (c > cluster_max) c = cluster_max;
+  return c < 1 ? 1 : static_cast<int>(c);
+}
 
 struct Record {
   int rank, world, topk, local_topk, max_rows, timeout_us, merge_grid;
@@ -230,11 +248,20 @@ ffi::Error CheckStatus(const Record& rec, const char* target, int64_t exchange_i
 }
 
 ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stream, bool pdl,
-                  void** params, const char* target, int64_t exchange_id, int device) {
-  CUlaunchAttribute attr;
-  std::memset(&attr, 0, sizeof(attr));
-  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attr.value.programmaticStreamSerializationAllowed = 1;
+                  void** params, const char* target, int64_t exchange_id, int device, unsigned cluster = 0) {
+  CUlaunchAttribute attrs[2];
+  std::memset(attrs, 0, sizeof(attrs));
+  unsigned nattrs = 0;
+  if (pdl) {
+    attrs[nattrs].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[nattrs++].value.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 0) {  // grid must be a multiple of it
+    attrs[nattrs].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[nattrs].value.clusterDim.x = cluster;
+    attrs[nattrs].value.clusterDim.y = 1;
+    attrs[nattrs++].value.clusterDim.z = 1;
+  }
   CUlaunchConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.gridDimX = grid;
@@ -243,8 +270,8 @@ ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stre
   cfg.blockDimY = cfg.blockDimZ = 1;
   cfg.sharedMemBytes = static_cast<unsigned>(k.smem);
   cfg.hStream = stream;
-  cfg.attrs = pdl ? &attr : nullptr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.attrs = nattrs ? attrs : nullptr;
+  cfg.numAttrs = nattrs;
   CUresult rc = d->LaunchKernelEx(&cfg, k.fn, params, nullptr);
   if (rc != CUDA_SUCCESS)
     return ffi::Error::Internal(std::string(target) + ": " + CuError(d, "cuLaunchKernelEx", rc) +
@@ -287,8 +314,10 @@ ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, 
   int64_t epoch = rec.state;  // epoch[max_rows] sits at byte 0 of the state
   int32_t rank = rec.rank, max_rows = rec.max_rows;
   void* params[] = {&logits, &row_ends, &rows, &cols, &epoch, &rec.peers, &rank, &max_rows};
-  return Launch(d, rec.select, static_cast<unsigned>(rows), stream, /*pdl=*/false, params, target,
-                exchange_id, device);
+  // One cluster of C CTAs per row (kernels/select_push.py); no split: one CTA per row.
+  unsigned c = rec.select.split[1] > 0 ? static_cast<unsigned>(ProducerCluster(rows, cols, rec.select.split)) : 0;
+  return Launch(d, rec.select, static_cast<unsigned>(rows) * (c ? c : 1), stream, /*pdl=*/false, params, target,
+                exchange_id, device, c);
 }
 
 // ---------------------------------------------------------------------------
@@ -474,6 +503,28 @@ int dsa_load_kernel(const char* key, const void* cubin, int64_t cubin_size, cons
   if (!err.empty()) return Fail(where + ": " + err);
   g_kernels[{key, device}] = k;
   return k.source;
+}
+
+// Sets the row split of a loaded select_push kernel (before dsa_register_exchange,
+// which copies the kernel).  All zero: no cluster launch.
+int dsa_set_kernel_split(const char* key, int device, int slice_max, int cluster_max, int min_slice,
+                         int fill_ctas) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto found = g_kernels.find({key, device});
+  std::string where = std::string("kernel '") + key + "' on device " + std::to_string(device);
+  if (found == g_kernels.end()) return Fail(where + " is not loaded");
+  if (slice_max < 0 || cluster_max < 0 || cluster_max > 8 || min_slice < 0 || fill_ctas < 0)
+    return Fail(where + ": bad split " + std::to_string(slice_max) + "/" + std::to_string(cluster_max));
+  int v[4] = {slice_max, cluster_max, min_slice, fill_ctas};
+  std::memcpy(found->second.split, v, sizeof(v));
+  return 0;
+}
+
+// The launcher's cluster size for [rows, cols] under a split (for the CI test that
+// compares it with layout.producer_cluster).
+int dsa_producer_cluster(int rows, int cols, int slice_max, int cluster_max, int min_slice, int fill_ctas) {
+  int v[4] = {slice_max, cluster_max, min_slice, fill_ctas};
+  return ProducerCluster(rows, cols, v);
 }
 
 int dsa_register_exchange(int64_t exchange_id, int device, int rank, int world, int topk, int local_topk,

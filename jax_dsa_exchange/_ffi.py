@@ -82,6 +82,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_driver_available.argtypes = []
     lib.dsa_load_kernel.restype = i32
     lib.dsa_load_kernel.argtypes = [cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32]
+    lib.dsa_set_kernel_split.restype = i32
+    lib.dsa_set_kernel_split.argtypes = [cp, i32, i32, i32, i32, i32]
+    lib.dsa_producer_cluster.restype = i32
+    lib.dsa_producer_cluster.argtypes = [i32, i32, i32, i32, i32, i32]
     lib.dsa_register_exchange.restype = i32
     lib.dsa_register_exchange.argtypes = [i64, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i32, i32, cp, cp,
                                           i64]
@@ -264,6 +268,21 @@ def load_kernel(key: str, cubin: bytes | None, ptx: str | None, entry: str, devi
         key.encode(), buf, len(cubin), ptx_b, entry.encode(), int(device), int(block), int(smem)
     )
     return {1: "cubin", 2: "ptx"}[_check(lib, rc)]
+
+
+_SPLIT_KEYS = ("slice_max", "cluster_max", "min_slice", "fill_ctas")
+
+
+def set_kernel_split(key: str, device: int, split: dict) -> None:
+    """Tells the launcher how select_push splits rows (the metadata's ``split``,
+    layout.producer_split()); call after load_kernel, before register_exchange."""
+    lib = _require()
+    _check(lib, lib.dsa_set_kernel_split(key.encode(), int(device), *(int(split[k]) for k in _SPLIT_KEYS)))
+
+
+def producer_cluster(rows: int, cols: int, split: dict) -> int:
+    """The launcher's CTAs per row for [rows, cols] (must equal layout.producer_cluster)."""
+    return int(_require().dsa_producer_cluster(int(rows), int(cols), *(int(split[k]) for k in _SPLIT_KEYS)))
 
 
 def register_exchange(

@@ -252,6 +252,15 @@ class Exchange:
         for name, img in images.items():
             keys[name] = f"{name}/{self.arch}/w{self.world}k{self.topk}n{self.local_topk}/{img.source_hash}"
             _ffi.load_kernel(keys[name], img.cubin, img.ptx, img.entry, self.ordinal, img.block, img.smem)
+            if img.split is not None:
+                split = dict(img.split)
+                if self._ranks_on_gpu > 1:
+                    # Ranks sharing a GPU (MPS): a rank's producer must find room beside
+                    # the other ranks' spinning merges, and a cluster needs several free
+                    # SMs of one GPC at once: one CTA per row, which any free SM takes.
+                    split["cluster_max"] = 1
+                # (register_exchange copies the kernel with the split set now)
+                _ffi.set_kernel_split(keys[name], self.ordinal, split)
         _ffi.register_exchange(
             self.id, self.ordinal, rank=self.rank, world=self.world, topk=self.topk,
             local_topk=self.local_topk, max_rows=self.max_rows, peers=self._peers_table.ptr,

@@ -49,6 +49,36 @@ STATUS_TIMEOUT_RESCUE = 2  # a saturated peer's rescue flag never came
 STATUS_CLOSED = 3  # Exchange.close() ran: kernels (e.g. CUDA-graph replays) must do nothing
 
 
+# How the producer splits a row over a thread-block cluster (kernels/select.py):
+# CTA c of a cluster of C takes the c-th of C equal slices of the row (multiples of 8
+# tokens) and keeps it on chip, so a slice holds at most PRODUCER_SLICE_MAX tokens.
+# C is chosen per call by producer_cluster(); the C++ launcher computes the same from
+# the kernel metadata ("split"), and a CI test compares the two.
+PRODUCER_SLICE_MAX = 16384  # ord16 pairs in shared memory: 32 KB per CTA
+PRODUCER_CLUSTER_MAX = 8  # the portable cluster size limit
+PRODUCER_MIN_SLICE = 2048  # split a row further only while slices keep this many tokens
+PRODUCER_FILL_CTAS = 264  # ... and the grid stays within this many CTAs (2 per H200 SM)
+
+
+def producer_split() -> dict:
+    """The split policy's parameters, as the kernel metadata carries them."""
+    return {"slice_max": PRODUCER_SLICE_MAX, "cluster_max": PRODUCER_CLUSTER_MAX,
+            "min_slice": PRODUCER_MIN_SLICE, "fill_ctas": PRODUCER_FILL_CTAS}  # fmt: skip
+
+
+def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:
+    """CTAs per row (the cluster size) of a select_push launch over [rows, cols]:
+    the fewest that keep every slice on chip, then more while the grid has room
+    and the slices stay long enough to pay for the cluster barriers."""
+    s = split or producer_split()
+    length = max(1, min(int(cols), MAX_LOCAL_LEN))
+    c = -(-length // s["slice_max"])
+    while (c < s["cluster_max"] and rows * (c + 1) <= s["fill_ctas"]
+           and -(-length // (c + 1)) >= s["min_slice"]):  # fmt: skip
+        c += 1
+    return max(1, min(c, s["cluster_max"]))
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 

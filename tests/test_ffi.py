@@ -18,6 +18,7 @@ FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
 SYMBOLS = [
     "DsaSelectPush", "DsaMerge", "DsaSelectPushNoGraph", "DsaMergeNoGraph", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
+    "dsa_set_kernel_split", "dsa_producer_cluster",
 ]
 
 needs_lib = pytest.mark.skipif(not _ffi.available(), reason=f"FFI library not built: {_ffi.load_error()}")
@@ -119,6 +120,27 @@ def test_load_kernel_without_driver_is_readable():
         pytest.skip("a CUDA driver is present")
     with pytest.raises(RuntimeError, match="kernel 'k' on device 0: cannot dlopen libcuda.so.1"):
         _ffi.load_kernel("k", b"\0" * 16, None, "entry", 0, 128, 0)
+
+
+@needs_lib
+def test_launcher_splits_rows_like_layout():
+    """The C++ launcher's cluster size (from the metadata's split) equals
+    layout.producer_cluster for every shape, default and other splits."""
+    from jax_dsa_exchange import layout
+
+    splits = [layout.producer_split(), dict(slice_max=4096, cluster_max=8, min_slice=512, fill_ctas=132),
+              dict(slice_max=16384, cluster_max=1, min_slice=2048, fill_ctas=264)]  # fmt: skip
+    cols = [1, 7, 8, 100, 2047, 2048, 2049, 4096, 8191, 8192, 16383, 16384, 16385, 32768, 40000,
+            65536, 100000, 131071, 131072, 1 << 18]  # fmt: skip
+    for split in splits:
+        for rows in (1, 2, 3, 16, 33, 64, 100, 132, 256, 1000):
+            for c in cols:
+                want = layout.producer_cluster(rows, c, split)
+                assert _ffi.producer_cluster(rows, c, split) == want, (rows, c, split)
+                assert 1 <= want <= split["cluster_max"]
+                # every slice fits on chip whenever the row can
+                if min(c, layout.MAX_LOCAL_LEN) <= split["slice_max"] * split["cluster_max"]:
+                    assert -(-min(c, layout.MAX_LOCAL_LEN) // want) <= split["slice_max"]
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -40,6 +40,7 @@ KERNELS = ("select_push", "merge")
 _HERE = pathlib.Path(__file__).resolve().parent
 SOURCE_FILES = (
     _HERE / "common.py",
+    _HERE / "select.py",
     _HERE / "select_push.py",
     _HERE / "merge.py",
     _HERE.parent / "layout.py",
@@ -49,7 +50,8 @@ ENV_DIRS = "JAX_DSA_EXCHANGE_CUBIN_DIR"
 ENV_CACHE = "JAX_DSA_EXCHANGE_CACHE"
 
 GRID_DOC = {
-    "select_push": "(G, 1, 1), any G >= 1 (rows is best): CTA b does rows b, b+G, ...",
+    "select_push": "(rows * C, 1, 1) in clusters of (C, 1, 1), C = layout.producer_cluster(rows, "
+    "cols) from the metadata's split: cluster b selects and pushes row b",
     "merge": "(G, 1, 1), 1 <= G <= rows, small enough that the W ranks' merge grids "
     "are co-resident on their GPUs (SPEC §6.7): CTA b does rows b, b+G, ...",
 }
@@ -69,14 +71,18 @@ class KernelImage:
     config: dict
     arch: str
     source_hash: str
+    split: dict | None = None  # select_push: layout.producer_split() it was built for
 
     def metadata(self) -> dict:
-        return {
+        meta = {
             "kernel": self.kernel, "entry": self.entry,
             "params": [list(p) for p in self.params], "block": self.block,
             "smem": self.smem, "config": dict(self.config), "arch": self.arch,
             "source_hash": self.source_hash, "grid": GRID_DOC[self.kernel],
         }  # fmt: skip
+        if self.split is not None:
+            meta["split"] = dict(self.split)
+        return meta
 
 
 def source_hash(files=SOURCE_FILES) -> str:
@@ -151,6 +157,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
             params=tuple(tuple(p) for p in params[name]),
             config={"world": world, "topk": topk, "local_topk": local_topk},
             arch=arch, source_hash=shash,
+            split=layout.producer_split() if name == "select_push" else None,
         )  # fmt: skip
         out[name] = (img, secs)
     return out
@@ -190,7 +197,7 @@ def read_images(folder) -> dict:
             block=int(meta["block"][0] if isinstance(meta["block"], list) else meta["block"]),
             smem=int(meta["smem"]),
             params=tuple(tuple(p) for p in meta["params"]), config=meta["config"],
-            arch=meta["arch"], source_hash=meta["source_hash"],
+            arch=meta["arch"], source_hash=meta["source_hash"], split=meta.get("split"),
         )  # fmt: skip
     return out
 

@@ -38,6 +38,7 @@ from cutlass import Int32, Int64, Uint32, Uint64
 
 from .. import layout
 from . import common as C
+from . import select as S
 from .select_push import row_end
 
 PARAMS = [
@@ -58,16 +59,18 @@ def _align(x, a):
 
 def smem_bytes(topk: int) -> int:
     rw = layout.row_words(topk)
-    # buf, hist, warp_totals, scalars, rcnt, seg (MergeSmem order) + slack
-    return _align(rw * 4, 16) + C.hist_bins() * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + 128
+    # the rescue's select (its row is buf), hist, warp_totals, scalars, rcnt, seg
+    # (MergeSmem order) + slack
+    return S.smem_bytes(rw, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + 128
 
 
 class MergeSmem:
     def __init__(self, rw: int):
         smem = cutlass.memory.SmemAllocator()
-        self.buf = smem.allocate_tensor(Int32, cute.make_layout((rw,)), 16)
-        # hist_bins() >= TB: the rescue's local select may use more bins
-        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.hist_bins(),)), 16)
+        # the rescue's local top-K: the producer's select on one CTA (its row is buf)
+        self.sel = S.SelectSmem(smem, rw, False)
+        self.buf = self.sel.row
+        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
         self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         self.rcnt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
@@ -631,6 +634,7 @@ class Merge:
                bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32,
                keys: cute.Tensor):  # fmt: skip
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
+        sel = sm.sel.parts()
         W = self.world
         flag_val = seq + Int32(1)
         if ((mask >> rank) & Int32(1)) != Int32(0):
@@ -638,8 +642,8 @@ class Merge:
             # the kernel before the producer wrote: wait for the grid chain).
             C.pdl_wait()
             end = row_end(row_ends, t, cols)
-            C.local_select(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
-                           sm_buf, sm_hist, sm_warp_totals, sm_scalars, tid, lane, warp)  # fmt: skip
+            S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
+                         sel, tid, lane, warp, Int32(1), Int32(0), False, False)  # fmt: skip
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
             off = rescue_off + (Int64(t) * Int64(self.slots) + Int64(s)) * Int64(self.rw_k * 4)
             for p in cutlass.range(W, unroll=1):

@@ -11,6 +11,7 @@ W grids are co-resident (SPEC §6.7).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 import time
@@ -21,6 +22,52 @@ from .. import layout
 from .cache import load_kernels
 
 POISON = -123456789  # outputs are filled with this before every call
+
+# cuLaunchKernelEx through ctypes: CuPy's launch has no cluster dimensions.
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+class _LaunchAttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("align", ctypes.c_void_p), ("dim", ctypes.c_uint * 3)]
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttr)),
+                ("nattrs", ctypes.c_uint)]  # fmt: skip
+
+
+_LIBCUDA = None
+
+
+def launch_cluster(fn, grid, block, smem, stream, params, values, cluster):
+    """Launch CuPy function ``fn`` with a (cluster, 1, 1) cluster; ``params`` are the
+    kernel metadata's (name, "i64" | "i32") pairs, ``values`` their values."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = ctypes.CDLL("libcuda.so.1")
+        _LIBCUDA.cuLaunchKernelEx.restype = ctypes.c_int
+    args = [(ctypes.c_int64 if t == "i64" else ctypes.c_int32)(int(v)) for (_, t), v in zip(params, values)]
+    assert len(args) == len(params) == len(values)
+    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+    attr = _LaunchAttr()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.dim[0], attr.value.dim[1], attr.value.dim[2] = int(cluster), 1, 1
+    cfg = _LaunchConfig()
+    cfg.grid[0], cfg.grid[1], cfg.grid[2] = int(grid), 1, 1
+    cfg.block[0], cfg.block[1], cfg.block[2] = int(block), 1, 1
+    cfg.smem = int(smem)
+    cfg.stream = ctypes.c_void_p(int(stream.ptr))
+    cfg.attrs = ctypes.pointer(attr)
+    cfg.nattrs = 1
+    handle = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr  # RawKernel -> its CUfunction
+    rc = _LIBCUDA.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(int(handle)), ptrs, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid}, cluster {cluster})")
 
 
 def _load_function(img, tmpdir):
@@ -95,16 +142,17 @@ class Sim:
         return dev
 
     def launch_rank(self, q, d, rows, cols, block_size, *, want_ids=True, want_sat=True,
-                    timeout_us=2_000_000, grid=None, producer=True, merge=True):  # fmt: skip
+                    timeout_us=2_000_000, grid=None, producer=True, merge=True,
+                    cluster=None):  # fmt: skip
         i64, i32 = np.int64, np.int32
         sp, mg = self.images["select_push"], self.images["merge"]
         with self.streams[q]:
             if producer:
-                self.fns["select_push"](
-                    (rows,), (sp.block,),
-                    (i64(d["logits"].data.ptr), i64(d["row_ends"].data.ptr), i32(rows), i32(cols),
-                     i64(self.states[q].data.ptr), i64(self.peers.data.ptr), i32(q),
-                     i32(self.max_rows)), shared_mem=sp.smem)  # fmt: skip
+                c = cluster or layout.producer_cluster(rows, cols)
+                launch_cluster(
+                    self.fns["select_push"], rows * c, sp.block, sp.smem, self.streams[q], sp.params,
+                    (d["logits"].data.ptr, d["row_ends"].data.ptr, rows, cols,
+                     self.states[q].data.ptr, self.peers.data.ptr, q, self.max_rows), c)  # fmt: skip
             if merge:
                 bt = d["bt"]
                 self.fns["merge"](
@@ -121,7 +169,7 @@ class Sim:
 
     def call(self, case, *, want_ids=True, want_sat=True, delay_rank=None, delay_s=0.0,
              skip_rank=None, skip_merge_rank=None, short_rank=None, short_rows=0,
-             timeout_us=2_000_000, grid=None):  # fmt: skip
+             timeout_us=2_000_000, grid=None, cluster=None):  # fmt: skip
         """One exchange call of every rank on a Case -> per-rank dict of NumPy
         outputs (kv_rows, counts, ids, saturated, status).  ``skip_rank``
         never pushes (its merge still runs); ``skip_merge_rank`` pushes but
@@ -132,14 +180,31 @@ class Sim:
         dev = self.upload(case)
         cp.cuda.Device().synchronize()
         R, L = case.rows, case.cols[0]
-        kw = dict(want_ids=want_ids, want_sat=want_sat, timeout_us=timeout_us, grid=grid)
+        kw = dict(want_ids=want_ids, want_sat=want_sat, timeout_us=timeout_us, grid=grid,
+                  cluster=cluster)  # cluster: CTAs per row of select_push (None: the policy)
+        # All on-time producers first; the merges wait for them (an event per
+        # producer).  On W GPUs each rank's producer has its GPU to itself; here a
+        # producer cluster (up to 8 CTAs in one GPC) could find no room beside the
+        # other ranks' spinning merges.  A late rank therefore pushes with one CTA
+        # per row (any free SM takes it): the same bytes (tests/test_select_gpu.py).
         order = [q for q in range(self.world) if q != delay_rank]
+        rows_of = {q: short_rows if q == short_rank else R for q in range(self.world)}
+        done = []
         for q in order:
-            self.launch_rank(q, dev[q], short_rows if q == short_rank else R, L, case.block_size,
-                             producer=q != skip_rank, merge=q != skip_merge_rank, **kw)  # fmt: skip
+            if q != skip_rank:
+                self.launch_rank(q, dev[q], rows_of[q], L, case.block_size, merge=False, **kw)
+                ev = cp.cuda.Event(disable_timing=True)
+                ev.record(self.streams[q])
+                done.append(ev)
+        for q in order:
+            if q != skip_merge_rank:
+                for ev in done:
+                    self.streams[q].wait_event(ev)
+                self.launch_rank(q, dev[q], rows_of[q], L, case.block_size, producer=False, **kw)
         if delay_rank is not None:
             time.sleep(delay_s)  # the other ranks' merges spin meanwhile
-            self.launch_rank(delay_rank, dev[delay_rank], R, L, case.block_size, **kw)
+            self.launch_rank(delay_rank, dev[delay_rank], R, L, case.block_size,
+                             **dict(kw, cluster=1))  # fmt: skip
         for s in self.streams:
             s.synchronize()
         out = []

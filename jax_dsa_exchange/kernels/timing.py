@@ -69,7 +69,10 @@ class KernelTimer:
             sets.append(per)
         return sets
 
-    def run(self, R, L, rescue, iters=12, warm=3, seed=0):
+    def run(self, R, L, rescue, iters=12, warm=3, seed=0, cluster=None, merge=True):
+        """Median select+push and merge times (us) of rank 0; ``cluster`` forces
+        select_push's CTAs per row (None: the launcher's policy); ``merge=False``
+        times the producer only (the merge time is then nan)."""
         cp, sim, W = self.cp, self.sim, self.world
         nsets = 2 if R * L * W * 2 > (1 << 29) else 4
         sets = self.inputs(R, L, nsets, rescue, seed)
@@ -78,15 +81,19 @@ class KernelTimer:
         for it in range(warm + iters):
             d = sets[it % nsets]
             for q in range(1, W):  # the other producers first: rank 0's runs alone
-                sim.launch_rank(q, d[q], R, L, 64, merge=False)
+                sim.launch_rank(q, d[q], R, L, 64, merge=False, cluster=cluster)
             cp.cuda.Device().synchronize()
             e0, e1 = _events(cp)
             with s0:
                 self.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
                 e0.record(s0)
-                sim.launch_rank(0, d[0], R, L, 64, merge=False)
+                sim.launch_rank(0, d[0], R, L, 64, merge=False, cluster=cluster)
                 e1.record(s0)
             cp.cuda.Device().synchronize()
+            if not merge:
+                if it >= warm:
+                    tp.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+                continue
             e2, e3 = _events(cp)
             with s0:
                 self.spacer.fill(it & 0xFF)
@@ -101,6 +108,9 @@ class KernelTimer:
             if it >= warm:
                 tp.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
                 tm.append(cp.cuda.get_elapsed_time(e2, e3) * 1e3)
+        if not merge:
+            del sets
+            return statistics.median(tp), float("nan")
         st = sim.status(0)
         assert st[0] == 0, f"status {st}"
         sat = sets[0][0]["sat"].get()

@@ -1,0 +1,496 @@
+"""Exact local top-n of one bf16 row (SPEC §4 on one rank), split over the CTAs
+of a thread-block cluster; the producer's select and the merge's rescue select.
+
+No JAX import.  The row's valid prefix ``[0, end)`` is cut into ``C`` slices of
+``S`` tokens (S a multiple of 8), one per CTA of the cluster (``C = 1``: one CTA
+does the whole row, as the merge's rescue does).  Per CTA:
+
+1. **pass 1** reads its slice from HBM once (16-byte loads, several in flight),
+   turns every bf16 into ``ord16`` (SPEC §5; 0 = NaN / past the end), keeps the
+   ord16 in shared memory when the slice fits (``cached``; the producer always
+   fits: ``S <= SLICE_MAX``) and histograms the high ``B1`` bits;
+2. one **cluster barrier**; every CTA sums the C histograms through distributed
+   shared memory (4 contiguous bins per thread: one 16-byte DSMEM load per CTA)
+   and one block scan finds the boundary bin ``b1`` (the bin of the n-th score),
+   how many scores lie above it, and how many of *its own* lie above it;
+3. **pass 2** (only when the row has more than n valid tokens) histograms the
+   low ``16 - B1`` bits of the scores inside ``b1``, from the shared copy;
+4. one **cluster barrier**; the C second-pass histograms (32 bins each) give
+   the boundary score ``v``, the number of scores ``> v`` and how many ``== v``
+   to keep (``need_eq``, ties to the lower index), and, from the CTAs before
+   this one, how many ``> v`` / ``== v`` precede its slice;
+5. **compaction** in index order (thread-contiguous tokens, one packed
+   ``gt << 16 | eq`` block scan per chunk) writes each kept token's packed word
+   (SPEC §5) straight to its final position in the row buffer of the cluster's
+   CTA 0 (a DSMEM store) and bit 16 of l into the mask words (DSMEM ``red.or``);
+6. one **cluster barrier**: CTA 0's row buffer is the packed row, ascending l,
+   empty words zero.
+
+Every value a branch depends on comes from shared memory after a barrier, so
+control flow is uniform over the CTA (and over the cluster where it matters:
+every CTA executes the same three cluster barriers).  Exactness does not depend
+on C: the boundary, the counts and every position are computed from exact
+integer counts over the whole row.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .. import layout
+from . import common as C
+
+TB = C.TB
+NWARPS = C.NWARPS
+B1 = 11  # high bits of ord16 in the first histogram
+NB1 = 1 << B1  # 2048 bins
+NB2 = 1 << (16 - B1)  # 32 bins of the second pass
+BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
+U1 = 4  # 16-byte loads in flight per thread in pass 1
+VPT = 2  # consecutive 8-token vectors per thread per compaction chunk
+SLICE_MAX = layout.PRODUCER_SLICE_MAX  # tokens per CTA kept on chip (ord16 pairs)
+
+assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
+
+
+def smem_words(rw: int, cached: bool) -> int:
+    """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts)."""
+    parts = [SLICE_MAX // 2 if cached else 4, NB1, NB2, NB2, 16, 32, 2 * NWARPS, rw]
+    return sum(-(-p // 4) * 4 for p in parts)
+
+
+def smem_bytes(rw: int, cached: bool) -> int:
+    return smem_words(rw, cached) * 4 + 128  # + allocator alignment slack
+
+
+class SelectSmem:
+    """The select's shared arrays, allocated from ``smem`` (a SmemAllocator)."""
+
+    def __init__(self, smem, rw: int, cached: bool):
+        def arr(n):
+            return smem.allocate_tensor(Int32, cute.make_layout((n,)), 16)
+
+        self.cache = arr(SLICE_MAX // 2 if cached else 4)  # ord16 pairs of the slice
+        self.hist1 = arr(NB1)
+        self.hist2 = arr(NB2)
+        self.gsum2 = arr(NB2)  # the cluster's second-pass histogram
+        self.pub = arr(16)  # read by other CTAs: [0] own count above b1, [1] own valid count
+        self.scal = arr(32)  # CTA-local scalars (see select_row)
+        self.wt = arr(2 * NWARPS)  # warp totals of the pair scan
+        self.row = arr(rw)  # the packed row (CTA 0's is the cluster's result)
+
+    def parts(self):
+        return (self.cache, self.hist1, self.hist2, self.gsum2, self.pub, self.scal, self.wt,
+                self.row)  # fmt: skip
+
+
+# --------------------------------------------------------------------------
+# Shared / distributed shared memory through 32-bit shared-window addresses.
+# --------------------------------------------------------------------------
+
+
+def _asm(res, args, text, cons, loc=None, ip=None):
+    return C._asm(res, args, text, cons, loc, ip)
+
+
+@dsl_user_op
+def mapa(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
+    """The same shared-memory offset in CTA ``rank`` of the cluster."""
+    return Int32(_asm(T.i32(), [Int32(addr), Int32(rank)], "mapa.shared::cluster.u32 $0, $1, $2;",
+                      "=r,r,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
+def ld_dsmem_u32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int32(addr)], "ld.shared::cluster.u32 $0, [$1];", "=r,r", loc, ip))
+
+
+@dsl_user_op
+def ld_dsmem_v4(addr: Int32, *, loc=None, ip=None):
+    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
+    r = _asm(st, [Int32(addr)], "ld.shared::cluster.v4.u32 {$0, $1, $2, $3}, [$4];",
+             "=r,=r,=r,=r,r", loc, ip)  # fmt: skip
+    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
+
+
+@dsl_user_op
+def st_dsmem_u32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(addr), Int32(v)], "st.shared::cluster.u32 [$0], $1;", "r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def red_dsmem_or(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(addr), Int32(v)], "red.relaxed.cluster.shared::cluster.or.b32 [$0], $1;",
+         "r,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def red_smem_add(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(addr), Int32(v)], "red.shared.add.u32 [$0], $1;", "r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def red_smem_or(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(addr), Int32(v)], "red.shared.or.b32 [$0], $1;", "r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_smem_v4(addr: Int32, *, loc=None, ip=None):
+    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
+    r = _asm(st, [Int32(addr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
+
+
+@dsl_user_op
+def st_smem_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)],
+         "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def ld_nc_v4(addr: Int64, *, loc=None, ip=None):
+    """Eight bf16 in one 16-byte load (read-only while the kernel runs)."""
+    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
+    r = _asm(st, [Int64(addr)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+             loc, ip)  # fmt: skip
+    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
+
+
+@dsl_user_op
+def cluster_sync(*, loc=None, ip=None) -> None:
+    """Every thread of every CTA of the cluster: release, then acquire (orders
+    shared and distributed-shared accesses across the cluster)."""
+    _asm(None, [], "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
+         "~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def smem_addr(t: cute.Tensor, *, loc=None, ip=None) -> Int32:
+    """32-bit shared-window address of a shared-memory tensor's first element."""
+    return Int32(t.iterator.toint(loc=loc, ip=ip))
+
+
+# --------------------------------------------------------------------------
+# Pieces of the select.
+# --------------------------------------------------------------------------
+
+
+@cute.jit
+def ord16_pair(w: Int32) -> Int32:
+    """Two bf16 (low half first) -> their ord16, packed the same way."""
+    lo = C.ord16(Uint32(w) & Uint32(0xFFFF))
+    hi = C.ord16(Uint32(w) >> Uint32(16))
+    return Int32(lo | (hi << Uint32(16)))
+
+
+@cute.jit
+def load_vec(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32, xs: cute.Tensor,
+             off: cutlass.Constexpr):
+    """ord16 pairs of slice tokens 8*vi .. 8*vi+7 into xs[off : off+4] (0 past s_len)."""
+    l0 = vi * Int32(8)
+    if aligned != Int32(0) and l0 + Int32(8) <= s_len:
+        a, b, c, d = ld_nc_v4(row_addr + Int64(s0 + l0) * Int64(2))
+        xs[off] = ord16_pair(a)
+        xs[off + 1] = ord16_pair(b)
+        xs[off + 2] = ord16_pair(c)
+        xs[off + 3] = ord16_pair(d)
+    else:
+        for k in cutlass.range_constexpr(4):
+            xs[off + k] = Int32(0)
+        for k in cutlass.range_constexpr(8):
+            if l0 + Int32(k) < s_len:
+                o = C.ord16(C.ld_u16(row_addr + Int64(s0 + l0 + Int32(k)) * Int64(2)))
+                xs[off + k // 2] = xs[off + k // 2] | Int32(o << Uint32(16 * (k % 2)))
+
+
+@cute.jit
+def get_vecs(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32,
+             cache_a: Int32, xs: cute.Tensor, from_cache: Int32, nv: cutlass.Constexpr,
+             stride: cutlass.Constexpr):
+    """xs[4u : 4u+4] = ord16 pairs of vector v0 + u*stride (u < nv); 0 past nvec.
+    From the shared copy when ``from_cache`` (uniform), else from global memory."""
+    for u in cutlass.range_constexpr(nv):
+        vi = v0 + Int32(u * stride)
+        for k in cutlass.range_constexpr(4):
+            xs[4 * u + k] = Int32(0)
+        if vi < nvec:
+            if from_cache != Int32(0):
+                a, b, c, d = ld_smem_v4(cache_a + vi * Int32(16))
+                xs[4 * u] = a
+                xs[4 * u + 1] = b
+                xs[4 * u + 2] = c
+                xs[4 * u + 3] = d
+            else:
+                load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
+
+
+@cute.jit
+def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
+    """Inclusive sums over the CTA in thread order of a pair -> (ia, ib, ta, tb)."""
+    x = a
+    y = b
+    for d in cutlass.range_constexpr(5):
+        xa = cute.arch.shuffle_sync_up(x, 1 << d)
+        ya = cute.arch.shuffle_sync_up(y, 1 << d)
+        if lane >= Int32(1 << d):
+            x = x + xa
+            y = y + ya
+    if lane == Int32(31):
+        wt[warp] = x
+        wt[NWARPS + warp] = y
+    cute.arch.sync_threads()
+    ba = Int32(0)
+    bb = Int32(0)
+    ta = Int32(0)
+    tb = Int32(0)
+    for w in cutlass.range_constexpr(NWARPS):
+        u = wt[w]
+        v = wt[NWARPS + w]
+        if Int32(w) < warp:
+            ba = ba + u
+            bb = bb + v
+        ta = ta + u
+        tb = tb + v
+    cute.arch.sync_threads()
+    return x + ba, y + bb, ta, tb
+
+
+@cute.jit
+def csync(clustered: cutlass.Constexpr):
+    if cutlass.const_expr(clustered):
+        cluster_sync()
+    else:
+        cute.arch.sync_threads()
+
+
+# scal slots
+_B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _LOWV, _ABOVE2 = 0, 1, 2, 3, 4, 5
+_GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
+
+
+@cute.jit
+def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
+               parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
+               cached: cutlass.Constexpr):
+    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
+    row (SPEC §5, ascending l, empty words zero) in the ``row`` buffer of the
+    cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
+    the cluster's size and this CTA's rank in it (1 / 0 when not clustered).
+    Ends with a cluster barrier: CTA 0's row is complete, and nothing in this
+    CTA's shared memory is read by another CTA after it.  ``cached``: keep the
+    slice on chip when it has at most SLICE_MAX tokens (ceil(end / csize) rounded
+    up to 8; the launcher's split guarantees it); a longer slice (a forced small
+    cluster) is re-read from global memory in every pass instead."""
+    cache, hist1, hist2, gsum2, pub, scal, wt, row = parts
+    cache_a = smem_addr(cache)
+    h1_a = smem_addr(hist1)
+    h2_a = smem_addr(hist2)
+    g2_a = smem_addr(gsum2)
+    pub_a = smem_addr(pub)
+    scal_a = smem_addr(scal)
+    row_a = smem_addr(row)
+    S = ((end + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
+    s0 = cutlass.min(me * S, end)
+    s_len = cutlass.min(S, end - s0)
+    nvec = (s_len + Int32(7)) // Int32(8)
+    keep = Int32(0)  # the slice stays in shared memory
+    if cutlass.const_expr(cached):
+        if S <= Int32(SLICE_MAX):
+            keep = Int32(1)
+    aligned = Int32(0)
+    if (row_addr & Int64(15)) == Int64(0):
+        aligned = Int32(1)
+    # ---- zero the counters and the row (the row is written by other CTAs only
+    # after the first cluster barrier, which orders this)
+    for i in cutlass.range(tid, rw, TB, unroll=1):
+        row[i] = Int32(0)
+    for i in cutlass.range_constexpr(BPT):
+        hist1[tid + Int32(i * TB)] = Int32(0)
+    if tid < Int32(NB2):
+        hist2[tid] = Int32(0)
+        gsum2[tid] = Int32(0)
+        scal[tid] = Int32(0)
+    cute.arch.sync_threads()
+    # ---- pass 1: read the slice once, ord16 into the shared copy, high-bit histogram
+    xs = cute.make_rmem_tensor((4 * U1,), Int32)
+    for base in cutlass.range(0, nvec, TB * U1, unroll=1):
+        get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), U1, TB)
+        for u in cutlass.range_constexpr(U1):
+            vi = base + tid + Int32(u * TB)
+            if cutlass.const_expr(cached):
+                if vi < nvec and keep != Int32(0):
+                    st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
+                               xs[4 * u + 3])  # fmt: skip
+            for k in cutlass.range_constexpr(8):
+                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                if o != Uint32(0):
+                    red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
+    csync(clustered)
+    # ---- the cluster's first histogram; boundary bin b1 (ranked from the top:
+    # thread tid owns bins hb+3 .. hb, hb = NB1 - 4 (tid + 1))
+    hb = Int32(NB1 - BPT) - tid * Int32(BPT)
+    lc = cute.make_rmem_tensor((BPT,), Int32)
+    gc = cute.make_rmem_tensor((BPT,), Int32)
+    for p in cutlass.range_constexpr(BPT):
+        lc[p] = hist1[hb + Int32(p)]
+        gc[p] = Int32(0)
+    if cutlass.const_expr(clustered):
+        for r in cutlass.range(csize, unroll=1):
+            a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), r))
+            gc[0] = gc[0] + a
+            gc[1] = gc[1] + b
+            gc[2] = gc[2] + c
+            gc[3] = gc[3] + d
+    else:
+        for p in cutlass.range_constexpr(BPT):
+            gc[p] = lc[p]
+    sg = gc[0] + gc[1] + gc[2] + gc[3]
+    sl = lc[0] + lc[1] + lc[2] + lc[3]
+    ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
+    rg = ig - sg
+    rl = il - sl
+    if rg < Int32(n) and ig >= Int32(n):
+        for p in cutlass.range_constexpr(BPT):
+            c = gc[BPT - 1 - p]
+            if c > Int32(0) and rg < Int32(n) and rg + c >= Int32(n):
+                scal[_B1] = hb + Int32(BPT - 1 - p)
+                scal[_ABOVE1] = rg
+                scal[_OWN_ABOVE1] = rl
+            rg = rg + c
+            rl = rl + lc[BPT - 1 - p]
+    if tid == Int32(0):
+        scal[_TOTAL] = tg
+        pub[1] = tl
+    cute.arch.sync_threads()
+    total = scal[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
+    b1 = scal[_B1]
+    # ---- pass 2: low bits inside b1, from the shared copy (or global memory)
+    if total > Int32(n):
+        for base in cutlass.range(0, nvec, TB * U1, unroll=1):
+            get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, U1, TB)
+            for i in cutlass.range_constexpr(4 * U1 * 2):
+                o = (Uint32(xs[i // 2]) >> Uint32(16 * (i % 2))) & Uint32(0xFFFF)
+                if o != Uint32(0) and Int32(o >> Uint32(16 - B1)) == b1:
+                    red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(1))
+        if tid == Int32(0):
+            pub[0] = scal[_OWN_ABOVE1]
+    csync(clustered)
+    # ---- boundary score v, need_eq, and what precedes this slice
+    v = Uint32(0)
+    need_eq = Int32(0)
+    r = tid >> Int32(5)
+    j = tid & Int32(31)
+    if total > Int32(n):
+        x = Int32(0)
+        if r < csize:
+            if cutlass.const_expr(clustered):
+                x = ld_dsmem_u32(mapa(h2_a + j * Int32(4), r))
+            else:
+                x = hist2[j]
+            if x != Int32(0):
+                red_smem_add(g2_a + j * Int32(4), x)
+        cute.arch.sync_threads()
+        need2 = Int32(n) - scal[_ABOVE1]
+        if warp == Int32(0):
+            c = gsum2[Int32(NB2 - 1) - lane]
+            inc = c
+            for d in cutlass.range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(inc, 1 << d)
+                if lane >= Int32(1 << d):
+                    inc = inc + y
+            if c > Int32(0) and inc >= need2 and inc - c < need2:
+                scal[_LOWV] = Int32(NB2 - 1) - lane
+                scal[_ABOVE2] = inc - c
+        cute.arch.sync_threads()
+        lowv = scal[_LOWV]
+        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
+        need_eq = Int32(n) - scal[_ABOVE1] - scal[_ABOVE2]
+        if r < csize:
+            gt = Int32(0)
+            eq = Int32(0)
+            if j > lowv:
+                gt = x
+            if j == lowv:
+                eq = x
+            if j == Int32(0):
+                if cutlass.const_expr(clustered):
+                    gt = gt + ld_dsmem_u32(mapa(pub_a, r))
+                else:
+                    gt = gt + pub[0]
+            if r < me:
+                if gt != Int32(0):
+                    red_smem_add(scal_a + Int32(_GT_BEFORE * 4), gt)
+                if eq != Int32(0):
+                    red_smem_add(scal_a + Int32(_EQ_BEFORE * 4), eq)
+            if r == me:
+                if gt != Int32(0):
+                    red_smem_add(scal_a + Int32(_GT_OWN * 4), gt)
+                if eq != Int32(0):
+                    red_smem_add(scal_a + Int32(_EQ_OWN * 4), eq)
+    else:
+        # every valid token is kept (v = 0: every ord16 of a valid token is > 0)
+        if tid < csize and tid < me:
+            y = Int32(0)
+            if cutlass.const_expr(clustered):
+                y = ld_dsmem_u32(mapa(pub_a + Int32(4), tid))
+            red_smem_add(scal_a + Int32(_GT_BEFORE * 4), y)
+        if tid == Int32(0):
+            scal[_GT_OWN] = pub[1]
+    cute.arch.sync_threads()
+    # ---- compaction in index order straight into CTA 0's row
+    gt_run = scal[_GT_BEFORE]
+    eq_run = scal[_EQ_BEFORE]
+    gt_end = gt_run + scal[_GT_OWN]
+    eq_end = cutlass.min(eq_run + scal[_EQ_OWN], need_eq)
+    dst_a = row_a
+    if cutlass.const_expr(clustered):
+        dst_a = mapa(row_a, Int32(0))
+    xc = cute.make_rmem_tensor((4 * VPT,), Int32)
+    base = Int32(0)
+    while base < nvec and (gt_run < gt_end or eq_run < eq_end):
+        v0 = base + tid * Int32(VPT)
+        get_vecs(row_addr, s0, v0, nvec, s_len, aligned, cache_a, xc, keep, VPT, 1)
+        cnt = Int32(0)
+        for i in cutlass.range_constexpr(8 * VPT):
+            o = (Uint32(xc[i // 2]) >> Uint32(16 * (i % 2))) & Uint32(0xFFFF)
+            if o > v:
+                cnt = cnt + Int32(1 << 16)
+            if o == v and v != Uint32(0):
+                cnt = cnt + Int32(1)
+        incl, tot = C.block_scan(cnt, lane, warp, wt)
+        excl = incl - cnt
+        gt_b = gt_run + (excl >> Int32(16))
+        eq_b = eq_run + (excl & Int32(0xFFFF))
+        if cnt != Int32(0):
+            for i in cutlass.range_constexpr(8 * VPT):
+                o = (Uint32(xc[i // 2]) >> Uint32(16 * (i % 2))) & Uint32(0xFFFF)
+                pos = Int32(-1)
+                if o > v:
+                    pos = gt_b + cutlass.min(eq_b, need_eq)
+                    gt_b = gt_b + Int32(1)
+                if o == v and v != Uint32(0):
+                    if eq_b < need_eq:
+                        pos = gt_b + eq_b
+                    eq_b = eq_b + Int32(1)
+                if pos >= Int32(0):
+                    lu = Uint32(s0 + v0 * Int32(8) + Int32(i))
+                    word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
+                    hi = (lu >> Uint32(16)) != Uint32(0)
+                    maddr = dst_a + (Int32(n) + (pos >> Int32(5))) * Int32(4)
+                    mbit = Int32(1) << (pos & Int32(31))
+                    if cutlass.const_expr(clustered):
+                        st_dsmem_u32(dst_a + pos * Int32(4), word)
+                        if hi:
+                            red_dsmem_or(maddr, mbit)
+                    else:
+                        row[pos] = word
+                        if hi:
+                            red_smem_or(maddr, mbit)
+        gt_run = gt_run + (tot >> Int32(16))
+        eq_run = eq_run + (tot & Int32(0xFFFF))
+        base = base + Int32(TB * VPT)
+    csync(clustered)

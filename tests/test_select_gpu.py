@@ -1,0 +1,125 @@
+"""GPU tests of the producer's split select (kernels/select.py): for every
+cluster size the launcher can choose (1..8 CTAs per row), the rows select_push
+pushes are byte-identical to reference.pack_local_topk, with the right epoch
+tag in every LL half, in every rank's buffer; the whole exchange stays
+bit-identical to the protocol model; the rescue's n = K select (one CTA, the
+row re-read from global memory) is exact on 2^17-token rows.
+
+Runs where a GPU and CuPy exist, from prebuilt cubins (JAX_DSA_EXCHANGE_CUBIN_DIR).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_dsa_exchange import cases, layout, reference
+
+from gpu import gpu_stack_missing
+from test_kernels_gpu import check, sim_for
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(gpu_stack_missing() is not None, reason=str(gpu_stack_missing())),
+]
+
+CLUSTERS = list(range(1, layout.PRODUCER_CLUSTER_MAX + 1))
+L_MAX = layout.MAX_LOCAL_LEN
+
+
+def _row_ends(n, L, rows, rng):
+    """Lengths of interest: empty, 1, around N, around slice and vector edges, L."""
+    S8 = -(-L // 8) // 8 * 8
+    want = [0, 1, 7, 8, 9, n - 1, n, n + 1, 2 * n + 3, S8 - 1, S8 + 1, L // 3, L - 9, L - 1, L,
+            L + 5, -3]  # fmt: skip
+    want += list(rng.integers(0, L + 1, max(0, rows - len(want))))
+    return np.array(want[:rows], np.int64).astype(np.int32)
+
+
+def _logits(kind, rows, L, rng):
+    if kind == "random":
+        return cases.random_logits(rng, rows, L)
+    if kind == "ties":
+        return cases.random_logits(rng, rows, L, distinct_values=3)
+    if kind == "equal":
+        return np.full((rows, L), 0.5, cases.BF16)
+    # specials: NaN (both signs, payloads), +-0, +-inf among normal scores
+    x = cases.random_logits(rng, rows, L).view(np.uint16).copy()
+    specials = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x0000, 0x8000, 0x7F80, 0xFF80], np.uint16)
+    m = rng.random((rows, L)) < 0.3
+    x[m] = rng.choice(specials, int(m.sum()))
+    return x.view(cases.BF16)
+
+
+def _pushed(sim, dst, src, t, n):
+    """(words, tags) of row t that rank src pushed into rank dst's buffer."""
+    e = int(sim.epochs(src)[t]) + 1
+    off = sim.lay.ll_row(e & 1, src, t)
+    raw = sim.bufs[dst][off:off + layout.ll_row_bytes(n)].get().view(np.uint32).reshape(-1, 4)
+    return raw[:, [0, 2]].ravel(), raw[:, [1, 3]].ravel(), e
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials"])
+def test_pushed_rows_are_the_model_rows_for_every_split(kind):
+    world, topk, n = 2, 2048, 512
+    sim = sim_for(world, topk, n, max_rows=64)
+    rng = np.random.default_rng({"random": 1, "ties": 2, "equal": 3, "specials": 4}[kind])
+    for L in (L_MAX, 20001):
+        rows = 24
+        logits = _logits(kind, rows, L, rng)
+        ends = _row_ends(n, L, rows, rng)
+        want = [reference.pack_local_topk(logits[t].view(np.uint16), ends[t], n) for t in range(rows)]
+        d = sim.upload(cases.Case("sel", world, topk, n, 16, [logits] * world, [ends] * world,
+                                  [np.zeros(rows, np.int32)] * world,
+                                  [np.zeros((1, -(-L // 16)), np.int32)] * world))[0]  # fmt: skip
+        for c in CLUSTERS:
+            for b in sim.bufs:
+                b.fill(0)
+            sim.launch_rank(0, d, rows, L, 16, merge=False, cluster=c)
+            sim.cp.cuda.Device().synchronize()
+            for dst in range(world):
+                for t in range(rows):
+                    words, tags, e = _pushed(sim, dst, 0, t, n)
+                    assert (tags == e).all(), f"L={L} C={c} row {t}: epoch tags {set(tags.tolist())} != {e}"
+                    if not np.array_equal(words, want[t]):
+                        bad = np.flatnonzero(words != want[t])
+                        raise AssertionError(
+                            f"{kind} L={L} C={c} row {t} (end {ends[t]}) in rank {dst}'s buffer: "
+                            f"{bad.size} words differ, first at {bad[0]}: got {words[bad[0]]:#x} "
+                            f"want {want[t][bad[0]]:#x}")
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_exchange_bit_identical_for_every_split(cluster):
+    """The shared adversarial cases through select_push (forced C) + merge."""
+    rng = np.random.default_rng(50 + cluster)
+    world, topk, n = 8, 2048, 512
+    sim = sim_for(world, topk, n)
+    for case in cases.adversarial_cases(rng, world=world, topk=topk, local_topk=n, cols=9000, rows=8):
+        got = sim.call(case, cluster=cluster)
+        check(case, got, what=f"C={cluster}")
+
+
+def test_policy_split_and_mixed_lengths_in_one_call():
+    """The launcher's own choice of C over shapes that give different splits, rows
+    of one call with very different lengths (so different slice sizes)."""
+    rng = np.random.default_rng(9)
+    world, topk, n = 2, 2048, 512
+    sim = sim_for(world, topk, n)
+    for rows, L in ((1, L_MAX), (3, 65537), (16, 8192), (64, 4096)):
+        assert layout.producer_cluster(rows, L) >= 1
+        case = cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows, cols=L,
+                                 row_ends="uniform")  # fmt: skip
+        check(case, sim.call(case), what=f"R={rows} L={L} C={layout.producer_cluster(rows, L)}")
+
+
+def test_rescue_select_on_long_rows():
+    """A saturated rank's local top-K (n = K) on 2^17-token rows: one CTA of the merge
+    re-reads the row from global memory in every pass."""
+    rng = np.random.default_rng(11)
+    world, topk, n = 2, 2048, 512
+    sim = sim_for(world, topk, n)
+    case = cases.saturating_case(rng, world, topk, n, 1, rows=3, cols=L_MAX)
+    got = sim.call(case)
+    check(case, got, what="rescue L=2^17")
+    assert (got[0]["saturated"] != 0).all()

@@ -124,17 +124,15 @@ struct Kernel {
 };
 
 // CTAs per row of a select_push launch: the same rule as layout.producer_cluster()
-// (a CI test compares the two): the fewest CTAs that keep every slice on chip, then
-// more while the grid has room and the slices keep min_slice tokens.
+// (a CI test compares the two): one per min_slice tokens, at most cluster_max, fewer
+// while the grid would exceed fill_ctas CTAs.
 int ProducerCluster(int rows, int cols, const int split[4]) {
-  const int slice_max = split[0], cluster_max = split[1], min_slice = split[2], fill = split[3];
-  if (cluster_max < 1 || slice_max < 1) return 1;
+  const int cluster_max = split[1], min_slice = split[2] < 1 ? 1 : split[2], fill = split[3];
+  if (cluster_max < 1) return 1;
   long long length = cols < 1 ? 1 : (cols > (1 << 17) ? (1 << 17) : cols);
-  long long c = (length + slice_max - 1) / slice_max;
-  while (c < cluster_max && static_cast<long long>(rows) * (c + 1) <= fill &&
-         (length + c) / (c + 1) >= min_slice)
-    ++c;
+  long long c = (length + min_slice - 1) / min_slice;
   if (c > cluster_max) c = cluster_max;
+  while (c > 1 && static_cast<long long>(rows) * c > fill) --c;
   return c < 1 ? 1 : static_cast<int>(c);
 }
 

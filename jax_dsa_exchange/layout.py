@@ -51,13 +51,16 @@ STATUS_CLOSED = 3  # Exchange.close() ran: kernels (e.g. CUDA-graph replays) mus
 
 # How the producer splits a row over a thread-block cluster (kernels/select.py):
 # CTA c of a cluster of C takes the c-th of C equal slices of the row (multiples of 8
-# tokens) and keeps it on chip, so a slice holds at most PRODUCER_SLICE_MAX tokens.
-# C is chosen per call by producer_cluster(); the C++ launcher computes the same from
-# the kernel metadata ("split"), and a CI test compares the two.
+# tokens); a slice of at most PRODUCER_SLICE_MAX tokens stays in shared memory after
+# its one read, a longer one is re-read in each pass.  C is chosen per call by
+# producer_cluster(); the C++ launcher computes the same from the kernel metadata
+# ("split"), and a CI test compares the two.  Measured on an H200 (NOTES.md): the
+# fixed cost of a CTA dominates below a few thousand tokens, and one CTA per SM
+# beats more, smaller slices once R fills the SMs.
 PRODUCER_SLICE_MAX = 16384  # ord16 pairs in shared memory: 32 KB per CTA
 PRODUCER_CLUSTER_MAX = 8  # the portable cluster size limit
-PRODUCER_MIN_SLICE = 2048  # split a row further only while slices keep this many tokens
-PRODUCER_FILL_CTAS = 264  # ... and the grid stays within this many CTAs (2 per H200 SM)
+PRODUCER_MIN_SLICE = 4096  # no slice shorter than this (unless the row is)
+PRODUCER_FILL_CTAS = 132  # split only while the grid keeps within this many CTAs
 
 
 def producer_split() -> dict:
@@ -68,15 +71,14 @@ def producer_split() -> dict:
 
 def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:
     """CTAs per row (the cluster size) of a select_push launch over [rows, cols]:
-    the fewest that keep every slice on chip, then more while the grid has room
-    and the slices stay long enough to pay for the cluster barriers."""
+    one per min_slice tokens, at most cluster_max, and fewer while the grid would
+    exceed fill_ctas CTAs."""
     s = split or producer_split()
     length = max(1, min(int(cols), MAX_LOCAL_LEN))
-    c = -(-length // s["slice_max"])
-    while (c < s["cluster_max"] and rows * (c + 1) <= s["fill_ctas"]
-           and -(-length // (c + 1)) >= s["min_slice"]):  # fmt: skip
-        c += 1
-    return max(1, min(c, s["cluster_max"]))
+    c = min(s["cluster_max"], -(-length // max(1, s["min_slice"])))
+    while c > 1 and rows * c > s["fill_ctas"]:
+        c -= 1
+    return max(1, c)
 
 
 def _round_up(x: int, m: int) -> int:

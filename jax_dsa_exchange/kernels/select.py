@@ -53,6 +53,7 @@ BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous
 U1 = 4  # 16-byte loads in flight per thread in pass 1
 VPT = 2  # consecutive 8-token vectors per thread per compaction chunk
 SLICE_MAX = layout.PRODUCER_SLICE_MAX  # tokens per CTA kept on chip (ord16 pairs)
+CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
 
 assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
 
@@ -134,6 +135,22 @@ def red_smem_add(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def red_smem_inc_if(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
+    """shared[addr] += 1 when a == b: a predicated red (no branch per token)."""
+    _asm(None, [Int32(addr), Int32(a), Int32(b)],
+         "{\n\t.reg .pred p;\n\tsetp.eq.u32 p, $1, $2;\n\t@p red.shared.add.u32 [$0], 1;\n\t}",
+         "r,r,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def red_smem_inc_nz(addr: Int32, a: Int32, *, loc=None, ip=None) -> None:
+    """shared[addr] += 1 when a != 0: a predicated red (no branch per token)."""
+    _asm(None, [Int32(addr), Int32(a)],
+         "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $1, 0;\n\t@p red.shared.add.u32 [$0], 1;\n\t}",
+         "r,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
 def red_smem_or(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
     _asm(None, [Int32(addr), Int32(v)], "red.shared.or.b32 [$0], $1;", "r,r,~{memory}", loc, ip)
 
@@ -181,9 +198,22 @@ def smem_addr(t: cute.Tensor, *, loc=None, ip=None) -> Int32:
 
 @cute.jit
 def ord16_pair(w: Int32) -> Int32:
-    """Two bf16 (low half first) -> their ord16, packed the same way."""
-    lo = C.ord16(Uint32(w) & Uint32(0xFFFF))
-    hi = C.ord16(Uint32(w) >> Uint32(16))
+    """Two bf16 (low half first) -> their ord16 (SPEC §5), packed the same way,
+    without branches: x ^ 0x8000 for a clear sign, ~x for a set one, then -0
+    (which lands on 0x7FFF) -> 0x8000 and NaN (outside [0x007F, 0xFF80]) -> 0."""
+    u = Uint32(w)
+    neg = (u >> Uint32(15)) & Uint32(0x00010001)
+    o = u ^ (neg * Uint32(0x7FFF)) ^ Uint32(0x80008000)
+    lo = o & Uint32(0xFFFF)
+    hi = o >> Uint32(16)
+    if lo == Uint32(0x7FFF):
+        lo = Uint32(0x8000)
+    if hi == Uint32(0x7FFF):
+        hi = Uint32(0x8000)
+    if lo < Uint32(0x007F) or lo > Uint32(0xFF80):
+        lo = Uint32(0)
+    if hi < Uint32(0x007F) or hi > Uint32(0xFF80):
+        hi = Uint32(0)
     return Int32(lo | (hi << Uint32(16)))
 
 
@@ -327,8 +357,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                                xs[4 * u + 3])  # fmt: skip
             for k in cutlass.range_constexpr(8):
                 o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                if o != Uint32(0):
-                    red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
+                red_smem_inc_nz(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(o))
     csync(clustered)
     # ---- the cluster's first histogram; boundary bin b1 (ranked from the top:
     # thread tid owns bins hb+3 .. hb, hb = NB1 - 4 (tid + 1))
@@ -339,12 +368,14 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         lc[p] = hist1[hb + Int32(p)]
         gc[p] = Int32(0)
     if cutlass.const_expr(clustered):
-        for r in cutlass.range(csize, unroll=1):
-            a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), r))
-            gc[0] = gc[0] + a
-            gc[1] = gc[1] + b
-            gc[2] = gc[2] + c
-            gc[3] = gc[3] + d
+        # all C loads in flight at once (a remote load costs a round trip)
+        for r in cutlass.range_constexpr(CLUSTER_MAX):
+            if Int32(r) < csize:
+                a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
+                gc[0] = gc[0] + a
+                gc[1] = gc[1] + b
+                gc[2] = gc[2] + c
+                gc[3] = gc[3] + d
     else:
         for p in cutlass.range_constexpr(BPT):
             gc[p] = lc[p]
@@ -372,10 +403,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if total > Int32(n):
         for base in cutlass.range(0, nvec, TB * U1, unroll=1):
             get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, U1, TB)
+            # a valid score's bin is >= 3 (ord16 >= 0x7F), so bin == b1 excludes NaN
             for i in cutlass.range_constexpr(4 * U1 * 2):
                 o = (Uint32(xs[i // 2]) >> Uint32(16 * (i % 2))) & Uint32(0xFFFF)
-                if o != Uint32(0) and Int32(o >> Uint32(16 - B1)) == b1:
-                    red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(1))
+                red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
         if tid == Int32(0):
             pub[0] = scal[_OWN_ABOVE1]
     csync(clustered)
@@ -386,11 +418,15 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     j = tid & Int32(31)
     if total > Int32(n):
         x = Int32(0)
+        above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
         if r < csize:
             if cutlass.const_expr(clustered):
                 x = ld_dsmem_u32(mapa(h2_a + j * Int32(4), r))
+                if j == Int32(0):
+                    above = ld_dsmem_u32(mapa(pub_a, r))
             else:
                 x = hist2[j]
+                above = pub[0]
             if x != Int32(0):
                 red_smem_add(g2_a + j * Int32(4), x)
         cute.arch.sync_threads()
@@ -417,10 +453,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             if j == lowv:
                 eq = x
             if j == Int32(0):
-                if cutlass.const_expr(clustered):
-                    gt = gt + ld_dsmem_u32(mapa(pub_a, r))
-                else:
-                    gt = gt + pub[0]
+                gt = gt + above
             if r < me:
                 if gt != Int32(0):
                     red_smem_add(scal_a + Int32(_GT_BEFORE * 4), gt)

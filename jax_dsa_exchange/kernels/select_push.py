@@ -32,8 +32,8 @@ PARAMS = [
 
 
 def smem_bytes(n: int) -> int:
-    """Dynamic shared memory of the CTA (SelectSmem)."""
-    return S.smem_bytes(layout.row_words(n), cached=True)
+    """Dynamic shared memory of the CTA (SelectSmem, then the peers' addresses)."""
+    return S.smem_bytes(layout.row_words(n), cached=True) + layout.MAX_WORLD * 8
 
 
 @cute.jit
@@ -69,24 +69,31 @@ class SelectPush:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         csize = cute.arch.make_warp_uniform(cute.arch.cluster_size())
         me = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        sm = S.SelectSmem(cutlass.memory.SmemAllocator(), self.rw, True)
+        smem = cutlass.memory.SmemAllocator()
+        sm = S.SelectSmem(smem, self.rw, True)
+        psm = smem.allocate_tensor(Int64, cute.make_layout((layout.MAX_WORLD,)), 16)
         row = sm.row
         # The logits and epochs come from earlier kernels (PDL-safe).
         C.pdl_wait()
         t = Int32(bid) // csize
+        # Everything the push needs is loaded now, beside the row's length: each is a
+        # memory round trip, and a chain of them (peer by peer) cost microseconds.
+        if tid < Int32(self.world):
+            psm[tid] = Int64(C.ld_u64(peers + Int64(tid) * Int64(8)))
+        status = C.ld_volatile_u32(epoch + Int64(max_rows) * Int64(8))
+        e = C.ld_u32(epoch + Int64(t) * Int64(4)) + Int32(1)
         end = row_end(row_ends, t, cols)
         S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(),
                      tid, lane, warp, csize, me, True, True)  # fmt: skip
-        # CTA 0 holds the packed row.  A failed or closed exchange (status word set)
-        # pushes nothing (layout.py); every CTA ran the select, so no cluster barrier
-        # was skipped.
+        # CTA 0 holds the packed row (select_row's barriers also published psm).  A
+        # failed or closed exchange (status word set) pushes nothing (layout.py); every
+        # CTA ran the select, so no cluster barrier was skipped.
         if me == Int32(0):
-            if C.ld_volatile_u32(epoch + Int64(max_rows) * Int64(8)) == Uint32(0):
-                e = C.ld_u32(epoch + Int64(t) * Int64(4)) + Int32(1)
+            if status == Uint32(0):
                 off = (((Int64(e & Int32(1)) * Int64(self.world) + Int64(rank)) * Int64(max_rows)
                         + Int64(t)) * Int64(self.ll_row_bytes))  # fmt: skip
-                for p in cutlass.range(self.world, unroll=1):
-                    dst = Int64(C.ld_u64(peers + Int64(p) * Int64(8))) + off
+                for p in cutlass.range_constexpr(self.world):
+                    dst = psm[p] + off
                     for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
                         C.st_ll_v4(dst + Int64(i) * Int64(16), row[2 * i], e, row[2 * i + 1])
         C.pdl_launch_dependents()

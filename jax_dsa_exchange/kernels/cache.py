@@ -87,6 +87,9 @@ class KernelImage:
 
 def source_hash(files=SOURCE_FILES) -> str:
     h = hashlib.sha256()
+    tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")  # select.TUNE_ENV (variants)
+    if tune:
+        h.update(b"tune:" + tune.encode() + b"\0")
     for f in files:
         h.update(pathlib.Path(f).name.encode() + b"\0")
         h.update(pathlib.Path(f).read_bytes())

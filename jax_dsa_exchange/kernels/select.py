@@ -35,6 +35,8 @@ integer counts over the whole row.
 
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
@@ -50,8 +52,14 @@ B1 = 11  # high bits of ord16 in the first histogram
 NB1 = 1 << B1  # 2048 bins
 NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
-U1 = 4  # 16-byte loads in flight per thread in pass 1
+U1 = 4  # 16-byte loads in flight per thread in passes 1 and 2
 VPT = 2  # consecutive 8-token vectors per thread per compaction chunk
+# Benchmark variants of the static knobs ("u1=8,vpt=4"; cache.source_hash() mixes this
+# string into the cubins' tag, so variants never mix): see benchmarks/bench_kernels.py.
+TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"
+for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
+    _k, _v = _kv.split("=")
+    globals()[{"u1": "U1", "vpt": "VPT"}[_k.strip()]] = int(_v)
 SLICE_MAX = layout.PRODUCER_SLICE_MAX  # tokens per CTA kept on chip (ord16 pairs)
 CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
 

@@ -42,6 +42,8 @@ import time
 
 import numpy as np
 
+NO_GPU = ("bench: no GPU: nothing to measure (the XLA path on CPU is not a baseline worth "
+          "timing)")
 METHODS = ("op (ffi)", "lax.top_k whole row", "xla path", "select+push kernel", "merge kernel",
            "1 read of [R, L]")
 
@@ -60,6 +62,11 @@ def _args(argv):
     p.add_argument("--out", default="bench_out")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--no-kernels", action="store_true", help="skip the kernels-alone rows")
+    from . import serving_bench
+
+    serving_bench.add_args(p)
+    if "--serving" in argv:  # issue #13's configuration unless given
+        p.set_defaults(world=1, local_topk=[2048], rows=[16], cols=[32768], layers=16, reps=15)
     return p.parse_args(argv)
 
 
@@ -113,9 +120,9 @@ def run(a) -> int:
 
     world = nproc
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        print("bench: no GPU: nothing to measure (the XLA path on CPU is not a baseline "
-              "worth timing)", flush=True)
+    if not gpus:  # (main() says so once before starting W processes; this is a direct run)
+        if rank == 0:
+            print(NO_GPU, flush=True)
         return 2
     distinct_gpus = _gpus_on_this_node()
     graph_mode, mps = _ffi.cuda_graph_mode(), _mps_active()
@@ -350,8 +357,20 @@ def main(argv=None) -> int:
     a = _args(argv)
     from . import distributed
 
+    if a.serving:
+        if distributed.launched() and distributed.world() > 1:
+            print("bench --serving runs in one process (W = 1 exchange); start it without the launcher",
+                  flush=True)
+            return 2
+        from . import serving_bench
+
+        return serving_bench.run(a)
     if not distributed.launched() and a.world > 1:
-        from .launch import launch
+        from .launch import gpu_count, launch
+
+        if gpu_count() == 0:  # once, here, instead of once per rank
+            print(NO_GPU + f" (nvidia-smi lists no GPU; {a.world} processes not started)", flush=True)
+            return 2
 
         return launch([sys.executable, "-m", "jax_dsa_exchange.bench", *argv], a.world,
                       timeout=a.timeout)

@@ -42,6 +42,21 @@ def test_multiprocess_decode_loop_matches_oracle(world, topk, local_topk, graphs
 
 @requires_gpu_stack
 @pytest.mark.gpu
+@pytest.mark.parametrize("world,topk,local_topk,graphs", [(2, 256, 64, "checked"), (4, 512, 128, "off")])
+def test_decode_loop_with_dynamic_slice_fusion_forced_on(world, topk, local_topk, graphs):
+    """XLA's GPU dynamic-slice fusion on (XLA_FLAGS set by the worker itself): the optimized
+    HLO of the lax.scan decode step holds each custom call exactly once (the pass skips
+    calls whose result tuple holds a token), and every call is bit-identical to the model."""
+    r = _launch(world, "op_worker.py", "--topk", str(topk), "--local-topk", str(local_topk),
+                "--rows", "16", "--cols", "4096", "--layers", "4", "--steps", "3",
+                "--dynamic-slice-fusion", "on", timeout=400, graphs=graphs)
+    assert r.returncode == 0
+    assert r.stdout.count("HLO OK") == world and "HLO BAD" not in r.stdout
+    assert r.stdout.count("RANK OK") == world
+
+
+@requires_gpu_stack
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode,graphs", [("exit", "off"), ("skip", "checked"), ("rows", "checked")])
 def test_a_peer_that_does_not_arrive_fails_every_rank_in_python(mode, graphs):
     """W = 3 processes; rank 1 exits before step 1 / skips step 1's call and comes back
@@ -86,7 +101,8 @@ def test_long_run_through_the_op():
 @pytest.mark.gpu
 def test_concurrency_patterns():
     """Two exchanges alternately in one program, two programs interleaving on one exchange
-    with different R, scan vs unrolled: all bit-identical to the model (W = 2 processes).
-    Passed on the H200 (second session)."""
+    with different R, scan vs unrolled, two independent calls in one program (program
+    order), calls with unused outputs (in a jit, a scan, an inner jit: each runs once):
+    all bit-identical to the model (W = 2 processes)."""
     r = _launch(2, "concurrency_worker.py", timeout=300)
     assert r.returncode == 0 and r.stdout.count("RANK OK") == 2

@@ -9,7 +9,7 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}
-  for cfg in "2 256 64" "3 256 64" "4 512 128" "8 2048 512" "4 2048 1024" "8 2048 256" "8 2048 1024"; do
+  for cfg in "1 2048 2048" "2 256 64" "3 256 64" "4 512 128" "8 2048 512" "4 2048 1024" "8 2048 256" "8 2048 1024"; do
     set -- $cfg
     $PY -m jax_dsa_exchange.build --world $1 --topk $2 --local-topk $3 --out .cubins || exit 1
   done

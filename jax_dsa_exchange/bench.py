@@ -369,7 +369,7 @@ def main(argv=None) -> int:
         from .launch import gpu_count, launch
 
         if gpu_count() == 0:  # once, here, instead of once per rank
-            print(NO_GPU + f" (nvidia-smi lists no GPU; {a.world} processes not started)", flush=True)
+            print(NO_GPU + f" (nvidia-smi lists none; {a.world} processes not started)", flush=True)
             return 2
 
         return launch([sys.executable, "-m", "jax_dsa_exchange.bench", *argv], a.world,

@@ -109,7 +109,6 @@ def run(a) -> int:
     from . import distributed
 
     rank, nproc = distributed.initialize()
-    from . import op  # noqa: F401  (before any JAX backend starts: it sets XLA flags)
     import jax
     import jax.numpy as jnp
 

@@ -90,8 +90,8 @@ for step in range(a.steps):
         hlo = decode_step.lower(*step_args).compile().as_text()
         n_push = len(re.findall(r'custom_call_target="dsa_select_push"', hlo))
         n_merge = len(re.findall(r'custom_call_target="dsa_merge"', hlo))
-        n_dsf = len(re.findall(r"dynamic_slice_fusion|address_computation", hlo))
-        good = n_push == 1 and n_merge == 1
+        n_dsf = len(re.findall(r"dynamic.slice.fusion|address_computation", hlo))
+        good = n_push == 1 and n_merge == 1 and n_dsf == 0
         print(f"HLO {'OK' if good else 'BAD'}: dynamic-slice fusion {a.dynamic_slice_fusion}, optimized HLO "
               f"of the scan decode step: {n_push} dsa_select_push, {n_merge} dsa_merge, "
               f"{n_dsf} dynamic-slice-fusion mentions", flush=True)

@@ -114,7 +114,7 @@ def run(a) -> int:
 
     from . import _ffi
     from .exchange import Exchange
-    from .op import topk_exchange_merge
+    from .op import jit, topk_exchange_merge
     from .rendezvous import distributed_client
 
     world = nproc
@@ -156,7 +156,7 @@ def run(a) -> int:
         req = jnp.arange(R, dtype=jnp.int32)
         ends = jnp.full((R,), L, jnp.int32)
 
-        @jax.jit
+        @jit  # jax.jit with the op's compiler_options (op.py)
         def step(logits):
             def layer(c, lg):
                 o = topk_exchange_merge(ex, lg, ends, req, bt, block_size=B)

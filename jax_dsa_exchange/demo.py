@@ -205,7 +205,11 @@ def run(a) -> int:
 
     spec = P(AXIS)
     lspec = P(None, AXIS)  # [layers, W, ...]: the rank axis is the second one
-    step_fn = jax.jit(shard_map(rank_step, mesh=mesh, in_specs=(lspec, spec, spec, spec, spec),
+    if path == "ffi":  # the op's compiler_options (op.py: XLA's dynamic-slice fusion)
+        from .op import jit
+    else:
+        jit = jax.jit
+    step_fn = jit(shard_map(rank_step, mesh=mesh, in_specs=(lspec, spec, spec, spec, spec),
                                 out_specs=(spec, lspec, lspec, lspec, lspec)))
 
     # Fixed per run: requests, block tables, KV caches; every process the same.

@@ -10,13 +10,19 @@ custom calls on XLA's stream, in this order:
 Both custom calls have ``has_side_effect=True`` (XLA never removes, merges or
 duplicates them) and are chained by an XLA token, so merge always follows its
 select_push (adjacent on the stream, which lets merge start early through PDL).
-Both results are tuples holding a token on purpose: XLA's GPU dynamic-slice
-fusion (``DynamicSliceFusionRewriter``, on in jax 0.11.2) skips a custom call
-whose result tuple holds a token (its ``IsCustomCall`` match returns false for
-such shapes, in the 2024 pass and in today's ``xla/backends/gpu/transforms``).
-Fed by a scan's slices it otherwise wrapped the calls: a lone-token result
-aborted the compiler and a merge was duplicated (two merges per call).  No
-XLA flag is touched: the shape alone keeps the pass away (``_cuda_lowering``).
+Both results are tuples holding a token (XLA's GPU dynamic-slice fusion skips such
+calls in the XLA sources read: ``IsCustomCall`` in ``DynamicSliceFusionRewriter``).
+
+**XLA's GPU dynamic-slice fusion, jax 0.11.2 (H200, this session):** the pass still
+matched the calls when their operands were slices (a ``lax.scan`` over stacked layers,
+or ``x[i]`` of an unrolled loop): the compiler aborted (``Check failed: shape.IsArray()
+|| shape.IsTuple()`` in ``GpuHloCostAnalysis::FusionCalculateUtilizations``, the fused
+call's token), and the second session saw a fused merge left beside the original (two
+merges per call).  The op touches no flag; the workaround is scoped to the programs
+that call it: compile them with ``jax.jit(step, compiler_options=compiler_options())``
+(:func:`compiler_options`: ``{"xla_gpu_enable_dynamic_slice_fusion": False}`` for the
+affected jax versions, ``{}`` for the others), which turns the pass off for that
+executable only.  Version gate: :data:`DSF_SAFE_FROM`.
 
 Ordering between calls (``ordered=True``, the default, SPEC §7) without a JAX
 effect, so jitted steps keep JAX's C++ dispatch fast path and the host never
@@ -86,10 +92,48 @@ from jax.interpreters import ad, batching
 
 from . import _ffi, layout
 
-__all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p"]
+__all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p", "compiler_options",
+           "jit"]
 
 PATHS = ("auto", "ffi", "xla")
 ORDERED = (True, False, "effect")
+
+DSF_OPTION = "xla_gpu_enable_dynamic_slice_fusion"
+# The first jaxlib version whose XLA leaves the exchange's custom calls alone with the
+# dynamic-slice fusion on, as shown on a GPU by tests/test_op_gpu.py::
+# test_decode_loop_with_dynamic_slice_fusion_forced_on[...-no-workaround]; None: no
+# version shown yet (0.11.2 aborted, 0.12 not run on a GPU).
+DSF_SAFE_FROM: tuple[int, ...] | None = None
+
+
+def dynamic_slice_fusion_workaround_needed() -> bool:
+    """Whether this jaxlib needs :func:`compiler_options` (``JAX_DSA_EXCHANGE_DSF_WORKAROUND``
+    = 0 / 1 overrides, e.g. to check a newer jax on a GPU)."""
+    import os
+
+    env = os.environ.get("JAX_DSA_EXCHANGE_DSF_WORKAROUND", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if DSF_SAFE_FROM is None:
+        return True
+    from jax._src.lib import version as jaxlib_version
+
+    return tuple(jaxlib_version) < DSF_SAFE_FROM
+
+
+def compiler_options() -> dict:
+    """Compiler options for ``jax.jit(step, compiler_options=...)`` of a program that calls
+    the op: XLA's GPU dynamic-slice fusion off for that executable on the jax versions that
+    need it (module docstring), else ``{}``.  Nothing process-wide changes."""
+    return {DSF_OPTION: False} if dynamic_slice_fusion_workaround_needed() else {}
+
+
+def jit(fun=None, **kwargs):
+    """``jax.jit`` with :func:`compiler_options` merged in (``kwargs`` win); also a decorator."""
+    if fun is None:
+        return functools.partial(jit, **kwargs)
+    opts = dict(compiler_options(), **(kwargs.pop("compiler_options", None) or {}))
+    return jax.jit(fun, compiler_options=opts or None, **kwargs)
 
 
 class MergeOutput(NamedTuple):

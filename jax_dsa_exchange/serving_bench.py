@@ -45,7 +45,7 @@ def run(a) -> int:
 
     from . import _ffi
     from .exchange import Exchange
-    from .op import topk_exchange_merge
+    from .op import compiler_options, jit, topk_exchange_merge
 
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
@@ -57,7 +57,7 @@ def run(a) -> int:
     dev = gpus[0]
     print(f"serving: {dev.device_kind}, jax {jax.__version__}, CUDA graphs {_ffi.cuda_graph_mode()!r}; W=1 "
           f"exchange, K={K} N={N} R={R} L={L}, {layers} layers per step, each {a.matmuls} matmuls "
-          f"[{R}, {D}] x [{D}, {D}] bf16 then the merge; {steps} steps dispatched back to back", flush=True)
+          f"[{R}, {D}] x [{D}, {D}] bf16 then the merge; {steps} steps dispatched back to back; compiler options {compiler_options()}", flush=True)
     ex = Exchange.create_local([dev], topk=K, local_topk=N, max_rows=R)[0]
     try:
         pages = -(-L // B)
@@ -79,7 +79,7 @@ def run(a) -> int:
                         o = topk_exchange_merge(ex, lgs[i], ends, req, bt, block_size=B, ordered=ordered)
                         h = h + (o.counts[:, None] > K).astype(h.dtype)  # never true: counts <= K
                 return h
-            return jax.jit(step)
+            return jit(step)  # every mode, "no merge" too: the same compiler options
 
         def serve(step):
             h = h0

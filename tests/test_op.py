@@ -582,8 +582,9 @@ def test_scan_decode_loop_calls_are_shaped_for_the_dynamic_slice_fusion_to_skip(
     of a scan's stacked inputs unless its result is a tuple holding a token (its
     IsCustomCall).  In a lax.scan decode loop over stacked per-layer logits (what the pass
     rewrote on jax 0.11.2), both custom calls appear once, inside the loop body, with
-    such a result; the GPU test (op_worker --dynamic-slice-fusion on) compiles it with
-    the pass forced on and counts the calls in the optimized HLO."""
+    such a result.  (That did not keep jax 0.11.2's XLA from matching them: op.py; the GPU
+    test, op_worker --dynamic-slice-fusion on, compiles it with the pass forced on and
+    counts the calls in the optimized HLO, with and without op.compiler_options().)"""
     op = _op()
     layers = 6
 
@@ -599,3 +600,28 @@ def test_scan_decode_loop_calls_are_shaped_for_the_dynamic_slice_fusion_to_skip(
     for name in ("dsa_select_push", "dsa_merge"):
         for m in re.finditer(r"stablehlo.custom_call @" + name + r"\([^\n]*-> ([^\n]*)", text):
             assert m.group(1).startswith("(!stablehlo.token,"), m.group(1)
+
+
+def test_compiler_options_scope_the_fusion_workaround_to_one_executable(monkeypatch):
+    """The workaround for XLA's dynamic-slice fusion is a per-executable compiler option
+    (op.compiler_options / op.jit), version-gated, with an override; XLA accepts the option
+    name (a wrong name is an error at compile); XLA_FLAGS stays as it was."""
+    from jax_dsa_exchange import op as opmod
+
+    flags = os.environ.get("XLA_FLAGS")
+    monkeypatch.delenv("JAX_DSA_EXCHANGE_DSF_WORKAROUND", raising=False)
+    assert opmod.DSF_SAFE_FROM is None and opmod.dynamic_slice_fusion_workaround_needed()
+    assert opmod.compiler_options() == {"xla_gpu_enable_dynamic_slice_fusion": False}
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_DSF_WORKAROUND", "0")
+    assert opmod.compiler_options() == {}
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_DSF_WORKAROUND", "1")
+    f = opmod.jit(lambda x: x * 2 + 1)
+    np.testing.assert_array_equal(np.asarray(f(jnp.arange(3))), [1, 3, 5])
+    g = opmod.jit(lambda x: x - 1, compiler_options={"xla_embed_ir_in_executable": False})
+    assert int(g(jnp.int32(3))) == 2
+    # op.jit's program lowers like jax.jit's (the option only reaches the compiler)
+    assert custom_calls(opmod.jit(_op()).trace(*ARGS).lower(lowering_platforms=("cuda",)).as_text()) == \
+        custom_calls(cuda_text(_op(), *ARGS))
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x, compiler_options={"xla_gpu_enable_dynamic_slice_fusionn": False})(1.0)
+    assert os.environ.get("XLA_FLAGS") == flags

@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from jax_dsa_exchange import cases, reference  # noqa: E402
 from jax_dsa_exchange.exchange import Exchange  # noqa: E402
-from jax_dsa_exchange.op import topk_exchange_merge  # noqa: E402
+from jax_dsa_exchange.op import compiler_options, jit, topk_exchange_merge  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--topk", type=int, default=256)
@@ -47,13 +47,16 @@ p.add_argument("--chain", action="store_true",
 p.add_argument("--dynamic-slice-fusion", choices=("on", "off"), default=None,
                help="force XLA's GPU dynamic-slice fusion on/off (XLA_FLAGS, set by this worker) and "
                     "count the custom calls in the optimized HLO of the decode step")
+p.add_argument("--no-workaround", action="store_true",
+               help="compile with plain jax.jit, without the op's compiler_options() (which turn the "
+                    "dynamic-slice fusion off for this executable on the jax versions that need it)")
 a = p.parse_args()
 K, N, R, L, B = a.topk, a.local_topk, a.rows, a.cols, 16
 
 ex = Exchange.create(topk=K, local_topk=N, max_rows=R, timeout_us=a.timeout_us)
 
 
-@jax.jit
+@(jax.jit if a.no_workaround else jit)
 def decode_step(logits_by_layer, row_ends_by_layer, req_id, block_table):
     def layer(carry, xs):
         logits, row_ends = xs
@@ -92,7 +95,8 @@ for step in range(a.steps):
         n_merge = len(re.findall(r'custom_call_target="dsa_merge"', hlo))
         n_dsf = len(re.findall(r"dynamic.slice.fusion|address_computation", hlo))
         good = n_push == 1 and n_merge == 1 and n_dsf == 0
-        print(f"HLO {'OK' if good else 'BAD'}: dynamic-slice fusion {a.dynamic_slice_fusion}, optimized HLO "
+        print(f"HLO {'OK' if good else 'BAD'}: dynamic-slice fusion {a.dynamic_slice_fusion} in XLA_FLAGS, "
+              f"{'plain jax.jit' if a.no_workaround else 'op.jit (compiler_options ' + str(compiler_options()) + ')'}, optimized HLO "
               f"of the scan decode step: {n_push} dsa_select_push, {n_merge} dsa_merge, "
               f"{n_dsf} dynamic-slice-fusion mentions", flush=True)
         bad += 0 if good else 1

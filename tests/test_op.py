@@ -625,3 +625,69 @@ def test_compiler_options_scope_the_fusion_workaround_to_one_executable(monkeypa
     with pytest.raises(Exception, match="No such compile option"):
         jax.jit(lambda x: x, compiler_options={"xla_gpu_enable_dynamic_slice_fusionn": False})(1.0)
     assert os.environ.get("XLA_FLAGS") == flags
+
+
+SERIALIZE_SCRIPT = textwrap.dedent(
+    """
+    import time, numpy as np, jax, jax.numpy as jnp
+    from jax._src.interpreters import mlir
+    from jax_dsa_exchange import op
+    from jax_dsa_exchange.op import topk_exchange_merge, topk_exchange_merge_p, EFFECT
+
+    def fake_cpu(ctx, logits, row_ends, req_id, block_table, *, ordered, **kw):
+        # Stand-in for the kernels on CPU: same avals, same effect handling; no work.
+        if ordered == "effect":
+            ctx.set_tokens_out(ctx.tokens_in)
+        return [mlir.full_like_aval(ctx, 0, a) for a in ctx.avals_out]
+
+    mlir.register_lowering(topk_exchange_merge_p, fake_cpu, platform="cpu", cacheable=False)
+
+    class Ex:
+        id, world, rank, topk, local_topk, max_rows, closed = 3, 1, 0, 64, 32, 16, False
+
+    R, L = 4, 256
+    lg, re_, rq, bt = (jnp.zeros((R, L), jnp.bfloat16), jnp.full((R,), L, jnp.int32),
+                       jnp.zeros((R,), jnp.int32), jnp.zeros((2, 8), jnp.int32))
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((768, 768)) / 30, jnp.float32)
+
+    def make(ordered):
+        def step(h):
+            for _ in range(12):
+                h = jnp.tanh(h @ w)
+            if ordered is not None:
+                o = topk_exchange_merge(Ex(), lg, re_, rq, bt, block_size=4, path="ffi", ordered=ordered)
+                h = h + o.counts.sum()
+            return h
+        return jax.jit(step)
+
+    for name, ordered in (("none", None), ("default", True), ("effect", "effect")):
+        f = make(ordered)
+        h = jnp.ones((768, 768), jnp.float32)
+        for _ in range(3):
+            h = f(h)
+        jax.block_until_ready(h)
+        n = 30
+        t0 = time.perf_counter()
+        for _ in range(n):
+            h = f(h)
+        t1 = time.perf_counter()
+        jax.block_until_ready(h)
+        t2 = time.perf_counter()
+        print("MODE", name, f"{(t1 - t0) / (t2 - t0):.3f}", f"{(t2 - t0) / n * 1e6:.0f}", flush=True)
+    """
+)
+
+
+def test_default_mode_does_not_serialize_the_host_with_the_device():
+    """Issue #13: with the op in the step (a CPU stand-in lowering with the same effects),
+    dispatching 30 steps back to back returns long before they finish in the default mode,
+    like a step without the op; the ordered effect (ordered="effect") makes each dispatch
+    wait for the previous step."""
+    r = subprocess.run([sys.executable, "-c", SERIALIZE_SCRIPT], capture_output=True, text=True, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu"), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    frac = {m.group(1): float(m.group(2)) for m in re.finditer(r"MODE (\w+) ([\d.]+)", r.stdout)}
+    assert set(frac) == {"none", "default", "effect"}, r.stdout
+    # fraction of the wall time spent dispatching: small when the host runs ahead
+    assert frac["none"] < 0.5 and frac["default"] < 0.5, r.stdout
+    assert frac["effect"] > 0.8, r.stdout

@@ -45,7 +45,8 @@ waits for the device between dispatches:
 What the token chain cannot see: a call *outside* a loop/cond/inner jit and
 calls *inside* it, with no data flowing between them.  XLA then orders them by
 its (deterministic) schedule, the same on every rank compiling the same program
-with the same XLA, but not necessarily program order.  ``ordered="effect"``
+with the same XLA, but not necessarily program order (lowering such a program warns:
+:class:`CrossBodyOrderWarning`).  ``ordered="effect"``
 covers that case with JAX's *ordered* effect (:class:`DsaExchangeEffect`, shardable,
 as ``io_callback(ordered=True)``): a token threaded through every call, loop and
 inner jit, at a price: the program leaves JAX's C++ fast path and JAX blocks the
@@ -93,7 +94,7 @@ from jax.interpreters import ad, batching
 from . import _ffi, layout
 
 __all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p", "compiler_options",
-           "jit"]
+           "jit", "CrossBodyOrderWarning"]
 
 PATHS = ("auto", "ffi", "xla")
 ORDERED = (True, False, "effect")
@@ -298,6 +299,10 @@ def _chain_get(ctx):
     return None
 
 
+class CrossBodyOrderWarning(UserWarning):
+    """Calls of the op in different lowered bodies of one program (module docstring)."""
+
+
 def _chain_set(ctx, token) -> None:
     block = mlir.ir.InsertionPoint.current.block
     slots = _chain_slots(ctx)
@@ -306,6 +311,16 @@ def _chain_set(ctx, token) -> None:
             slot[1] = token
             return
     slots.append([block, token])
+    if len(slots) == 2:
+        import warnings
+
+        warnings.warn(
+            "topk_exchange_merge is called in two different bodies of one program (e.g. outside "
+            "and inside a lax.scan/while_loop/cond or an inner jit): the op's token chain orders "
+            "the calls of each body; between bodies only data dependence (or XLA's schedule, the "
+            "same on every rank) orders them.  If those calls share no data, pass "
+            "ordered='effect' (JAX's ordered effect: program order, but the host waits for the "
+            "device before each dispatch)", CrossBodyOrderWarning, stacklevel=2)
 
 
 def _cuda_lowering(ctx, logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids,

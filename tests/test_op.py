@@ -691,3 +691,28 @@ def test_default_mode_does_not_serialize_the_host_with_the_device():
     # fraction of the wall time spent dispatching: small when the host runs ahead
     assert frac["none"] < 0.5 and frac["default"] < 0.5, r.stdout
     assert frac["effect"] > 0.8, r.stdout
+
+
+def test_calls_in_two_bodies_of_one_program_warn():
+    """The token chain is per body: a program with calls outside and inside a loop says so
+    (CrossBodyOrderWarning, pointing at ordered='effect'); one body does not warn."""
+    from jax_dsa_exchange.op import CrossBodyOrderWarning
+
+    op = _op()
+
+    def mixed(*a):
+        c = op(*a).counts
+        return lax.scan(lambda c, _: (c + op(*a).counts, None), c, None, length=2)[0]
+
+    with pytest.warns(CrossBodyOrderWarning, match="ordered='effect'"):
+        cuda_text(mixed, *ARGS)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CrossBodyOrderWarning)
+        cuda_text(lambda *a: lax.scan(lambda c, _: (c + op(*a).counts + op(*a).counts, None),
+                                      jnp.zeros((R,), jnp.int32), None, length=2)[0], *ARGS)
+        cuda_text(_op(ordered="effect"), *ARGS)
+        cuda_text(lambda *a: (_op(ordered="effect")(*a).counts,
+                              lax.scan(lambda c, _: (c + _op(ordered="effect")(*a).counts, None),
+                                       jnp.zeros((R,), jnp.int32), None, length=2)[0]), *ARGS)

@@ -35,12 +35,14 @@ waits for the device between dispatches:
   independent; iterations of a loop run in order; separately dispatched
   programs run in stream order on each device (one stream per device);
 * *never dropped*: a DCE rule (``pe.dce_rules``, as jax-triton does) keeps the
-  equation when its outputs are unused, and XLA keeps side-effecting calls.
-  Limitation: JAX drops a whole ``lax.scan``/``while_loop``/``cond`` or inner
-  ``jit`` whose outputs are all unused and that carries no JAX effect, before our
-  rule is asked: keep one output of such a loop alive (the decode step does);
-* *never duplicated or merged*: ``has_side_effect`` (XLA CSE and the fusion above
-  leave the calls alone; counted in the optimized HLO by the GPU tests).
+  equation when its outputs are unused, and XLA keeps side-effecting calls.  JAX
+  would still drop a whole ``lax.scan``/``while_loop``/``cond``/inner ``jit`` whose
+  outputs are all unused (no JAX effect): the DCE rules of those primitives are
+  wrapped to keep such an equation when its body calls the op
+  (:func:`_wrap_higher_order_dce_rules`; jax 0.11 and 0.12);
+* *never duplicated or merged*: ``has_side_effect`` (XLA CSE leaves the calls alone),
+  and the dynamic-slice fusion, which did duplicate them, is off for the executable
+  (:func:`compiler_options`; counted in the optimized HLO by the GPU tests).
 
 What the token chain cannot see: a call *outside* a loop/cond/inner jit and
 calls *inside* it, with no data flowing between them.  XLA then orders them by

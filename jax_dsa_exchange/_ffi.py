@@ -341,36 +341,4 @@ def launch_count() -> int:
     return int(_require().dsa_launch_count())
 
 
-DSF_FLAG = "--xla_gpu_enable_dynamic_slice_fusion=false"
-
-
-def disable_dynamic_slice_fusion() -> bool:
-    """Turn off XLA's GPU dynamic-slice fusion for this process (returns whether it took).
-
-    That pass (on in jax 0.11.2) rewrites custom calls fed by dynamic slices (a
-    ``lax.scan`` over layers slices its inputs) to run in place: on the H200 it
-    duplicated our merge call (two merges per call: the second waits for an epoch no
-    peer sends, then times out) and aborted the compiler on token-typed results.  XLA
-    reads XLA_FLAGS once, when the first GPU client starts, so this must run before
-    that; afterwards it only warns.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_enable_dynamic_slice_fusion" in flags:
-        return "xla_gpu_enable_dynamic_slice_fusion=false" in flags
-    from jax._src import xla_bridge
-
-    if getattr(xla_bridge, "_backends", None):
-        import warnings
-
-        warnings.warn(
-            "jax_dsa_exchange: a JAX backend started before the op was imported, so XLA's "
-            f"dynamic-slice fusion is still on; set XLA_FLAGS={DSF_FLAG} (or import "
-            "jax_dsa_exchange.op before using JAX): that pass breaks the exchange's custom "
-            "calls inside lax.scan", RuntimeWarning, stacklevel=3)
-        return False
-    os.environ["XLA_FLAGS"] = (flags + " " + DSF_FLAG).strip()
-    return True
-
-
-disable_dynamic_slice_fusion()
 register_targets()

@@ -42,6 +42,8 @@ import time
 
 import numpy as np
 
+NO_GPU = ("bench: no GPU: nothing to measure (the XLA path on CPU is not a baseline worth "
+          "timing)")
 METHODS = ("op (ffi)", "lax.top_k whole row", "xla path", "select+push kernel", "merge kernel",
            "1 read of [R, L]")
 
@@ -60,6 +62,11 @@ def _args(argv):
     p.add_argument("--out", default="bench_out")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--no-kernels", action="store_true", help="skip the kernels-alone rows")
+    from . import serving_bench
+
+    serving_bench.add_args(p)
+    if "--serving" in argv:  # issue #13's configuration unless given
+        p.set_defaults(world=1, local_topk=[2048], rows=[16], cols=[32768], layers=16, reps=15)
     return p.parse_args(argv)
 
 
@@ -102,20 +109,19 @@ def run(a) -> int:
     from . import distributed
 
     rank, nproc = distributed.initialize()
-    from . import op  # noqa: F401  (before any JAX backend starts: it sets XLA flags)
     import jax
     import jax.numpy as jnp
 
     from . import _ffi
     from .exchange import Exchange
-    from .op import topk_exchange_merge
+    from .op import jit, topk_exchange_merge
     from .rendezvous import distributed_client
 
     world = nproc
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        print("bench: no GPU: nothing to measure (the XLA path on CPU is not a baseline "
-              "worth timing)", flush=True)
+    if not gpus:  # (main() says so once before starting W processes; this is a direct run)
+        if rank == 0:
+            print(NO_GPU, flush=True)
         return 2
     distinct_gpus = _gpus_on_this_node()
     graph_mode, mps = _ffi.cuda_graph_mode(), _mps_active()
@@ -150,7 +156,7 @@ def run(a) -> int:
         req = jnp.arange(R, dtype=jnp.int32)
         ends = jnp.full((R,), L, jnp.int32)
 
-        @jax.jit
+        @jit  # jax.jit with the op's compiler_options (op.py)
         def step(logits):
             def layer(c, lg):
                 o = topk_exchange_merge(ex, lg, ends, req, bt, block_size=B)
@@ -350,8 +356,20 @@ def main(argv=None) -> int:
     a = _args(argv)
     from . import distributed
 
+    if a.serving:
+        if distributed.launched() and distributed.world() > 1:
+            print("bench --serving runs in one process (W = 1 exchange); start it without the launcher",
+                  flush=True)
+            return 2
+        from . import serving_bench
+
+        return serving_bench.run(a)
     if not distributed.launched() and a.world > 1:
-        from .launch import launch
+        from .launch import gpu_count, launch
+
+        if gpu_count() == 0:  # once, here, instead of once per rank
+            print(NO_GPU + f" (nvidia-smi lists none; {a.world} processes not started)", flush=True)
+            return 2
 
         return launch([sys.executable, "-m", "jax_dsa_exchange.bench", *argv], a.world,
                       timeout=a.timeout)

@@ -7,7 +7,9 @@ The launcher gives every process these environment variables:
 * ``JAX_DSA_EXCHANGE_RANK``: this process's id / rank
 * ``JAX_LOCAL_DEVICE_IDS`` (only with GPU binding): the GPU of this rank
 
-:func:`initialize` turns them into ``jax.distributed.initialize`` and selects
+:func:`initialize` turns them into ``jax.distributed.initialize``; without them, in a
+job that JAX itself detects (SLURM ``srun``, Open MPI ``mpirun``), it calls
+``jax.distributed.initialize()`` with no arguments, as JAX users launch; and it selects
 gloo for CPU collectives (the default CPU client has no cross-process
 collectives, so a multi-process CPU all_gather would fail).  It must run before
 anything touches a JAX backend: the CPU client reads the collectives option when
@@ -21,8 +23,12 @@ global arrays with a leading rank axis [W, ...] (xla_path's layout).
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
+import socket
+import sys
+import time
 
 import numpy as np
 
@@ -46,32 +52,156 @@ def world() -> int:
     return int(os.environ.get(ENV_WORLD, "1"))
 
 
-def initialize(*, cpu_collectives: str = "gloo", timeout_s: int = 120) -> tuple[int, int]:
-    """Join the launcher's job; returns ``(rank, world)``.
+def detected_cluster() -> str | None:
+    """The name of the job environment JAX's own ``jax.distributed.initialize()`` would
+    detect among SLURM and Open MPI ("slurm", "ompi"), or None.
 
-    Without the launcher's environment this does nothing and returns (0, 1), so
-    a script runs unchanged as one process.  ``cpu_collectives`` (gloo) is set
-    in both cases; it only affects the CPU client, so it is harmless on GPU.
+    Asks JAX's cluster classes (``jax._src.clusters``, the same tests JAX runs: jax 0.11,
+    0.12); falls back to their environment variables if that module moved.  Only these two:
+    the other detectors (Cloud TPU, Kubernetes) query metadata servers or warn."""
+    try:
+        from jax._src.clusters import OmpiCluster, SlurmCluster
+
+        for cls in (SlurmCluster, OmpiCluster):
+            if cls.is_env_present():
+                return cls.name
+        return None
+    except (ImportError, AttributeError):  # pragma: no cover - another jax layout
+        if all(v in os.environ for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
+                                         "SLURM_PROCID", "SLURM_LOCALID")):
+            return "slurm"
+        if "OMPI_MCA_orte_hnp_uri" in os.environ:
+            return "ompi"
+        return None
+
+
+def initialize(*, cpu_collectives: str = "gloo", timeout_s: int = 120) -> tuple[int, int]:
+    """Join the job; returns ``(rank, world)``.
+
+    * started by ``jax_dsa_exchange.launch``: ``jax.distributed.initialize`` with the
+      launcher's coordinator, world and rank (and GPU binding);
+    * else, in a SLURM or Open MPI job that JAX detects (:func:`detected_cluster`):
+      ``jax.distributed.initialize()`` with no arguments (JAX reads the job's variables);
+    * else nothing: a script runs unchanged as one process, (0, 1).
+    * already initialized (e.g. the caller ran ``jax.distributed.initialize`` itself):
+      returns that job's (process index, process count).
+
+    ``cpu_collectives`` (gloo) is set in every case; it only affects the CPU client, so it
+    is harmless on GPU.  When this call initialized jax.distributed, the ranks also shut
+    it down at exit in an order that leaves no gRPC errors (:func:`shutdown`).
     """
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    if not launched():
+    from .rendezvous import distributed_client
+
+    if distributed_client() is not None:
+        return jax.process_index(), jax.process_count()
+    if launched():
+        coord = os.environ[ENV_COORDINATOR]
+        r, w = rank(), world()
+        kwargs = dict(coordinator_address=coord, num_processes=w, process_id=r,
+                      initialization_timeout=timeout_s)
+        # The launcher's GPU binding; newer jax reads this variable itself, older
+        # releases only take the argument.
+        if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+            kwargs["local_device_ids"] = [int(x) for x in os.environ["JAX_LOCAL_DEVICE_IDS"].split(",")]
+        # Bind the coordinator to the address we advertise (the default binds
+        # [::], which fails where IPv6 is off); older jax lacks the argument.
+        if "coordinator_bind_address" in inspect.signature(jax.distributed.initialize).parameters:
+            kwargs["coordinator_bind_address"] = coord
+        jax.distributed.initialize(**kwargs)
+    elif detected_cluster() is not None:
+        jax.distributed.initialize(initialization_timeout=timeout_s)
+        r, w = jax.process_index(), jax.process_count()
+    else:
         return 0, 1
-    coord = os.environ[ENV_COORDINATOR]
-    r, w = rank(), world()
-    kwargs = dict(coordinator_address=coord, num_processes=w, process_id=r,
-                  initialization_timeout=timeout_s)
-    # Bind the coordinator to the address we advertise (the default binds
-    # [::], which fails where IPv6 is off); older jax lacks the argument.
-    # The launcher's GPU binding; newer jax reads this variable itself, older
-    # releases only take the argument.
-    if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
-        kwargs["local_device_ids"] = [int(x) for x in os.environ["JAX_LOCAL_DEVICE_IDS"].split(",")]
-    if "coordinator_bind_address" in inspect.signature(jax.distributed.initialize).parameters:
-        kwargs["coordinator_bind_address"] = coord
-    jax.distributed.initialize(**kwargs)
+    _register_shutdown()
     return r, w
+
+
+_shutdown_registered = False
+EXIT_BARRIER_S = 60.0
+PEER_EXIT_WAIT_S = 10.0
+
+
+def _register_shutdown() -> None:
+    global _shutdown_registered
+    if not _shutdown_registered:
+        _shutdown_registered = True
+        atexit.register(shutdown)
+
+
+def shutdown(barrier_timeout_s: float = EXIT_BARRIER_S) -> None:
+    """Leave the job cleanly (registered at exit by :func:`initialize`; idempotent).
+
+    Without this, each process's jax.distributed client and process 0's coordinator
+    service are torn down whenever the interpreter gets to them: when process 0 went
+    first, every other rank's client printed ``WatchTasksAsync failed ... UNAVAILABLE ...
+    Connection refused`` and ``Additional GRPC error information`` (seen on the H200 with
+    jax 0.11.2 after every multi-process run).  Order here:
+
+    1. the exchanges still open are closed (their own barrier; they use the key-value store);
+    2. all ranks meet at an exit barrier (``barrier_timeout_s``; a rank that died or left
+       without us: skip to 4);
+    3. every client shuts down (its shutdown barrier: all clients together), and process 0,
+       which hosts the coordinator, stops the service last: once the other processes of
+       its host have exited (their PIDs, published before the barrier; at most
+       ``PEER_EXIT_WAIT_S``), and 0.5 s for other hosts, so that no rank's runtime still
+       talks to the service while it goes away;
+    4. without the barrier (a peer is gone) the clients are left to the interpreter, as before.
+    """
+    from jax._src import distributed as jd
+
+    state = jd.global_state
+    if state.client is None:
+        return
+    ex = sys.modules.get(__package__ + ".exchange")
+    if ex is not None:
+        ex._close_all()
+    import jax
+
+    me, n = jax.process_index(), jax.process_count()
+    host = socket.gethostname()
+    try:
+        state.client.key_value_set(f"jax_dsa_exchange/exit/{me}", f"{host} {os.getpid()}")
+        state.client.wait_at_barrier("jax_dsa_exchange/exit", int(barrier_timeout_s * 1000))
+        peers = [state.client.blocking_key_value_get(f"jax_dsa_exchange/exit/{q}", 10_000).split()
+                 for q in range(n) if q != me] if state.service is not None else []
+    except Exception:  # noqa: BLE001 - a peer is missing: no clean shutdown possible
+        return
+    service = state.service
+    state.service = None  # stopped below, after the clients
+    try:
+        state.shutdown()  # preemption manager, then this process's client
+    except Exception:  # noqa: BLE001
+        pass
+    if service is not None:
+        local = [int(pid) for h, pid in peers if h == host]
+        deadline = time.monotonic() + PEER_EXIT_WAIT_S
+        while local and time.monotonic() < deadline:
+            local = [pid for pid in local if _alive(pid)]
+            time.sleep(0.02)
+        if len(local) < len(peers):
+            time.sleep(0.5)
+        try:
+            service.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by the launcher) is gone for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def dcp_mesh(axis_name: str = "dcp", world: int | None = None, backend: str | None = None):

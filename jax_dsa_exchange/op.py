@@ -10,37 +10,56 @@ custom calls on XLA's stream, in this order:
 Both custom calls have ``has_side_effect=True`` (XLA never removes, merges or
 duplicates them) and are chained by an XLA token, so merge always follows its
 select_push (adjacent on the stream, which lets merge start early through PDL).
-Both results are tuples holding a token on purpose: XLA's GPU dynamic-slice
-fusion skips such calls; it aborted on, or duplicated, calls fed by a scan's
-slices otherwise (jax 0.11.2, H200; see ``_cuda_lowering``).
+Both results are tuples holding a token (XLA's GPU dynamic-slice fusion skips such
+calls in the XLA sources read: ``IsCustomCall`` in ``DynamicSliceFusionRewriter``).
 
-Ordering between calls (``ordered=True``, the default, SPEC §7): the primitive
-carries an *ordered* effect (:class:`DsaExchangeEffect`), so JAX threads one
-effect token through every call: calls keep their program order inside
-``jit``, ``lax.scan``, ``fori_loop``/``while_loop`` bodies and ``shard_map``,
-and across dispatches of separate jitted functions.  The effect is declared
-*shardable* (like ``io_callback(ordered=True)``), the only kind of ordered
-effect JAX (0.11, 0.12) accepts in multi-device computations: shard_map over
-the DCP mesh works, with one token per device, so the order is per device,
-which is what the protocol needs (every rank runs the same calls in the same
-order).  ``while_loop`` may hold the op in its body, not in its condition.
+**XLA's GPU dynamic-slice fusion, jax 0.11.2 (H200, this session):** the pass still
+matched the calls when their operands were slices (a ``lax.scan`` over stacked layers,
+or ``x[i]`` of an unrolled loop): the compiler aborted (``Check failed: shape.IsArray()
+|| shape.IsTuple()`` in ``GpuHloCostAnalysis::FusionCalculateUtilizations``, the fused
+call's token), and the second session saw a fused merge left beside the original (two
+merges per call).  The op touches no flag; the workaround is scoped to the programs
+that call it: compile them with ``jax.jit(step, compiler_options=compiler_options())``
+(:func:`compiler_options`: ``{"xla_gpu_enable_dynamic_slice_fusion": False}`` for the
+affected jax versions, ``{}`` for the others), which turns the pass off for that
+executable only.  Version gate: :data:`DSF_SAFE_FROM`.
 
-Price of ``ordered=True`` (measured, jax 0.11/0.12): a jitted function with an
-ordered effect leaves JAX's C++ dispatch fast path, and before each dispatch
-JAX blocks the host until the previous dispatch's effect token is ready
-(``jax._src.array._token_shard_arg`` calls ``block_until_ready``), i.e. until
-the previous effectful program finished on the GPU: no host/device overlap
-between successive top-level calls.  On CPU a tiny jitted step went from 18 us
-to ~360 us per call.  Put the whole decode step (all layers) in one jitted
-function so this is paid once per step, not per layer.
+Ordering between calls (``ordered=True``, the default, SPEC §7) without a JAX
+effect, so jitted steps keep JAX's C++ dispatch fast path and the host never
+waits for the device between dispatches:
 
-``ordered=False``: no JAX effect at all; the C++ fast path and asynchronous
-dispatch stay.  Then calls are ordered only by data dependencies inside a
-program (XLA may reorder two independent calls; every rank compiles the same
-program, but nothing guarantees the same schedule on every rank), and JAX may
-drop a call whose outputs are unused.  Safe when every call's inputs depend on
-the previous call's outputs (the layer chain of a decode step) and outputs are
-used; separate dispatches run in stream order on each device.
+* *program order by data dependence*: every call's select_push takes the token
+  the previous call's merge returned in the same lowered body (a jit or
+  shard_map body, one ``lax.scan``/``while_loop``/``cond`` body, a Python-unrolled
+  loop), so XLA cannot reorder two calls of one body even when their data is
+  independent; iterations of a loop run in order; separately dispatched
+  programs run in stream order on each device (one stream per device);
+* *never dropped*: a DCE rule (``pe.dce_rules``, as jax-triton does) keeps the
+  equation when its outputs are unused, and XLA keeps side-effecting calls.  JAX
+  would still drop a whole ``lax.scan``/``while_loop``/``cond``/inner ``jit`` whose
+  outputs are all unused (no JAX effect): the DCE rules of those primitives are
+  wrapped to keep such an equation when its body calls the op
+  (:func:`_wrap_higher_order_dce_rules`; jax 0.11 and 0.12);
+* *never duplicated or merged*: ``has_side_effect`` (XLA CSE leaves the calls alone),
+  and the dynamic-slice fusion, which did duplicate them, is off for the executable
+  (:func:`compiler_options`; counted in the optimized HLO by the GPU tests).
+
+What the token chain cannot see: a call *outside* a loop/cond/inner jit and
+calls *inside* it, with no data flowing between them.  XLA then orders them by
+its (deterministic) schedule, the same on every rank compiling the same program
+with the same XLA, but not necessarily program order (lowering such a program warns:
+:class:`CrossBodyOrderWarning`).  ``ordered="effect"``
+covers that case with JAX's *ordered* effect (:class:`DsaExchangeEffect`, shardable,
+as ``io_callback(ordered=True)``): a token threaded through every call, loop and
+inner jit, at a price: the program leaves JAX's C++ fast path and JAX blocks the
+host before each dispatch until the previous effectful program finished on the
+device (``jax._src.array._token_shard_arg``), so the GPU idles while the next step
+is dispatched (H200, issue #13's serving loop: +32 us per layer over the
+kernels; README).
+
+``ordered=False``: no chain between calls (each select_push starts from a fresh
+token; the pair stays chained); XLA may run independent calls of one body in any
+order.  Same dispatch cost as the default.
 
 ``ids``/``saturated`` are outputs of the custom call only when asked for
 (``with_ids``/``with_saturated``); otherwise the kernel gets address 0 for them.
@@ -62,6 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -70,17 +90,53 @@ import jax
 import jax.numpy as jnp
 from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
+from jax._src.interpreters import partial_eval as pe
 from jax.interpreters import ad, batching
 
-from . import _ffi
+from . import _ffi, layout
 
-_ffi.disable_dynamic_slice_fusion()  # before a GPU backend starts (see _ffi)
-
-from . import layout
-
-__all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p"]
+__all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p", "compiler_options",
+           "jit", "CrossBodyOrderWarning"]
 
 PATHS = ("auto", "ffi", "xla")
+ORDERED = (True, False, "effect")
+
+DSF_OPTION = "xla_gpu_enable_dynamic_slice_fusion"
+# The first jaxlib version whose XLA leaves the exchange's custom calls alone with the
+# dynamic-slice fusion on, as shown on a GPU by tests/test_op_gpu.py::
+# test_decode_loop_with_dynamic_slice_fusion_forced_on[...-no-workaround]; None: no
+# version shown yet (0.11.2 aborted, 0.12 not run on a GPU).
+DSF_SAFE_FROM: tuple[int, ...] | None = None
+
+
+def dynamic_slice_fusion_workaround_needed() -> bool:
+    """Whether this jaxlib needs :func:`compiler_options` (``JAX_DSA_EXCHANGE_DSF_WORKAROUND``
+    = 0 / 1 overrides, e.g. to check a newer jax on a GPU)."""
+    import os
+
+    env = os.environ.get("JAX_DSA_EXCHANGE_DSF_WORKAROUND", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if DSF_SAFE_FROM is None:
+        return True
+    from jax._src.lib import version as jaxlib_version
+
+    return tuple(jaxlib_version) < DSF_SAFE_FROM
+
+
+def compiler_options() -> dict:
+    """Compiler options for ``jax.jit(step, compiler_options=...)`` of a program that calls
+    the op: XLA's GPU dynamic-slice fusion off for that executable on the jax versions that
+    need it (module docstring), else ``{}``.  Nothing process-wide changes."""
+    return {DSF_OPTION: False} if dynamic_slice_fusion_workaround_needed() else {}
+
+
+def jit(fun=None, **kwargs):
+    """``jax.jit`` with :func:`compiler_options` merged in (``kwargs`` win); also a decorator."""
+    if fun is None:
+        return functools.partial(jit, **kwargs)
+    opts = dict(compiler_options(), **(kwargs.pop("compiler_options", None) or {}))
+    return jax.jit(fun, compiler_options=opts or None, **kwargs)
 
 
 class MergeOutput(NamedTuple):
@@ -91,7 +147,7 @@ class MergeOutput(NamedTuple):
 
 
 class DsaExchangeEffect(effects.Effect):
-    """Ordered, shardable side effect of the exchange (device-resident epochs advance per call)."""
+    """Ordered, shardable side effect of the exchange, only with ``ordered="effect"``."""
 
     __str__ = lambda self: "DsaExchange"  # noqa: E731
 
@@ -118,10 +174,67 @@ def _abstract_eval(logits, row_ends, req_id, block_table, *, exchange_id, topk, 
         outs.append(core.ShapedArray((rows, topk), jnp.int32))
     if with_saturated:
         outs.append(core.ShapedArray((rows,), jnp.int32))
-    return outs, ({EFFECT} if ordered else core.no_effects)
+    return outs, ({EFFECT} if ordered == "effect" else core.no_effects)
 
 
 topk_exchange_merge_p.def_effectful_abstract_eval(_abstract_eval)
+
+
+def _keep_when_unused(*args):
+    """DCE rule: the call stays, and all its inputs stay live, whether or not its outputs
+    are used (an unused call still advances every rank's epochs; dropping it on one rank
+    would shift the pairing of all later calls).  The rule's signature changed between
+    jax releases ((used_outputs, eqn) in 0.11.x, (used_outputs, live_inputs, eqn) in
+    0.12): the equation is always last."""
+    eqn = args[-1]
+    return [True] * len(eqn.invars), eqn
+
+
+pe.dce_rules[topk_exchange_merge_p] = _keep_when_unused
+
+_holds_op_cache: "weakref.WeakKeyDictionary[core.Jaxpr, bool]" = weakref.WeakKeyDictionary()
+
+
+def _holds_op(jaxpr) -> bool:
+    """Whether ``jaxpr`` (or any jaxpr nested in its equations) calls the exchange."""
+    try:
+        return _holds_op_cache[jaxpr]
+    except (KeyError, TypeError):
+        pass
+    found = any(e.primitive is topk_exchange_merge_p or any(map(_holds_op, core.jaxprs_in_params(e.params)))
+                for e in jaxpr.eqns)
+    try:
+        _holds_op_cache[jaxpr] = found
+    except TypeError:
+        pass
+    return found
+
+
+def _keeping_loops_with_the_op(rule):
+    """Wraps a higher-order primitive's DCE rule (scan, while, cond, jit, shard_map, remat,
+    custom_jvp/vjp): such an equation whose outputs are all unused is dropped whole by its
+    rule, since it has no JAX effect; when its body calls the exchange it is kept as is."""
+
+    def wrapped(*args):
+        used_outputs, eqn = args[0], args[-1]
+        if not any(used_outputs) and any(map(_holds_op, core.jaxprs_in_params(eqn.params))):
+            return [True] * len(eqn.invars), eqn
+        return rule(*args)
+
+    wrapped._dsa_exchange_wrapped = True
+    return wrapped
+
+
+def _wrap_higher_order_dce_rules() -> None:
+    # Every rule registered by now (jax registers them when its modules load: lax's
+    # control flow, jit, shard_map, remat, custom derivatives); the rule itself is
+    # unchanged for equations that do not call the exchange.
+    for prim, rule in list(pe.dce_rules.items()):
+        if prim is not topk_exchange_merge_p and not getattr(rule, "_dsa_exchange_wrapped", False):
+            pe.dce_rules[prim] = _keeping_loops_with_the_op(rule)
+
+
+_wrap_higher_order_dce_rules()
 
 _NO_GRAD = "topk_exchange_merge has no differentiation rule"
 
@@ -165,17 +278,68 @@ def _check_per_device(ctx) -> None:
             )
 
 
+_CHAIN_KEY = ("jax_dsa_exchange", "token chain")
+_chains_fallback: dict = {}
+
+
+def _chain_slots(ctx) -> list:
+    """[block, token] pairs of this module's lowering: the token the last call lowered in
+    each block returned.  Kept in the module context's ``cached_primitive_lowerings``
+    dict (module-wide and per lowering in jax 0.11 and 0.12), else per module object."""
+    mc = ctx.module_context
+    store = getattr(mc, "cached_primitive_lowerings", None)
+    if not isinstance(store, dict):
+        store = _chains_fallback.setdefault(id(mc.module), {"module": mc.module})
+    return store.setdefault(_CHAIN_KEY, [])
+
+
+def _chain_get(ctx):
+    block = mlir.ir.InsertionPoint.current.block
+    for b, tok in _chain_slots(ctx):
+        if b == block:
+            return tok
+    return None
+
+
+class CrossBodyOrderWarning(UserWarning):
+    """Calls of the op in different lowered bodies of one program (module docstring)."""
+
+
+def _chain_set(ctx, token) -> None:
+    block = mlir.ir.InsertionPoint.current.block
+    slots = _chain_slots(ctx)
+    for slot in slots:
+        if slot[0] == block:
+            slot[1] = token
+            return
+    slots.append([block, token])
+    if len(slots) == 2:
+        import warnings
+
+        warnings.warn(
+            "topk_exchange_merge is called in two different bodies of one program (e.g. outside "
+            "and inside a lax.scan/while_loop/cond or an inner jit): the op's token chain orders "
+            "the calls of each body; between bodies only data dependence (or XLA's schedule, the "
+            "same on every rank) orders them.  If those calls share no data, pass "
+            "ordered='effect' (JAX's ordered effect: program order, but the host waits for the "
+            "device before each dispatch)", CrossBodyOrderWarning, stacklevel=2)
+
+
 def _cuda_lowering(ctx, logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids,
                    with_saturated, ordered):
     # Both custom calls return a TUPLE holding a token: XLA's GPU dynamic-slice fusion
-    # (on in jax 0.11.2) leaves such calls alone.  Without it, it rewrote calls fed by
-    # a scan's slices: a lone-token result aborted the compiler, and a merge whose
-    # results had other users was DUPLICATED (two merges per call: the second waited
-    # for an epoch no peer would send).  The token chain is also the order:
-    # (effect token ->) select_push -> merge (-> effect token), no barrier needed.
+    # skips such calls (module docstring).  The token chain is also the order:
+    # (previous call's merge | effect token ->) select_push -> merge (-> next call).
     _check_per_device(ctx)
-    threaded = ordered and EFFECT in ctx.tokens_in.effects()
-    token = ctx.tokens_in.get(EFFECT) if threaded else mlir.hlo.create_token()
+    threaded = ordered == "effect" and EFFECT in ctx.tokens_in.effects()
+    chained = ordered is True
+    token = None
+    if threaded:
+        token = ctx.tokens_in.get(EFFECT)
+    elif chained:
+        token = _chain_get(ctx)
+    if token is None:
+        token = mlir.hlo.create_token()
     tok = core.abstract_token
     ticket_aval = core.ShapedArray((), np.int32)  # never written; only makes the tuple
     lg_aval, re_aval = ctx.avals_in[0], ctx.avals_in[1]
@@ -193,6 +357,8 @@ def _cuda_lowering(ctx, logits, row_ends, req_id, block_table, *, exchange_id, t
     )
     if threaded:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({EFFECT: token})))
+    elif chained:
+        _chain_set(ctx, token)
     return outs
 
 
@@ -204,8 +370,11 @@ def _other_lowering(ctx, *args, **params):
     )
 
 
-mlir.register_lowering(topk_exchange_merge_p, _other_lowering)
-mlir.register_lowering(topk_exchange_merge_p, _cuda_lowering, platform="cuda")
+# cacheable=False: lowered inline in the caller's body, every time (jax 0.11/0.12 otherwise
+# emit a primitive's lowering once into a private function called from each use), so the
+# token chain links the calls of one body in program order.
+mlir.register_lowering(topk_exchange_merge_p, _other_lowering, cacheable=False)
+mlir.register_lowering(topk_exchange_merge_p, _cuda_lowering, platform="cuda", cacheable=False)
 
 
 # ---------------------------------------------------------------------------
@@ -283,7 +452,7 @@ def topk_exchange_merge(
     with_saturated: bool = False,
     path: str = "auto",
     axis_name=None,
-    ordered: bool = True,
+    ordered: bool | str = True,
 ) -> MergeOutput:
     """Exact DCP top-K merge of this rank's candidates (SPEC §3) through ``exchange``.
 
@@ -296,13 +465,17 @@ def topk_exchange_merge(
     ``path``: ``"auto"`` (the FFI kernels when the default backend is CUDA,
     else the XLA path), ``"ffi"`` (always the FFI custom calls; lowering fails
     on other platforms) or ``"xla"`` (``xla_path.xla_topk_merge``; needs
-    ``axis_name``).  ``ordered``: the FFI path's ordering guarantee (module
-    docstring: True = ordered JAX effect, False = no effect, faster dispatch).
+    ``axis_name``).  ``ordered``: the FFI path's ordering between calls (module
+    docstring): True (default) = program order by a token chain, no JAX effect, async
+    dispatch; ``"effect"`` = JAX's ordered effect (also orders calls across loop
+    bodies, but blocks the host before every dispatch); False = no chain.
     Returns :class:`MergeOutput`; ``ids``/``saturated`` are None unless asked
     for.
     """
-    if not isinstance(ordered, (bool, np.bool_)):
-        raise TypeError(f"ordered must be a bool, got {ordered!r}")
+    if isinstance(ordered, np.bool_):
+        ordered = bool(ordered)
+    if not (ordered is True or ordered is False or ordered == "effect"):
+        raise TypeError(f"ordered must be True, False or 'effect', got {ordered!r}")
     _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_ids, with_saturated, path)
     with_ids, with_saturated, block_size = bool(with_ids), bool(with_saturated), int(block_size)
     if not _use_ffi(path):
@@ -329,7 +502,7 @@ def topk_exchange_merge(
     outs = topk_exchange_merge_p.bind(
         jnp.asarray(logits), jnp.asarray(row_ends), jnp.asarray(req_id), jnp.asarray(block_table),
         exchange_id=int(exchange.id), topk=int(exchange.topk), block_size=block_size,
-        with_ids=with_ids, with_saturated=with_saturated, ordered=bool(ordered),
+        with_ids=with_ids, with_saturated=with_saturated, ordered=ordered,
     )
     kv_rows, counts, *rest = outs
     ids = rest.pop(0) if with_ids else None

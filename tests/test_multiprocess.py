@@ -80,6 +80,86 @@ def test_demo_processes():
     assert p.returncode == 0, _explain(p)
     assert "[rank 0] OK: 2 steps" in p.stdout, _explain(p)
     assert "MISMATCH" not in p.stdout, _explain(p)
+    _assert_no_grpc_noise(p)
+
+
+GRPC_NOISE = ("WatchTasks", "GRPC", "grpc", "UNAVAILABLE", "Connection refused", "CANCELLED")
+
+
+def _assert_no_grpc_noise(p):
+    for bad in GRPC_NOISE:
+        assert bad not in p.stdout + p.stderr, (bad, _explain(p))
+
+
+@pytest.mark.parametrize("order", ["leader-first", "leader-last", "together"])
+def test_clean_exit_without_grpc_noise(order):
+    """Ranks leave jax.distributed in an order that prints no gRPC error, whichever rank
+    reaches its exit first (distributed.shutdown, registered by distributed.initialize)."""
+    p, dt = _launch(3, sys.executable, os.path.join(ROOT, "tests", "scripts", "exit_worker.py"),
+                    "--order", order, timeout=120, launch_args=("--timeout", "100"))
+    assert p.returncode == 0, _explain(p)
+    assert p.stdout.count("RANK OK") == 3, _explain(p)
+    _assert_no_grpc_noise(p)
+
+
+_CLUSTER_SCRIPT = ("from jax_dsa_exchange import distributed as d; c = d.detected_cluster(); "
+                   "r, w = d.initialize(); import jax; "
+                   "print('JOINED', c, r, w, jax.process_index(), jax.process_count(), flush=True)")
+
+
+@pytest.mark.parametrize("cluster", ["slurm", "ompi"])
+def test_initialize_joins_jobs_that_jax_detects(cluster):
+    """Not started by the package's launcher, but by srun / mpirun (their variables set by
+    hand here, 2 processes on CPU): distributed.initialize() joins through
+    jax.distributed.initialize() with no arguments, as JAX users launch."""
+    import random
+
+    job = random.randrange(1 << 20)  # both derive the coordinator port from the job id
+    envs = []
+    for i in range(2):
+        e = _env()
+        for k in list(e):
+            if k.startswith(("SLURM_", "OMPI_", "JAX_DSA_EXCHANGE_")):
+                del e[k]
+        if cluster == "slurm":
+            e.update(SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+                     SLURM_PROCID=str(i), SLURM_LOCALID=str(i))
+        else:
+            e.update(OMPI_MCA_orte_hnp_uri=f"{job}.0;tcp://127.0.0.1:5555", OMPI_COMM_WORLD_SIZE="2",
+                     OMPI_COMM_WORLD_RANK=str(i), OMPI_COMM_WORLD_LOCAL_RANK=str(i))
+        envs.append(e)
+    procs = [subprocess.Popen([sys.executable, "-c", _CLUSTER_SCRIPT], env=e, cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for e in envs]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, err[-3000:]
+        assert f"JOINED {cluster} {i} 2 {i} 2" in out, (out, err[-3000:])
+        for bad in GRPC_NOISE:
+            assert bad not in out + err, (bad, err[-3000:])
+
+
+def test_no_cluster_no_launcher_runs_as_one_process():
+    e = _env()
+    for k in list(e):
+        if k.startswith(("SLURM_", "OMPI_", "JAX_DSA_EXCHANGE_")):
+            del e[k]
+    p = subprocess.run([sys.executable, "-c", _CLUSTER_SCRIPT], env=e, cwd=ROOT, text=True, capture_output=True,
+                       timeout=120)
+    assert p.returncode == 0 and "JOINED None 0 1 0 1" in p.stdout, _explain(p)
+
+
+@pytest.mark.skipif(bool(__import__("shutil").which("nvidia-smi")), reason="a GPU machine runs the real bench")
+def test_bench_without_gpu_says_so_once():
+    """Without a GPU the bench says so once, before starting W processes (it used to start
+    them and print "no GPU" from each)."""
+    p = subprocess.run([sys.executable, "-m", "jax_dsa_exchange.bench", "--world", "4"], env=_env(),
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2, _explain(p)
+    assert (p.stdout + p.stderr).count("no GPU") == 1, _explain(p)
+    assert "[rank" not in p.stdout + p.stderr, _explain(p)
+    p = subprocess.run([sys.executable, "-m", "jax_dsa_exchange.bench", "--serving"], env=_env(),
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and (p.stdout + p.stderr).count("no GPU") == 1, _explain(p)
 
 
 def test_demo_single_process():

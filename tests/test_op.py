@@ -99,7 +99,8 @@ def _call(**kw):
         (dict(path="cuda"), ValueError, "path='cuda' must be one of"),
         (dict(path="xla"), ValueError, "needs axis_name"),
         (dict(exchange=object()), TypeError, "exchange must have attribute 'id'"),
-        (dict(ordered=None), TypeError, "ordered must be a bool"),
+        (dict(ordered=None), TypeError, "ordered must be True, False or 'effect'"),
+        (dict(ordered="yes"), TypeError, "ordered must be True, False or 'effect'"),
     ],
 )
 def test_validation(kw, exc, msg):
@@ -130,16 +131,28 @@ def test_lowering_two_custom_calls_in_token_order():
         assert "exchange_id = 7 : i64" in attrs
     assert "block_size = 32 : i32" in merge_attrs
     assert "with_ids = true" in merge_attrs and "with_saturated = true" in merge_attrs
-    # The ordered effect's token enters the program, goes through select_push, then
-    # through merge, and leaves the program; both results are tuples holding a token
-    # (XLA's dynamic-slice fusion must leave the calls alone, op.py).
-    assert re.search(r"@main\(%arg0: !stablehlo.token \{jax.token = true\}", text)
-    assert push_ops[0] == "%arg0"
+    # The default has no JAX effect: no token enters or leaves the program (C++ fast path,
+    # no host wait); select_push starts a chain, merge follows it.  Both results are
+    # tuples holding a token (XLA's dynamic-slice fusion must leave the calls alone, op.py).
+    assert "jax.token" not in text
+    assert re.search(re.escape(push_ops[0]) + r" = stablehlo.create_token", text)
     assert merge_ops[0] == push_res.split(":")[0] + "#0"
     assert re.search(r"stablehlo.custom_call @dsa_select_push[^\n]*-> \(!stablehlo.token, tensor<i32>\)", text)
     assert re.search(r"stablehlo.custom_call @dsa_merge[^\n]*-> \(!stablehlo.token, tensor<4x64xi32>, "
                      r"tensor<4xi32>, tensor<4x64xi32>, tensor<4xi32>\)", text)
+    assert not jax.make_jaxpr(_op())(*ARGS).effects
+
+
+def test_effect_mode_threads_jax_ordered_effect_token():
+    """ordered="effect": JAX's ordered effect; its token enters the program, goes through
+    select_push, then merge, and leaves the program."""
+    text = cuda_text(_op(ordered="effect"), *ARGS)
+    (push_res, _, push_ops, _), (merge_res, _, merge_ops, _) = custom_calls(text)
+    assert re.search(r"@main\(%arg0: !stablehlo.token \{jax.token = true\}", text)
+    assert push_ops[0] == "%arg0"
+    assert merge_ops[0] == push_res.split(":")[0] + "#0"
     assert re.search(r"return " + re.escape(merge_res.split(":")[0]) + r"#0,", text)
+    assert jax.make_jaxpr(_op(ordered="effect"))(*ARGS).effects
 
 
 def test_lowering_optional_outputs_absent():
@@ -152,56 +165,152 @@ def test_lowering_optional_outputs_absent():
     assert out.kv_rows.shape == (R, 64) and out.counts.shape == (R,)
 
 
-def test_two_calls_chain_and_unused_results_are_kept():
-    op = _op()
+def _tok(call):
+    return call[0].split(":")[0] + "#0"  # "%3:3" -> its token result "%3#0"
+
+
+@pytest.mark.parametrize("ordered", [True, "effect"])
+def test_two_calls_chain_and_unused_results_are_kept(ordered):
+    op = _op(ordered=ordered)
 
     def f(*a):
         op(*a)  # results unused: must not be dropped
         op(*a)  # identical call: must not be merged with the first
         return jnp.int32(0)
 
-    text = cuda_text(f, *ARGS)
-    calls = custom_calls(text)
+    calls = custom_calls(cuda_text(f, *ARGS))
     assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"] * 2
     # token chain: push1 -> merge1 -> push2 -> merge2
-    tok = lambda c: c[0].split(":")[0] + "#0"  # noqa: E731  ("%3:3" -> token result "%3#0")
-    assert calls[1][2][0] == tok(calls[0])
-    assert calls[2][2][0] == tok(calls[1])
-    assert calls[3][2][0] == tok(calls[2])
+    assert calls[1][2][0] == _tok(calls[0])
+    assert calls[2][2][0] == _tok(calls[1])
+    assert calls[3][2][0] == _tok(calls[2])
 
 
-def test_unordered_mode_has_no_effect_token_but_keeps_the_pair_chained():
-    """ordered=False: no JAX effect (fast dispatch); select_push -> merge still chained by a local token."""
-    jaxpr = jax.make_jaxpr(_op(ordered=False))(*ARGS)
+def test_independent_calls_run_in_program_order():
+    """Two calls on unrelated data (and two exchanges) in one body: the second's
+    select_push takes the first's merge token, so XLA cannot swap them; the chain goes
+    on through calls with used and unused outputs alike, in program order."""
+    op7, op8 = _op(), _op(DummyExchange(id=8))
+
+    def f(lg, re_, rq, bt):
+        a = op7(lg, re_, rq, bt)
+        b = op8(lg * 2, re_ + 1, rq, bt)  # independent of a
+        op7(lg, re_ - 1, rq, bt)  # unused
+        c = op8(-lg, re_, rq, bt)
+        return a.counts, b.counts, c.counts
+
+    text = cuda_text(f, *ARGS)
+    calls = custom_calls(text)
+    assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"] * 4
+    assert [re.search(r"exchange_id = (\d+)", c[3]).group(1) for c in calls[::2]] == ["7", "8", "7", "8"]
+    for prev, nxt in zip(calls, calls[1:]):
+        assert nxt[2][0] == _tok(prev), (prev, nxt)
+    assert text.count("stablehlo.create_token") == 1
+
+
+def test_unused_calls_in_loops_and_inner_jits_are_kept():
+    """A call whose outputs are unused stays, also inside a loop / inner jit whose outputs
+    are all unused (JAX's DCE would drop such a loop whole: op.py wraps those rules)."""
+    op = _op()
+
+    def scan_unused(*a):
+        lax.scan(lambda c, _: (c, op(*a).counts), jnp.int32(0), None, length=3)
+        return jnp.int32(0)
+
+    def fori_unused(*a):
+        lax.fori_loop(0, 3, lambda i, c: c + op(*a).counts, jnp.zeros((R,), jnp.int32))
+        return jnp.int32(0)
+
+    def cond_unused(*a):
+        lax.cond(a[1][0] > 0, lambda: op(*a).counts, lambda: jnp.zeros((R,), jnp.int32))
+        return jnp.int32(0)
+
+    def jit_unused(*a):
+        jax.jit(lambda *b: op(*b).counts)(*a)
+        return jnp.int32(0)
+
+    def body_output_unused(*a):
+        def body(c, _):
+            op(*a)
+            return c + 1, None
+        return lax.scan(body, jnp.int32(0), None, length=3)[0]
+
+    for fn in (scan_unused, fori_unused, cond_unused, jit_unused, body_output_unused):
+        calls = [c[1] for c in custom_calls(cuda_text(fn, *ARGS))]
+        assert calls == ["dsa_select_push", "dsa_merge"], (fn.__name__, calls)
+    # An equation without the op is still removed as before.
+    def plain_unused(x):
+        lax.scan(lambda c, _: (c + 1, None), x, None, length=3)
+        return x
+    assert "while" not in jax.jit(plain_unused).lower(jnp.int32(0)).as_text()
+
+
+def test_unordered_mode_has_no_chain_between_calls():
+    """ordered=False: no JAX effect and no chain between calls; select_push -> merge
+    still chained by a local token."""
+    op = _op(ordered=False)
+    jaxpr = jax.make_jaxpr(op)(*ARGS)
     assert not jaxpr.effects
-    assert jax.make_jaxpr(_op())(*ARGS).effects  # the default is ordered
-    text = cuda_text(_op(ordered=False), *ARGS)
+    text = cuda_text(lambda *a: (op(*a).counts, op(*a).counts), *ARGS)
     assert "jax.token" not in text
     calls = custom_calls(text)
-    assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"]
-    assert re.search(re.escape(calls[0][2][0]) + r" = stablehlo.create_token", text)
-    assert calls[1][2][0] == calls[0][0].split(":")[0] + "#0"
+    assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"] * 2
+    for push, merge in (calls[0:2], calls[2:4]):
+        assert re.search(re.escape(push[2][0]) + r" = stablehlo.create_token", text)
+        assert merge[2][0] == _tok(push)
     assert all("has_side_effect = true" in c[3] for c in calls)
 
 
-def test_lowering_inside_scan_and_fori_loop():
-    op = _op()
+@pytest.mark.parametrize("ordered", [True, "effect"])
+def test_lowering_inside_scan_and_fori_loop(ordered):
+    op = _op(ordered=ordered)
 
     def scanned(*a):
         def body(c, _):
-            return c + op(*a).counts, None
+            return c + op(*a).counts + op(*a).counts, None
 
         return lax.scan(body, jnp.zeros((R,), jnp.int32), None, length=3)[0]
 
     def looped(*a):
-        return lax.fori_loop(0, 3, lambda i, c: c + op(*a).counts, jnp.zeros((R,), jnp.int32))
+        return lax.fori_loop(0, 3, lambda i, c: c + op(*a).counts + op(*a).counts, jnp.zeros((R,), jnp.int32))
 
     for fn in (scanned, looped):
         text = cuda_text(fn, *ARGS)
         assert "stablehlo.while" in text
-        # the effect token is a loop-carried value and the calls sit in the body, once
-        assert re.search(r"stablehlo.while\(%iterArg = %arg0,", text)
-        assert [c[1] for c in custom_calls(text)] == ["dsa_select_push", "dsa_merge"]
+        calls = custom_calls(text)
+        # the calls sit in the body, once each (no copy outside the loop), chained
+        assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"] * 2
+        for prev, nxt in zip(calls, calls[1:]):
+            assert nxt[2][0] == _tok(prev)
+        if ordered == "effect":  # the effect token is a loop-carried value
+            assert re.search(r"stablehlo.while\(%iterArg = %arg0,", text)
+        else:
+            assert "jax.token" not in text
+
+
+def test_scan_and_unrolled_loops_lower_to_the_same_calls():
+    """A layer loop in lax.scan and unrolled in Python: the same custom calls, each
+    once per layer, chained in layer order (unrolled) / once in the body (scan)."""
+    op = _op()
+    layers = 4
+
+    def unrolled(lg, re_, rq, bt):
+        c = jnp.zeros((R,), jnp.int32)
+        for i in range(layers):
+            c = c + op(lg + i, re_, rq, bt).counts
+        return c
+
+    def scanned(lg, re_, rq, bt):
+        return lax.scan(lambda c, i: (c + op(lg + i.astype(lg.dtype), re_, rq, bt).counts, None),
+                        jnp.zeros((R,), jnp.int32), jnp.arange(layers))[0]
+
+    u = custom_calls(cuda_text(unrolled, *ARGS))
+    assert [c[1] for c in u] == ["dsa_select_push", "dsa_merge"] * layers
+    for prev, nxt in zip(u, u[1:]):
+        assert nxt[2][0] == _tok(prev)
+    s_ = custom_calls(cuda_text(scanned, *ARGS))
+    assert [c[1] for c in s_] == ["dsa_select_push", "dsa_merge"]
+    assert [c[3] for c in s_] == [c[3] for c in u[:2]]
 
 
 def test_lowering_on_cpu_is_a_clear_error():
@@ -226,7 +335,8 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
             [((W, R, L), jnp.bfloat16), ((W, R), jnp.int32), ((W, R), jnp.int32), ((W, 3, 8), jnp.int32)]]
     def per_rank(lg, re_, rq, bt):
         def body(c, _):
-            o = topk_exchange_merge(Ex(), lg[0], re_[0], rq[0], bt[0], block_size=4, path="ffi")
+            o = topk_exchange_merge(Ex(), lg[0], re_[0], rq[0], bt[0], block_size=4, path="ffi",
+                                    ordered={"1": True, "effect": "effect"}[os.environ["ORD"]])
             return c + o.counts, None
         return lax.scan(body, jnp.zeros((R,), jnp.int32), None, length=2)[0][None]
     f = jax.shard_map(per_rank, mesh=mesh, in_specs=P("dcp"), out_specs=P("dcp"))
@@ -247,10 +357,12 @@ SHARD_MAP_SCRIPT = textwrap.dedent(
 )
 
 
-def test_lowering_inside_shard_map_multi_device():
-    """Ordered (shardable) effect inside shard_map over 4 devices, in a scan; refused outside shard_map."""
+@pytest.mark.parametrize("ordered", ["1", "effect"])
+def test_lowering_inside_shard_map_multi_device(ordered):
+    """The op inside shard_map over 4 devices, in a scan (default and ordered="effect": the
+    shardable effect); refused outside shard_map."""
     r = subprocess.run([sys.executable, "-c", SHARD_MAP_SCRIPT], capture_output=True, text=True, cwd=REPO,
-                       env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu"))
+                       env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", ORD=ordered))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "CALLS ['dsa_select_push', 'dsa_merge']" in r.stdout
     assert "UNSHARDED topk_exchange_merge runs per device" in r.stdout, r.stdout
@@ -437,3 +549,170 @@ def test_ffi_path_end_to_end_with_stand_in_kernels(tmp_path):
         from jax._src import dispatch
 
         dispatch.runtime_tokens.clear()
+
+
+FLAGS_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    before = os.environ.get("XLA_FLAGS")
+    import jax_dsa_exchange.op, jax_dsa_exchange._ffi, jax_dsa_exchange.exchange  # noqa: F401
+    import jax_dsa_exchange.bench, jax_dsa_exchange.demo  # noqa: F401
+    import jax
+    jax.devices()
+    print("FLAGS", repr(before), repr(os.environ.get("XLA_FLAGS")))
+    """
+)
+
+
+@pytest.mark.parametrize("flags", [None, "--xla_dump_hlo_as_text"])
+def test_import_leaves_xla_flags_alone(flags):
+    """Importing the op (or anything of the package) changes no process-wide setting."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    if flags is not None:
+        env["XLA_FLAGS"] = flags
+    r = subprocess.run([sys.executable, "-c", FLAGS_SCRIPT], capture_output=True, text=True, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"FLAGS {flags!r} {flags!r}" in r.stdout, r.stdout
+    assert "dynamic_slice_fusion" not in r.stdout + r.stderr
+
+
+def test_scan_decode_loop_calls_are_shaped_for_the_dynamic_slice_fusion_to_skip():
+    """XLA's GPU DynamicSliceFusionRewriter matches a registered custom call fed by slices
+    of a scan's stacked inputs unless its result is a tuple holding a token (its
+    IsCustomCall).  In a lax.scan decode loop over stacked per-layer logits (what the pass
+    rewrote on jax 0.11.2), both custom calls appear once, inside the loop body, with
+    such a result.  (That did not keep jax 0.11.2's XLA from matching them: op.py; the GPU
+    test, op_worker --dynamic-slice-fusion on, compiles it with the pass forced on and
+    counts the calls in the optimized HLO, with and without op.compiler_options().)"""
+    op = _op()
+    layers = 6
+
+    def step(lgs, re_, rq, bt):
+        def layer(c, lg):
+            o = op(lg, re_, rq, bt)
+            return c + o.counts, o.kv_rows
+        return lax.scan(layer, jnp.zeros((R,), jnp.int32), lgs)
+
+    text = cuda_text(step, sds((layers, R, L), jnp.bfloat16), *ARGS[1:])
+    calls = custom_calls(text)
+    assert [c[1] for c in calls] == ["dsa_select_push", "dsa_merge"]
+    for name in ("dsa_select_push", "dsa_merge"):
+        for m in re.finditer(r"stablehlo.custom_call @" + name + r"\([^\n]*-> ([^\n]*)", text):
+            assert m.group(1).startswith("(!stablehlo.token,"), m.group(1)
+
+
+def test_compiler_options_scope_the_fusion_workaround_to_one_executable(monkeypatch):
+    """The workaround for XLA's dynamic-slice fusion is a per-executable compiler option
+    (op.compiler_options / op.jit), version-gated, with an override; XLA accepts the option
+    name (a wrong name is an error at compile); XLA_FLAGS stays as it was."""
+    from jax_dsa_exchange import op as opmod
+
+    flags = os.environ.get("XLA_FLAGS")
+    monkeypatch.delenv("JAX_DSA_EXCHANGE_DSF_WORKAROUND", raising=False)
+    assert opmod.DSF_SAFE_FROM is None and opmod.dynamic_slice_fusion_workaround_needed()
+    assert opmod.compiler_options() == {"xla_gpu_enable_dynamic_slice_fusion": False}
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_DSF_WORKAROUND", "0")
+    assert opmod.compiler_options() == {}
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_DSF_WORKAROUND", "1")
+    f = opmod.jit(lambda x: x * 2 + 1)
+    np.testing.assert_array_equal(np.asarray(f(jnp.arange(3))), [1, 3, 5])
+    g = opmod.jit(lambda x: x - 1, compiler_options={"xla_embed_ir_in_executable": False})
+    assert int(g(jnp.int32(3))) == 2
+    # op.jit's program lowers like jax.jit's (the option only reaches the compiler)
+    assert custom_calls(opmod.jit(_op()).trace(*ARGS).lower(lowering_platforms=("cuda",)).as_text()) == \
+        custom_calls(cuda_text(_op(), *ARGS))
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x, compiler_options={"xla_gpu_enable_dynamic_slice_fusionn": False})(1.0)
+    assert os.environ.get("XLA_FLAGS") == flags
+
+
+SERIALIZE_SCRIPT = textwrap.dedent(
+    """
+    import time, numpy as np, jax, jax.numpy as jnp
+    from jax._src.interpreters import mlir
+    from jax_dsa_exchange import op
+    from jax_dsa_exchange.op import topk_exchange_merge, topk_exchange_merge_p, EFFECT
+
+    def fake_cpu(ctx, logits, row_ends, req_id, block_table, *, ordered, **kw):
+        # Stand-in for the kernels on CPU: same avals, same effect handling; no work.
+        if ordered == "effect":
+            ctx.set_tokens_out(ctx.tokens_in)
+        return [mlir.full_like_aval(ctx, 0, a) for a in ctx.avals_out]
+
+    mlir.register_lowering(topk_exchange_merge_p, fake_cpu, platform="cpu", cacheable=False)
+
+    class Ex:
+        id, world, rank, topk, local_topk, max_rows, closed = 3, 1, 0, 64, 32, 16, False
+
+    R, L = 4, 256
+    lg, re_, rq, bt = (jnp.zeros((R, L), jnp.bfloat16), jnp.full((R,), L, jnp.int32),
+                       jnp.zeros((R,), jnp.int32), jnp.zeros((2, 8), jnp.int32))
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((768, 768)) / 30, jnp.float32)
+
+    def make(ordered):
+        def step(h):
+            for _ in range(12):
+                h = jnp.tanh(h @ w)
+            if ordered is not None:
+                o = topk_exchange_merge(Ex(), lg, re_, rq, bt, block_size=4, path="ffi", ordered=ordered)
+                h = h + o.counts.sum()
+            return h
+        return jax.jit(step)
+
+    for name, ordered in (("none", None), ("default", True), ("effect", "effect")):
+        f = make(ordered)
+        h = jnp.ones((768, 768), jnp.float32)
+        for _ in range(3):
+            h = f(h)
+        jax.block_until_ready(h)
+        n = 30
+        t0 = time.perf_counter()
+        for _ in range(n):
+            h = f(h)
+        t1 = time.perf_counter()
+        jax.block_until_ready(h)
+        t2 = time.perf_counter()
+        print("MODE", name, f"{(t1 - t0) / (t2 - t0):.3f}", f"{(t2 - t0) / n * 1e6:.0f}", flush=True)
+    """
+)
+
+
+def test_default_mode_does_not_serialize_the_host_with_the_device():
+    """Issue #13: with the op in the step (a CPU stand-in lowering with the same effects),
+    dispatching 30 steps back to back returns long before they finish in the default mode,
+    like a step without the op; the ordered effect (ordered="effect") makes each dispatch
+    wait for the previous step."""
+    r = subprocess.run([sys.executable, "-c", SERIALIZE_SCRIPT], capture_output=True, text=True, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu"), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    frac = {m.group(1): float(m.group(2)) for m in re.finditer(r"MODE (\w+) ([\d.]+)", r.stdout)}
+    assert set(frac) == {"none", "default", "effect"}, r.stdout
+    # fraction of the wall time spent dispatching: small when the host runs ahead
+    assert frac["none"] < 0.5 and frac["default"] < 0.5, r.stdout
+    assert frac["effect"] > 0.8, r.stdout
+
+
+def test_calls_in_two_bodies_of_one_program_warn():
+    """The token chain is per body: a program with calls outside and inside a loop says so
+    (CrossBodyOrderWarning, pointing at ordered='effect'); one body does not warn."""
+    from jax_dsa_exchange.op import CrossBodyOrderWarning
+
+    op = _op()
+
+    def mixed(*a):
+        c = op(*a).counts
+        return lax.scan(lambda c, _: (c + op(*a).counts, None), c, None, length=2)[0]
+
+    with pytest.warns(CrossBodyOrderWarning, match="ordered='effect'"):
+        cuda_text(mixed, *ARGS)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CrossBodyOrderWarning)
+        cuda_text(lambda *a: lax.scan(lambda c, _: (c + op(*a).counts + op(*a).counts, None),
+                                      jnp.zeros((R,), jnp.int32), None, length=2)[0], *ARGS)
+        cuda_text(_op(ordered="effect"), *ARGS)
+        cuda_text(lambda *a: (_op(ordered="effect")(*a).counts,
+                              lax.scan(lambda c, _: (c + _op(ordered="effect")(*a).counts, None),
+                                       jnp.zeros((R,), jnp.int32), None, length=2)[0]), *ARGS)

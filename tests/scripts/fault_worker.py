@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 
 from jax_dsa_exchange import cases, reference  # noqa: E402
 from jax_dsa_exchange.exchange import Exchange  # noqa: E402
-from jax_dsa_exchange.op import topk_exchange_merge  # noqa: E402
+from jax_dsa_exchange.op import jit, topk_exchange_merge  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--mode", choices=("exit", "skip", "rows"), required=True)
@@ -47,7 +47,7 @@ ex = Exchange.create(topk=K, local_topk=N, max_rows=R, timeout_us=a.timeout_us)
 def make_step(ex):
     """A new function object per exchange: the compiled program holds the exchange id, and
     JAX caches traces by function, so re-jitting the same function would reuse the old id."""
-    @jax.jit
+    @jit
     def decode_step(logits, row_ends, req_id, block_table):
         def layer(c, xs):
             o = topk_exchange_merge(ex, xs[0], xs[1], req_id, block_table, block_size=B, with_ids=True)

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 from jax_dsa_exchange import reference  # noqa: E402
 from jax_dsa_exchange.exchange import Exchange  # noqa: E402
-from jax_dsa_exchange.op import topk_exchange_merge  # noqa: E402
+from jax_dsa_exchange.op import jit, topk_exchange_merge  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--topk", type=int, default=2048)
@@ -42,7 +42,7 @@ NREQ, PAGES = 64, -(-a.cols // 16)
 ex = Exchange.create(topk=K, local_topk=N, max_rows=max(a.rows))
 
 
-@jax.jit
+@jit
 def gen(step, q, rows_like):
     """Inputs of rank q at ``step`` (rows = rows_like.shape[0]): any rank can redo them."""
     R = rows_like.shape[0]
@@ -65,7 +65,7 @@ def tables(R, q):
     return req, bt
 
 
-@jax.jit
+@jit
 def decode_step(logits, ends, req, bt):
     def layer(c, xs):
         o = topk_exchange_merge(ex, xs[0], xs[1], req, bt, block_size=B, with_ids=True,

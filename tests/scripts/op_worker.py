@@ -8,8 +8,17 @@ with the NumPy protocol model, bit for bit, at every call.  Prints one line per 
 """
 
 import argparse
+import os
+import re
 import sys
 import time
+
+# --dynamic-slice-fusion on|off: this worker sets XLA's flag itself, before JAX starts (the
+# op leaves XLA_FLAGS alone); on = the pass that wrapped/duplicated the calls on jax 0.11.2.
+if "--dynamic-slice-fusion" in sys.argv:
+    _dsf = sys.argv[sys.argv.index("--dynamic-slice-fusion") + 1]
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_gpu_enable_dynamic_slice_fusion={'true' if _dsf == 'on' else 'false'}").strip()
 
 from jax_dsa_exchange import distributed
 
@@ -21,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from jax_dsa_exchange import cases, reference  # noqa: E402
 from jax_dsa_exchange.exchange import Exchange  # noqa: E402
-from jax_dsa_exchange.op import topk_exchange_merge  # noqa: E402
+from jax_dsa_exchange.op import compiler_options, jit, topk_exchange_merge  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--topk", type=int, default=256)
@@ -35,13 +44,19 @@ p.add_argument("--timeout-us", type=int, default=5_000_000)
 p.add_argument("--chain", action="store_true",
                help="make each layer's row_ends depend on the previous layer's counts, as in a "
                     "real decode step (the next layer's input depends on this layer's attention)")
+p.add_argument("--dynamic-slice-fusion", choices=("on", "off"), default=None,
+               help="force XLA's GPU dynamic-slice fusion on/off (XLA_FLAGS, set by this worker) and "
+                    "count the custom calls in the optimized HLO of the decode step")
+p.add_argument("--no-workaround", action="store_true",
+               help="compile with plain jax.jit, without the op's compiler_options() (which turn the "
+                    "dynamic-slice fusion off for this executable on the jax versions that need it)")
 a = p.parse_args()
 K, N, R, L, B = a.topk, a.local_topk, a.rows, a.cols, 16
 
 ex = Exchange.create(topk=K, local_topk=N, max_rows=R, timeout_us=a.timeout_us)
 
 
-@jax.jit
+@(jax.jit if a.no_workaround else jit)
 def decode_step(logits_by_layer, row_ends_by_layer, req_id, block_table):
     def layer(carry, xs):
         logits, row_ends = xs
@@ -71,10 +86,22 @@ for step in range(a.steps):
     # One request mapping for the whole step, as in a decode step: layer 0's.
     bt = per_layer[0].block_tables
     rq = per_layer[0].req_id
+    step_args = (jnp.stack([jnp.asarray(c.logits[rank]) for c in per_layer]),
+                 jnp.stack([jnp.asarray(c.row_ends[rank], jnp.int32) for c in per_layer]),
+                 jnp.asarray(rq[rank], jnp.int32), jnp.asarray(bt[rank], jnp.int32))
+    if step == 0 and a.dynamic_slice_fusion:
+        hlo = decode_step.lower(*step_args).compile().as_text()
+        n_push = len(re.findall(r'custom_call_target="dsa_select_push"', hlo))
+        n_merge = len(re.findall(r'custom_call_target="dsa_merge"', hlo))
+        n_dsf = len(re.findall(r"dynamic.slice.fusion|address_computation", hlo))
+        good = n_push == 1 and n_merge == 1 and n_dsf == 0
+        print(f"HLO {'OK' if good else 'BAD'}: dynamic-slice fusion {a.dynamic_slice_fusion} in XLA_FLAGS, "
+              f"{'plain jax.jit' if a.no_workaround else 'op.jit (compiler_options ' + str(compiler_options()) + ')'}, optimized HLO "
+              f"of the scan decode step: {n_push} dsa_select_push, {n_merge} dsa_merge, "
+              f"{n_dsf} dynamic-slice-fusion mentions", flush=True)
+        bad += 0 if good else 1
     t0 = time.perf_counter()
-    outs = decode_step(jnp.stack([jnp.asarray(c.logits[rank]) for c in per_layer]),
-                       jnp.stack([jnp.asarray(c.row_ends[rank], jnp.int32) for c in per_layer]),
-                       jnp.asarray(rq[rank], jnp.int32), jnp.asarray(bt[rank], jnp.int32))
+    outs = decode_step(*step_args)
     outs = [np.asarray(o) for o in outs]
     dt = time.perf_counter() - t0
     rescued = 0

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_dsa_exchange.exchange import Exchange  # noqa: E402
-from jax_dsa_exchange.op import topk_exchange_merge  # noqa: E402
+from jax_dsa_exchange.op import jit, topk_exchange_merge  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--order", choices=("forward", "reverse", "atexit", "mixed"), required=True)
@@ -44,7 +44,7 @@ req = jnp.arange(R, dtype=jnp.int32)
 ends = jnp.full((R,), L, jnp.int32)
 
 
-@jax.jit
+@jit
 def step(x):
     o1 = topk_exchange_merge(exs[0], x, ends, req, bt, block_size=B)
     o2 = topk_exchange_merge(exs[1], x, ends, req, bt, block_size=B)

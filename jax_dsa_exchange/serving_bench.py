@@ -1,0 +1,161 @@
+"""Serving-loop benchmark (issue #13): jitted decode steps dispatched back to back.
+
+    python -m jax_dsa_exchange.bench --serving [--layers 16] [--steps 100] ...
+
+One process, one GPU, a W = 1 exchange (``Exchange.create_local``): the merge runs both
+kernels (select+push, merge) with no peer to wait for, so what is measured is what the
+op costs the *host and the stream* in a serving loop, not NVLink.  A decode step is one
+jitted function of ``--layers`` layers; each layer does 4 matmuls
+[R, D] x [D, D] (bf16) on the hidden state, then the merge of that layer's [R, L]
+logits, whose counts feed back into the hidden state (as sparse attention's selected
+rows would).  ``--steps`` steps are dispatched from Python without waiting (the hidden
+state passed on, the way a serving engine passes its cache), then one wait; wall time
+per step.  Rows, all in one run:
+
+* ``no merge``: the same step without the op;
+* ``ordered=False``, ``default (ordered=True)``, ``ordered="effect"``: with the op in
+  each ordering mode (op.py);
+* the op's device time per layer, measured the bench's way: a step of only merges,
+  (t(2 x layers) - t(layers)) / layers, median of ``--reps``, each step waited for;
+* the kernels alone (CUDA events, ``kernels.timing``) when CuPy and the kernels load.
+
+The check of issue #13: the default adds at most the op's device time + 2 us per layer
+over ``no merge``.  On a machine without a GPU it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("--serving (issue #13)")
+    g.add_argument("--serving", action="store_true", help="the serving-loop benchmark instead of the report")
+    g.add_argument("--steps", type=int, default=100, help="--serving: steps dispatched back to back")
+    g.add_argument("--hidden", type=int, default=4096, help="--serving: D of the [R, D] x [D, D] matmuls")
+    g.add_argument("--matmuls", type=int, default=4, help="--serving: matmuls per layer")
+
+
+def run(a) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from . import _ffi
+    from .exchange import Exchange
+    from .op import compiler_options, jit, topk_exchange_merge
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        print("bench --serving: no GPU: nothing to measure", flush=True)
+        return 2
+    K, N = a.topk, a.local_topk[0]
+    R, L = a.rows[0], a.cols[0]
+    layers, steps, D, B = a.layers, a.steps, a.hidden, 64
+    dev = gpus[0]
+    print(f"serving: {dev.device_kind}, jax {jax.__version__}, CUDA graphs {_ffi.cuda_graph_mode()!r}; W=1 "
+          f"exchange, K={K} N={N} R={R} L={L}, {layers} layers per step, each {a.matmuls} matmuls "
+          f"[{R}, {D}] x [{D}, {D}] bf16 then the merge; {steps} steps dispatched back to back; compiler options {compiler_options()}", flush=True)
+    ex = Exchange.create_local([dev], topk=K, local_topk=N, max_rows=R)[0]
+    try:
+        pages = -(-L // B)
+        bt = jnp.asarray(np.arange(R * pages, dtype=np.int32).reshape(R, pages))
+        req = jnp.arange(R, dtype=jnp.int32)
+        ends = jnp.full((R,), L, jnp.int32)
+        key = jax.random.PRNGKey(0)
+        ws = jax.random.normal(key, (a.matmuls, D, D), jnp.bfloat16) * (1.0 / np.sqrt(D))
+        lgs = jax.random.normal(jax.random.PRNGKey(1), (2 * layers, R, L), jnp.bfloat16)
+        h0 = jax.random.normal(jax.random.PRNGKey(2), (R, D), jnp.bfloat16)
+
+        def make_step(ordered, n_layers, with_mm=True):
+            def step(h, ws, lgs):
+                for i in range(n_layers):
+                    if with_mm:
+                        for m in range(a.matmuls):
+                            h = jnp.tanh(h @ ws[m])
+                    if ordered is not None:
+                        o = topk_exchange_merge(ex, lgs[i], ends, req, bt, block_size=B, ordered=ordered)
+                        h = h + (o.counts[:, None] > K).astype(h.dtype)  # never true: counts <= K
+                return h
+            return jit(step)  # every mode, "no merge" too: the same compiler options
+
+        def serve(step):
+            h = h0
+            for _ in range(3):
+                h = step(h, ws, lgs)
+            jax.block_until_ready(h)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                h = step(h, ws, lgs)
+            jax.block_until_ready(h)
+            return (time.perf_counter() - t0) / steps * 1e6
+
+        modes = [("no merge", None), ("ordered=False", False), ("default (ordered=True)", True),
+                 ('ordered="effect"', "effect")]
+        steps_by_mode = {name: make_step(ordered, layers) for name, ordered in modes}
+        per_step = {}
+        for name, _ in modes:
+            per_step[name] = serve(steps_by_mode[name])
+        # Twice, in the other order too: the first loop of a process can carry warm-up.
+        for name, _ in reversed(modes):
+            per_step[name] = min(per_step[name], serve(steps_by_mode[name]))
+
+        # The op's device time per layer, the bench's way.
+        short, long_ = make_step(True, layers, with_mm=False), make_step(True, 2 * layers, with_mm=False)
+        for _ in range(3):
+            jax.block_until_ready(short(h0, ws, lgs))
+            jax.block_until_ready(long_(h0, ws, lgs))
+        ds = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(short(h0, ws, lgs))
+            t1 = time.perf_counter()
+            jax.block_until_ready(long_(h0, ws, lgs))
+            t2 = time.perf_counter()
+            ds.append(((t2 - t1) - (t1 - t0)) / layers * 1e6)
+        op_dev = float(np.median(ds))
+        ex.check()
+    finally:
+        ex.close()
+
+    kern = _kernels_alone(a, K, N, R, L)
+    base = per_step["no merge"]
+    print(f"\n{'mode':<24} {'us/step':>9} {'added us/layer':>15}")
+    for name, _ in modes:
+        t = per_step[name]
+        print(f"{name:<24} {t:>9.0f} {(t - base) / layers:>15.1f}" if name != "no merge" else
+              f"{name:<24} {t:>9.0f} {'-':>15}")
+    print(f"op device time per layer (merges only, (t({2 * layers} layers) - t({layers})) / {layers}, "
+          f"median of {a.reps}): {op_dev:.1f} us")
+    if kern is not None:
+        print(f"kernels alone (CUDA events, W=1): select+push {kern[0]:.1f} us + merge {kern[1]:.1f} us = "
+              f"{kern[0] + kern[1]:.1f} us")
+    added = (per_step["default (ordered=True)"] - base) / layers
+    ok = added <= op_dev + 2.0
+    print(f"issue #13 check: the default adds {added:.1f} us per layer; op device time + 2 us = "
+          f"{op_dev + 2.0:.1f} us: {'PASS' if ok else 'FAIL'}", flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "serving.csv"), "w") as f:
+            f.write("mode,us_per_step,added_us_per_layer\n")
+            for name, _ in modes:
+                f.write(f"{name},{per_step[name]:.1f},{(per_step[name] - base) / layers:.2f}\n")
+            f.write(f"op device time per layer,,{op_dev:.2f}\n")
+            if kern is not None:
+                f.write(f"kernels alone per layer,,{kern[0] + kern[1]:.2f}\n")
+    return 0 if ok else 1
+
+
+def _kernels_alone(a, K, N, R, L):
+    try:
+        import cupy as cp
+
+        from .kernels.timing import KernelTimer
+
+        timer = KernelTimer(cp, 1, K, N, R)
+        return timer.run(R, L, rescue=False, iters=a.reps, warm=3)
+    except Exception as e:  # noqa: BLE001 - e.g. no CuTe DSL and no cubin for the simulator
+        print(f"serving: kernels alone not measured: {type(e).__name__}: {e}", flush=True)
+        return None

@@ -118,7 +118,7 @@ before = ex1.read_state()["epoch"][:16].copy()
 jax.block_until_ready(jit(lambda *x: (merge(ex1, x), jnp.int32(0))[1])(*args(c)))
 jax.block_until_ready(jit(lambda *x: (jax.lax.scan(lambda s, _: (s, merge(ex1, x)["counts"]), 0, None,
                                                        length=2), jnp.int32(0))[1])(*args(c)))
-jax.block_until_ready(jit(lambda *x: (jit(lambda *y: merge(ex1, y)["counts"])(*x), jnp.int32(1))[1])(*args(c)))
+jax.block_until_ready(jit(lambda *x: (jax.jit(lambda *y: merge(ex1, y)["counts"])(*x), jnp.int32(1))[1])(*args(c)))  # inner: plain jax.jit (compiler options are top-level only)
 delta = ex1.read_state()["epoch"][:16] - before
 if not np.all(delta == 4):
     bad += 1

@@ -34,7 +34,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jax_dsa_exchange import layout  # noqa: E402
-from jax_dsa_exchange.kernels.timing import KernelTimer as Bench, copy_bandwidth  # noqa: E402
+from jax_dsa_exchange.kernels.timing import KernelTimer as Bench, _events, copy_bandwidth  # noqa: E402
 
 
 def jax_topk_time(shape, k, reps=16):
@@ -67,6 +67,112 @@ def jax_topk_time(shape, k, reps=16):
         jax.block_until_ready(f(xs))
         ts.append((time.perf_counter() - t0) / reps)
     return statistics.median(ts)
+
+
+def topk64_times(R, C, k, reps=16):
+    """Device time per top-k of random 64-bit keys [R, C] (the merge's round-1 shape):
+    torch.topk (int64) replayed from a CUDA graph of ``reps`` calls, and jax.lax.top_k
+    (int64, x64 on) as ``reps`` dependent calls in one jitted loop; medians.  None
+    where the library is not importable (or has no GPU)."""
+    k = min(k, C)
+    out = {"torch": None, "jax": None}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            x = torch.randint(-(2**62), 2**62, (R, C), dtype=torch.int64, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    torch.topk(x, k)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(reps):
+                    torch.topk(x, k)
+            ts = []
+            for _ in range(7):
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+                g.replay()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e3 / reps)
+            out["torch"] = statistics.median(ts[2:])
+            del g, x
+    except Exception as e:  # noqa: BLE001 - a baseline, not the subject
+        print(f"torch.topk baseline unavailable: {type(e).__name__}: {e}", flush=True)
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        if jax.default_backend() == "gpu":
+            jax.config.update("jax_enable_x64", True)
+            xs = jax.random.randint(jax.random.PRNGKey(1), (4, R, C), -(2**62), 2**62, jnp.int64)
+
+            @jax.jit
+            def f(xs):
+                def body(i, acc):
+                    x = jax.lax.dynamic_index_in_dim(xs, i % 4, keepdims=False)
+                    v, idx = jax.lax.top_k(x + acc, k)  # acc (0) chains the calls
+                    return acc + (v[0, -1] & 0) + (idx[0, 0] & 0).astype(jnp.int64)
+                return jax.lax.fori_loop(0, reps, body, jnp.zeros((), jnp.int64))
+
+            jax.block_until_ready(f(xs))
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(xs))
+                ts.append((time.perf_counter() - t0) / reps * 1e6)
+            out["jax"] = statistics.median(ts)
+            jax.config.update("jax_enable_x64", False)
+    except Exception as e:  # noqa: BLE001
+        print(f"jax.lax.top_k int64 baseline unavailable: {type(e).__name__}: {e}", flush=True)
+    return out
+
+
+def merge_only(cp, a):
+    """Merge alone (data already pushed) against top-k of 64-bit keys [R, W*N], and the
+    forced rescue against the producer's local top-K of the same rows (select+push built
+    with N = K: local top-K of each row + its push)."""
+    L = a.cols[0]
+    res = []
+    for n in a.n:
+        b = Bench(cp, a.world, a.topk, n, max(a.rows))
+        print(f"N={n}: loaded {b.sim.loaded_from}", flush=True)
+        for R in a.rows:
+            _, tm = b.run(R, L, rescue=False, iters=a.iters, warm=3)
+            tr = float("nan")
+            sat = float("nan")
+            if not a.no_rescue:
+                _, tr = b.run(R, L, rescue=True, iters=6, warm=2)
+                sat = b.last_sat_rows
+            tk = topk64_times(R, a.world * n, a.topk)
+            res.append([n, R, tm, tr, sat, tk["jax"], tk["torch"], None])
+            print(f"merge W={a.world} N={n} R={R} L={L}: {tm:.2f}us, forced rescue {tr:.2f}us "
+                  f"(rescued rows {sat}), top-k int64 [R,W*N] jax {tk['jax']} torch {tk['torch']}",
+                  flush=True)  # fmt: skip
+        del b
+    if not a.no_rescue:
+        try:
+            bk = Bench(cp, a.world, a.topk, a.topk, max(a.rows))
+            for r in res:
+                tp, _ = bk.run(r[1], L, rescue=False, iters=6, warm=2)
+                r[7] = tp
+            del bk
+        except FileNotFoundError as e:
+            print(f"no N=K build for the local top-K time: {e}", flush=True)
+    f = lambda v: "-" if v is None or v != v else f"{v:8.2f}"  # noqa: E731
+    print(f"\nmerge alone, W={a.world} K={a.topk} L={L}; us, median (CUDA events / graph replay)")
+    print(f"{'N':>5} {'R':>4} | {'merge':>8} | {'+rescue':>8} {'localK':>8} {'resc-lK':>8} | "
+          f"{'jax tk64':>8} {'torch tk64':>10}")  # fmt: skip
+    for n, R, tm, tr, sat, tj, tt, tk in res:
+        d = None if tk is None or tr != tr else tr - tk
+        print(f"{n:>5} {R:>4} | {f(tm)} | {f(tr)} {f(tk)} {f(d)} | {f(tj)} {f(tt):>10}")
+    return res
 
 
 VARIANTS = {  # static tunings of the local select (common.local_select)
@@ -153,6 +259,8 @@ def main(argv=None):
     ap.add_argument("--only-variants", action="store_true")
     ap.add_argument("--no-rescue", action="store_true")
     ap.add_argument("--diag", action="store_true", help="producer/merge time vs R, kernel attributes")
+    ap.add_argument("--merge-only", action="store_true",
+                    help="merge alone vs top-k of 64-bit keys (torch, jax); rescue vs local top-K")
     a = ap.parse_args(argv)
     if a.build_variants:
         build_variants(a.build_variants)
@@ -164,6 +272,9 @@ def main(argv=None):
         if a.only_variants:
             return
 
+    if a.merge_only:
+        merge_only(cp, a)
+        return
     bw = copy_bandwidth(cp)
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []

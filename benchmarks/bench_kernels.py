@@ -134,6 +134,45 @@ def topk64_times(R, C, k, reps=16):
     return out
 
 
+def time_merge(b, R, L, rescue, iters=12, warm=3, seed=0):
+    """Median device time (CUDA events) of rank 0's merge ALONE on the GPU, data
+    already pushed: every producer first, then rank 0's merge (grid min(R, 64)), then
+    the other ranks' merges after it (so they do not take SMs from it; with the forced
+    rescue only rank 0 is saturated, so its merge waits for no other rank).  R = 0
+    times an empty launch of the merge (the launch and event floor)."""
+    cp, sim, W = b.cp, b.sim, b.world
+    Rd = max(R, 1)
+    nsets = 2 if Rd * L * W * 2 > (1 << 29) else 4
+    sets = b.inputs(Rd, L, nsets, rescue, seed)
+    s0 = sim.streams[0]
+    tm = []
+    for it in range(warm + iters):
+        d = sets[it % nsets]
+        if R:
+            for q in range(W):
+                sim.launch_rank(q, d[q], R, L, 64, merge=False)
+        cp.cuda.Device().synchronize()
+        e0, e1 = _events(cp)
+        with s0:
+            b.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
+            e0.record(s0)
+            sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=max(1, min(R, 64)))
+            e1.record(s0)
+        s0.synchronize()
+        if R:
+            for q in range(1, W):
+                sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
+        cp.cuda.Device().synchronize()
+        if it >= warm:
+            tm.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+    for q in range(W):
+        st = sim.status(q)
+        assert st[0] == 0, f"rank {q} status {st}"
+    b.last_sat_rows = float((sets[0][0]["sat"].get()[:Rd] != 0).mean()) if R else 0.0
+    del sets
+    return statistics.median(tm)
+
+
 def merge_only(cp, a):
     """Merge alone (data already pushed) against top-k of 64-bit keys [R, W*N], and the
     forced rescue against the producer's local top-K of the same rows (select+push built
@@ -143,15 +182,17 @@ def merge_only(cp, a):
     for n in a.n:
         b = Bench(cp, a.world, a.topk, n, max(a.rows))
         print(f"N={n}: loaded {b.sim.loaded_from}", flush=True)
+        floor = time_merge(b, 0, L, False, iters=a.iters)
+        print(f"merge launch floor (R=0, empty launch): {floor:.2f}us", flush=True)
         for R in a.rows:
-            _, tm = b.run(R, L, rescue=False, iters=a.iters, warm=3)
+            tm = time_merge(b, R, L, False, iters=a.iters)
             tr = float("nan")
             sat = float("nan")
             if not a.no_rescue:
-                _, tr = b.run(R, L, rescue=True, iters=6, warm=2)
+                tr = time_merge(b, R, L, True, iters=6, warm=2)
                 sat = b.last_sat_rows
-            tk = topk64_times(R, a.world * n, a.topk)
-            res.append([n, R, tm, tr, sat, tk["jax"], tk["torch"], None])
+            tk = {"jax": None, "torch": None} if a.no_jax else topk64_times(R, a.world * n, a.topk)
+            res.append([n, R, tm, tr, sat, tk["jax"], tk["torch"], None, floor])
             print(f"merge W={a.world} N={n} R={R} L={L}: {tm:.2f}us, forced rescue {tr:.2f}us "
                   f"(rescued rows {sat}), top-k int64 [R,W*N] jax {tk['jax']} torch {tk['torch']}",
                   flush=True)  # fmt: skip
@@ -166,12 +207,13 @@ def merge_only(cp, a):
         except FileNotFoundError as e:
             print(f"no N=K build for the local top-K time: {e}", flush=True)
     f = lambda v: "-" if v is None or v != v else f"{v:8.2f}"  # noqa: E731
-    print(f"\nmerge alone, W={a.world} K={a.topk} L={L}; us, median (CUDA events / graph replay)")
-    print(f"{'N':>5} {'R':>4} | {'merge':>8} | {'+rescue':>8} {'localK':>8} {'resc-lK':>8} | "
+    print(f"\nmerge alone, W={a.world} K={a.topk} L={L}; us, median (CUDA events / graph replay); "
+          f"localK = select+push with N=K (the rescue's local top-K + push)")
+    print(f"{'N':>5} {'R':>4} | {'floor':>8} {'merge':>8} | {'+rescue':>8} {'localK':>8} {'resc-lK':>8} | "
           f"{'jax tk64':>8} {'torch tk64':>10}")  # fmt: skip
-    for n, R, tm, tr, sat, tj, tt, tk in res:
+    for n, R, tm, tr, sat, tj, tt, tk, fl in res:
         d = None if tk is None or tr != tr else tr - tk
-        print(f"{n:>5} {R:>4} | {f(tm)} | {f(tr)} {f(tk)} {f(d)} | {f(tj)} {f(tt):>10}")
+        print(f"{n:>5} {R:>4} | {f(fl)} {f(tm)} | {f(tr)} {f(tk)} {f(d)} | {f(tj)} {f(tt):>10}")
     return res
 
 

@@ -128,5 +128,7 @@ def test_layout_constants_used_by_kernels():
     assert m.slots == layout.rescue_slots(4096, 32, 16) == 16 and m.keybits == 16 + layout.gid_bits(16)
     assert not merge.Merge(16, 4096, 2048).use_regs and merge.Merge(8, 2048, 512).use_regs
     assert merge.Merge(16, 2048, 1024).use_regs  # 32 words per thread
+    assert merge.EQ_MAX == 256  # tests/test_kernels_gpu.py EQ_MAX
+    assert merge.Merge(8, 2048, 512).pre_bt and not merge.Merge(16, 2048, 1024).pre_bt
     assert merge.Merge(8, 2048, 512).fast2 and not merge.Merge(16, 2048, 1024).fast2
     assert select_push.SelectPush(8, 4096).smem <= 48 * 1024 and m.smem <= 48 * 1024

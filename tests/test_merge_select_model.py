@@ -10,8 +10,8 @@ order, lists ascending l):
      of the low shift bits inside that bin -> boundary score v, c_gt = #(s > v),
      m = #(s == v); need = K - c_gt;
   4. tie-break on g inside the boundary score: m <= MMAX -> rank of each eq key's g
-     by counting (the need-th smallest g is gT); else the full-key radix select
-     (old path) gives T;
+     by counting (the need-th smallest g is gT); else three histograms of
+     u = 2^G - 1 - g (10, 6 and G - 16 bits) find it;
   5. selection = s > v or (s == v and g <= gT), an order-preserving compaction.
 """
 
@@ -23,10 +23,10 @@ import pytest
 from jax_dsa_exchange import cases, layout, reference
 
 NB = 1024  # bins of the first score histogram (kernels/merge.py SCORE_BINS)
-MMAX = 512  # most keys at the boundary score resolved by ranking (merge.py EQ_MAX)
+MMAX = 256  # most keys at the boundary score resolved by ranking (merge.py EQ_MAX)
 
 
-def model_select(s, g, K, nb=NB, mmax=MMAX):
+def model_select(s, g, K, nb=NB, mmax=MMAX, G=None):
     """s: ord16 scores (0 = empty), g: global positions, one per candidate position.
     Returns (selected mask, v, gT, path)."""
     s = s.astype(np.int64)
@@ -69,8 +69,23 @@ def model_select(s, g, K, nb=NB, mmax=MMAX):
         gT = int(ge[need - 1])
         path = "rank"
     else:
-        ge = np.sort(g[eq])  # the kernel runs the full-key radix select here
-        gT = int(ge[need - 1])
+        # three histograms of u = gmax - g: bits [G-10, G), [G-16, G-10), [0, G-16)
+        G = int(g.max()).bit_length() if G is None else G
+        gmax = (1 << G) - 1
+        u = gmax - g[eq]
+        uT, nd = 0, need
+        for hi, lo in ((G, G - 10), (G - 10, G - 16), (G - 16, 0)):
+            cand = u[(u >> hi) == (uT >> hi)]
+            h = np.bincount((cand >> lo) & ((1 << (hi - lo)) - 1), minlength=1 << (hi - lo))
+            cum = 0
+            for b in range(h.size - 1, -1, -1):
+                if cum + h[b] >= nd:
+                    break
+                cum += h[b]
+            uT |= b << lo
+            nd -= cum
+        gT = gmax - uT
+        assert gT == int(np.sort(g[eq])[need - 1])
         path = "radix"
     sel = nz & ((s > v) | ((s == v) & (g <= gT)))
     return sel, v, gT, path
@@ -109,7 +124,7 @@ def test_model_matches_reference(world):
             g = np.concatenate([x[1] for x in sg])
             lists = [reference.decode_keys(words[q], n, q, world) for q in range(world)]
             mask, T = reference.saturated_mask(lists, K, n)
-            sel, v, gT, path = model_select(s, g, K)
+            sel, v, gT, path = model_select(s, g, K, G=G)
             paths.add(path)
             Tm = 0 if path == "all" else (v << G) | ((1 << G) - 1 - gT)
             assert Tm == T, (case, i)
@@ -133,9 +148,9 @@ def test_model_small_bins_second_pass():
         s = rng.integers(0, 0x10000, n)
         s[rng.random(n) < 0.2] = 0
         s[rng.random(n) < 0.3] = s[0] or 5
-        g = rng.permutation(10 * n)[:n]
+        g = rng.permutation(min(10 * n, 1 << 17))[:n]
         K = int(rng.integers(1, n + 1))
-        sel, v, gT, path = model_select(s, g, K, nb=16, mmax=8)
+        sel, v, gT, path = model_select(s, g, K, nb=16, mmax=8, G=17)
         order = np.lexsort((g, -s))
         order = order[s[order] != 0][:K]
         want = np.zeros(n, bool)

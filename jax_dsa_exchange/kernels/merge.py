@@ -55,7 +55,9 @@ KPT_REGS = 16  # (old register path, unused: the fast path below replaced it)
 KP_MAX = 32  # candidate words per thread kept in registers by the fast path
 SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
 SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
-EQ_MAX = 512  # most keys at the boundary score tie-broken by ranking their g (one per thread)
+LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
+PRE_BT_MAX = 8  # round-1 block-table entries prefetched when kp1 <= this (registers)
+EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
 
 
 @dsl_user_op
@@ -75,7 +77,8 @@ def _align(x, a):
     return -(-x // a) * a
 
 
-FAST_WORDS = SCORE_BINS + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh, fh2, eq, st, wt, pref, sc
+FAST_WORDS = (SCORE_BINS + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh, fh2, eq, st, wt, pref, sc
+              + SCORE_BINS + 2 * SCORE_BINS2)  # fg, fg2, fg3
 
 
 def smem_bytes(topk: int) -> int:
@@ -106,6 +109,10 @@ class MergeSmem:
         self.wt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         self.pref = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
         self.sc = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        # tie-break histograms on g (many keys at the boundary score)
+        self.fg = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
+        self.fg2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
+        self.fg3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
 
     def parts(self):
         """The tensors as locals: the DSL cannot carry a Python object whose
@@ -139,6 +146,7 @@ class Merge:
         self.kp2 = 2 * -(-self.nk2max // (2 * C.TB))
         self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX
         self.kp = max([2] + [k for k, f in ((self.kp1, self.fast1), (self.kp2, self.fast2)) if f])
+        self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX  # block-table prefetch in round 1
         self.use_regs = self.fast1  # round-1 keys in registers (else re-read from memory)
         self.smem = smem_bytes(topk)
 
@@ -563,50 +571,78 @@ class Merge:
         return base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8)
 
     @cute.jit
+    def pair_addr(self, i: cutlass.Constexpr, v: Int32, ll0: Int64, ll_stride: Int64, lane,
+                  warp) -> Int64:
+        """Address of the LL record of round-1 pair group i of this lane (position v).
+        When a warp's positions lie in one list (N a multiple of 32 * kp), it is a
+        per-warp base plus i * 512 bytes (no per-pair address registers)."""
+        kp = self.kp1
+        a = Int64(0)
+        if cutlass.const_expr(self.n % (32 * kp) == 0):
+            v0 = warp * Int32(32 * kp)
+            q0 = v0 // Int32(self.n)
+            j0 = v0 - q0 * Int32(self.n)
+            a = ll0 + Int64(q0) * ll_stride + Int64((j0 >> Int32(1)) + lane) * Int64(16) + Int64(i * 512)
+        else:
+            q, j = self.owner(v, False, None)
+            a = self.ll_word_addr(ll0 + Int64(q) * ll_stride, j)
+        return a
+
+    @cute.jit
     def load_r1_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, ll0: Int64,
                      ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64):
-        """Round-1 words into registers.  Per batch of pairs, every 16-byte LL record
-        and mask half is loaded before any tag is checked (loads in flight together);
-        then only halves whose tag is not ep are spun on (8-byte volatile loads)."""
+        """Round-1 words into registers.  Every 16-byte LL record (a pair of words) of a
+        batch, and the mask halves, are loaded before any tag is checked (loads in
+        flight together); then only halves whose tag is not ep are spun on (8-byte
+        volatile loads).  Mask words: the 32 positions of a half-warp in a pair group
+        share one mask word, so lane k < kp loads the one of (group k >> 1, half
+        k & 1) and the warp shuffles it to the lanes that need it."""
         kp = self.kp1
         np_ = kp // 2
-        B = min(np_, 8 if kp <= 16 else 4)  # fewer records in flight when many words are live
+        B = min(np_, LOAD_BATCH)
         d0 = cute.make_rmem_tensor((B,), Uint64)
         d1 = cute.make_rmem_tensor((B,), Uint64)
-        dm = cute.make_rmem_tensor((B,), Uint64)
         good = Uint64(ep) << Uint64(32)  # past the end: an empty word with the right tag
+        # the mask half of this lane (k = lane < kp)
+        mh = good
+        vm = warp * Int32(32 * kp) + (lane >> Int32(1)) * Int32(64) + (lane & Int32(1)) * Int32(32)
+        if lane < Int32(kp) and vm < Int32(self.nk1):
+            q, j = self.owner(vm, False, None)
+            mh = C.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
+                                                     Int32(self.n) + (j >> Int32(5))))  # fmt: skip
         hbits = Uint32(0)
+        mword = Uint32(0)
         for b0 in cutlass.range_constexpr(0, np_, B):
             for k in cutlass.range_constexpr(B):
                 if cutlass.const_expr(b0 + k < np_):
                     v = self.pair_pos(b0 + k, kp, lane, warp)
                     d0[k] = good
                     d1[k] = good
-                    dm[k] = good
                     if v < Int32(self.nk1):
-                        q, j = self.owner(v, False, None)
-                        base = ll0 + Int64(q) * ll_stride
-                        a, c = ld_volatile_v2_u64(self.ll_word_addr(base, j))
+                        a, c = ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp))
                         d0[k] = a
                         d1[k] = c
-                        dm[k] = C.ld_volatile_u64(self.ll_word_addr(base, Int32(self.n) + (j >> Int32(5))))
+            if cutlass.const_expr(b0 == 0):
+                mword = Uint32(mh & Uint64(0xFFFFFFFF))
+                if Int32(Uint32(mh >> Uint64(32))) != ep:
+                    q, j = self.owner(vm, False, None)
+                    mword = self.ll_half(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
+                                                           Int32(self.n) + (j >> Int32(5))),
+                                         ep, True, status, t, q, timeout_ns)  # fmt: skip
             for k in cutlass.range_constexpr(B):
                 if cutlass.const_expr(b0 + k < np_):
                     i = b0 + k
                     v = self.pair_pos(i, kp, lane, warp)
                     q, j = self.owner(v, False, None)
-                    base = ll0 + Int64(q) * ll_stride
                     w0 = Uint32(d0[k] & Uint64(0xFFFFFFFF))
                     w1 = Uint32(d1[k] & Uint64(0xFFFFFFFF))
-                    m = Uint32(dm[k] & Uint64(0xFFFFFFFF))
                     if Int32(Uint32(d0[k] >> Uint64(32))) != ep:
-                        w0 = self.ll_half(self.ll_word_addr(base, j), ep, True, status, t, q, timeout_ns)
+                        w0 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp), ep, True, status,
+                                          t, q, timeout_ns)  # fmt: skip
                     if Int32(Uint32(d1[k] >> Uint64(32))) != ep:
-                        w1 = self.ll_half(self.ll_word_addr(base, j) + Int64(8), ep, True, status, t, q,
-                                          timeout_ns)  # fmt: skip
-                    if Int32(Uint32(dm[k] >> Uint64(32))) != ep:
-                        m = self.ll_half(self.ll_word_addr(base, Int32(self.n) + (j >> Int32(5))), ep, True,
-                                         status, t, q, timeout_ns)  # fmt: skip
+                        w1 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp) + Int64(8), ep,
+                                          True, status, t, q, timeout_ns)  # fmt: skip
+                    m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (lane >> Int32(4)))
                     words[2 * i] = w0
                     words[2 * i + 1] = w1
                     sh = Uint32(j & Int32(31))
@@ -693,10 +729,9 @@ class Merge:
 
     @cute.jit
     def pair_counts(self, selm: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
-                    round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32,
-                    before: cutlass.Constexpr) -> Int32:
-        """Selected keys (own << 16 | all) of pair group ip of this warp: of the lanes
-        below this one (``before``) or of the whole warp (warp-uniform)."""
+                    round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32):
+        """Selected keys (own << 16 | all) of pair group ip of this warp: (of the lanes
+        below this one, of the whole warp (warp-uniform)), from four ballots."""
         q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
         s0 = ((selm >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
         s1 = ((selm >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
@@ -705,25 +740,69 @@ class Merge:
         b1 = Uint32(cute.arch.vote_ballot_sync(s1))
         o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
         o1 = Uint32(cute.arch.vote_ballot_sync(s1 and own))
-        if cutlass.const_expr(before):
-            b0 = b0 & lt
-            b1 = b1 & lt
-            o0 = o0 & lt
-            o1 = o1 & lt
-        return Int32(cute.arch.popc(b0)) + Int32(cute.arch.popc(b1)) + (
+        before = Int32(cute.arch.popc(b0 & lt)) + Int32(cute.arch.popc(b1 & lt)) + (
+            (Int32(cute.arch.popc(o0 & lt)) + Int32(cute.arch.popc(o1 & lt))) << Int32(16))
+        total = Int32(cute.arch.popc(b0)) + Int32(cute.arch.popc(b1)) + (
             (Int32(cute.arch.popc(o0)) + Int32(cute.arch.popc(o1))) << Int32(16))
+        return before, total
+
+    @cute.jit
+    def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, lane, warp,
+                    rank: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32):
+        """Block-table entries of this rank's round-1 keys (their l is known once the
+        words are in), loaded now so that they are in flight during the select instead
+        of after it."""
+        kp = self.kp1
+        hbits = hb[0]
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
+            for h in cutlass.range_constexpr(2):
+                i = 2 * ip + h
+                btp[i] = Int32(0)
+                if q == rank and words[i] != Uint32(0) and req_ok != Int32(0):
+                    lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
+                    if lidx // block_size < bt_cols:
+                        btp[i] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+
+    @cute.jit
+    def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, lane, warp,
+                         rank: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
+                         block_size: Int32):
+        """prefetch_bt for many words per thread: the entries go to buf[j] (j = index in
+        this rank's list; buf is free until a rescue), loads first, then the stores."""
+        kp = self.kp1
+        hbits = hb[0]
+        btv = cute.make_rmem_tensor((kp,), Int32)
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
+            for h in cutlass.range_constexpr(2):
+                i = 2 * ip + h
+                btv[i] = Int32(0)
+                if q == rank and words[i] != Uint32(0) and req_ok != Int32(0):
+                    lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
+                    if lidx // block_size < bt_cols:
+                        btv[i] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
+            if q == rank:
+                buf[j] = btv[2 * ip]
+                buf[j + Int32(1)] = btv[2 * ip + 1]
 
     @cute.jit
     def fast_round(self, words: cute.Tensor, hb: cute.Tensor, round2: cutlass.Constexpr, slot: Int32,
                    sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
                    ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32, ids: Int64,
                    kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
-                   block_size: Int32, keys: cute.Tensor) -> Uint64:
+                   block_size: Int32, keys: cute.Tensor, btp: cute.Tensor,
+                   pre_bt: cutlass.Constexpr) -> Uint64:
         """Exact top-K of the words in registers and the outputs; returns T (the K-th
         key, 0 if fewer than K).  Round 1 also leaves pref[q] = selected keys before
-        rank q's list (pref[W] = all).  stats slot ``slot`` was reset before (and
+        rank q's list (pref[W] = all).  ``pre_bt``: 1: btp[i] holds the block-table
+        entry of own key i (prefetch_bt), 2: sm.buf[j] that of own list index j
+        (prefetch_bt_smem), 0: loaded here.  stats slot ``slot`` was reset before (and
         fh / fh2 cleared here, before the first barrier)."""
         fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
+        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
         seg = sm.seg
         kp = self.kp2 if round2 else self.kp1
         K = self.topk
@@ -749,8 +828,12 @@ class Merge:
             cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
         for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
             fh[tid + Int32(u * C.TB)] = Int32(0)
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            fg[tid + Int32(u * C.TB)] = Int32(0)
         if tid < Int32(SCORE_BINS2):
             fh2[tid] = Int32(0)
+            fg2[tid] = Int32(0)
+            fg3[tid] = Int32(0)
         cute.arch.sync_threads()
         total = st[slot * Int32(4)]
         lo = st[slot * Int32(4) + Int32(2)]
@@ -820,14 +903,42 @@ class Merge:
                 cute.arch.sync_threads()
                 gT = sc[6]
             else:
-                # many keys at the boundary score: the exact full-key radix select
-                # (keys re-read from memory)
-                T = self.radix_select(keys, False, round2, sm, tid, lane, warp, ll0, ll_stride, resc0,
-                                      ep, status, t, timeout_ns)  # fmt: skip
-                vth = Int32(T >> Uint64(G))
-                gT = gmax - Int32(T & Uint64((1 << G) - 1))
+                # many keys at the boundary score: the need-th smallest g among them by
+                # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
+                # the next 6, the last G - 16 (G >= 17), as the score select does
+                uT = Int32(0)
+                nd = need
+                for d in cutlass.range_constexpr(3):
+                    hi_ = (G, G - 10, G - 16)[d]
+                    lo_ = (G - 10, G - 16, 0)[d]
+                    hist = (fg, fg2, fg3)[d]
+                    for ip in cutlass.range_constexpr(kp // 2):
+                        q = Int32(0)
+                        j = Int32(0)
+                        if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                        for h in cutlass.range_constexpr(2):
+                            if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                                u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
+                                if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
+                                    cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
+                                                         Int32(1), sem="relaxed", scope="cta")  # fmt: skip
+                    cute.arch.sync_threads()
+                    if warp == Int32(0):
+                        self.warp_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, sc, 8)
+                    cute.arch.sync_threads()
+                    uT = uT | (sc[8] << Int32(lo_))
+                    nd = nd - sc[9]
+                gT = gmax - uT
             T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
         # ---- outputs: selection = s > vth or (s == vth and g <= gT)
+        # Round 1: the status word, read once every wait of the row is over (barriers
+        # above), in flight during the outputs: sc[7] = 1 when a timeout was recorded
+        # (the row is then voided, see kernel), for rows without a rescue.
+        stw = Uint32(0)
+        if cutlass.const_expr(not round2):
+            if tid == Int32(0):
+                stw = C.ld_volatile_u32(status)
         selm = Uint32(0)
         for ip in cutlass.range_constexpr(kp // 2):
             q = Int32(0)
@@ -845,7 +956,8 @@ class Merge:
         lt = cute.arch.lanemask_lt()
         run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
         for ip in cutlass.range_constexpr(kp // 2):
-            run = run + self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, False)
+            _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt)
+            run = run + c2
         if lane == Int32(0):
             wt[warp] = run
         cute.arch.sync_threads()
@@ -865,7 +977,14 @@ class Merge:
             # together), then the stores
             for k in cutlass.range_constexpr(8):
                 blks[k] = Int32(0)
-                if cutlass.const_expr(b0 * 2 + k < kp):
+                if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
+                    blks[k] = btp[b0 * 2 + k]
+                elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
+                    if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
+                        q, j = self.owner(self.pair_pos((b0 * 2 + k) // 2, kp, lane, warp), round2, seg)
+                        if q == rank:
+                            blks[k] = sm.buf[j + Int32(k % 2)]
+                elif cutlass.const_expr(b0 * 2 + k < kp):
                     i = b0 * 2 + k
                     if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
                         q, j = self.owner(self.pair_pos(i // 2, kp, lane, warp), round2, seg)
@@ -878,9 +997,9 @@ class Merge:
                 if cutlass.const_expr(ip < kp // 2):
                     v = self.pair_pos(ip, kp, lane, warp)
                     q, j = self.owner(v, round2, seg)
-                    e = wbase + self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, True)
-                    wbase = wbase + self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt,
-                                                     False)  # fmt: skip
+                    c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt)
+                    e = wbase + c1
+                    wbase = wbase + c2
                     pos = e & Int32(0xFFFF)
                     kpos = e >> Int32(16)
                     if cutlass.const_expr(not round2):
@@ -904,6 +1023,10 @@ class Merge:
         if tid == Int32(0):
             pref[self.world] = all_run
             C.st_u32(counts + Int64(t) * Int64(4), own_run)
+            if cutlass.const_expr(not round2):
+                sc[7] = Int32(0)
+                if stw == Uint32(layout.STATUS_TIMEOUT_ROUND1) or stw == Uint32(layout.STATUS_TIMEOUT_RESCUE):
+                    sc[7] = Int32(1)
         for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
             C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
         if ids != Int64(0):
@@ -935,6 +1058,7 @@ class Merge:
         keys = cute.make_rmem_tensor((1,), Uint64)  # (the old register path is not used)
         words = cute.make_rmem_tensor((self.kp,), Uint32)
         hb = cute.make_rmem_tensor((1,), Uint32)
+        btp = cute.make_rmem_tensor((self.kp1 if self.pre_bt else 1,), Int32)
         sm_st = sm.st
         if tid < Int32(16):  # fast-path stats slots: [count, max, min, eq count]
             sm_st[tid] = Int32(0)
@@ -942,8 +1066,15 @@ class Merge:
                 sm_st[tid] = Int32(0xFFFF)
         cute.arch.sync_threads()
         rowi = Int32(0)
+        last_f = Int32(0)
         t = Int32(bid)
         refused = Int32(0)
+        # epoch of the first row, loaded together with the status word (a plain load of
+        # this rank's own state: harmless even when the call is refused); later rows'
+        # epochs are loaded one row ahead.  Only this CTA touches its rows' epochs.
+        epn = Int32(0)
+        if t < rows:
+            epn = C.ld_u32(state + Int64(t) * Int64(4))
         # A failed or closed exchange (status set before this launch) does no exchange
         # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
         if C.ld_volatile_u32(status) != Uint32(0):
@@ -952,7 +1083,7 @@ class Merge:
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
                 t = t + Int32(nblk)
         while t < rows:
-            ep = C.ld_u32(state + Int64(t) * Int64(4)) + Int32(1)
+            ep = epn + Int32(1)
             seq = C.ld_u32(state + (Int64(max_rows) + Int64(t)) * Int64(4))
             ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)
             resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rw_k * 4)
@@ -974,9 +1105,15 @@ class Merge:
             T = Uint64(0)
             if cutlass.const_expr(self.fast1):
                 self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
+                if cutlass.const_expr(self.pre_bt):
+                    self.prefetch_bt(words, hb, btp, lane, warp, rank, bt_row, req_ok, bt_cols, block_size)
+                else:
+                    self.prefetch_bt_smem(words, hb, sm_buf, lane, warp, rank, bt_row, req_ok, bt_cols,
+                                          block_size)  # fmt: skip
                 T = self.fast_round(words, hb, False, slot1, sm, tid, lane, warp, ll0, ll_stride, resc0,
                                     ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row,
-                                    req_ok, bt_cols, block_size, keys)  # fmt: skip
+                                    req_ok, bt_cols, block_size, keys, btp,
+                                    1 if self.pre_bt else 2)  # fmt: skip
             else:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
@@ -1013,12 +1150,25 @@ class Merge:
             if saturated != Int64(0):
                 if tid == Int32(0):
                     C.st_u32(saturated + Int64(t) * Int64(4), mask)
+            if t + Int32(nblk) < rows:
+                epn = C.ld_u32(state + Int64(t + Int32(nblk)) * Int64(4))
             # ---- every word of the row was read; the producer grid is done
             C.pdl_wait()
             # A failure anywhere in the grid (status set) voids this row: waits that gave
             # up read stale words, so the row gets empty outputs, never a guess.
-            # (failed() starts with a barrier: every thread is done reading the row)
-            if self.failed(status, sm_seg, tid) != Int32(0):
+            # (failed() starts with a barrier: every thread is done reading the row.)
+            # Fast path without a rescue: the status word read after the row's last wait,
+            # during the outputs (sc[7], published by the outputs' final barrier).
+            f = Int32(0)
+            if cutlass.const_expr(self.fast1):
+                if mask == Int32(0):
+                    f = sm.sc[7]
+                else:
+                    f = self.failed(status, sm_seg, tid)
+            else:
+                f = self.failed(status, sm_seg, tid)
+            last_f = f
+            if f != Int32(0):
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
             if tid == Int32(0):
                 C.st_u32(state + Int64(t) * Int64(4), ep)
@@ -1029,8 +1179,13 @@ class Merge:
             # rows from every peer (both parities), so a peer that arrives late times out
             # too instead of pairing its call with this one's words (the producer grid is
             # complete: pdl_wait above, or below when this CTA had no row).
+            # A CTA that merged rows reuses its last row's check: status never clears
+            # within a launch, and the CTA whose wait failed sees it (withdraw is idempotent).
             C.pdl_wait()
-            if self.failed(status, sm_seg, tid) != Int32(0):
+            fe = last_f
+            if rowi == Int32(0):
+                fe = self.failed(status, sm_seg, tid)
+            if fe != Int32(0):
                 self.withdraw(peers, state, rank, max_rows, tid)
 
     @cute.jit
@@ -1130,7 +1285,7 @@ class Merge:
             self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0)
             self.fast_round(words, hb, True, slot2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
                             status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
-                            bt_cols, block_size, keys)  # fmt: skip
+                            bt_cols, block_size, keys, hb, 0)  # fmt: skip
         else:
             T2 = self.radix_select(keys, False, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
                                    status, t, timeout_ns)  # fmt: skip

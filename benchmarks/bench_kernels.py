@@ -117,8 +117,9 @@ def topk64_times(R, C, k, reps=16):
             def f(xs):
                 def body(i, acc):
                     x = jax.lax.dynamic_index_in_dim(xs, i % 4, keepdims=False)
-                    v, idx = jax.lax.top_k(x + acc, k)  # acc (0) chains the calls
-                    return acc + (v[0, -1] & 0) + (idx[0, 0] & 0).astype(jnp.int64)
+                    v, idx = jax.lax.top_k(x + acc, k)
+                    # data-dependent (XLA cannot fold it to 0 and hoist top_k out of the loop)
+                    return acc + (v[0, -1] & 1) + (idx[0, 0] & 1).astype(jnp.int64)
                 return jax.lax.fori_loop(0, reps, body, jnp.zeros((), jnp.int64))
 
             jax.block_until_ready(f(xs))

@@ -4,6 +4,10 @@
 # the same benchmark on an older build in ./old when present (A/B in one run), one
 # Nsight Compute reading of a W=8 R=1 merge, and the SM clock sampled throughout.
 #   OUT=dir bash tools/gpu_merge_bench.sh
+# ./old (optional, the previous merge for the A/B), made on the CuTe DSL machine:
+#   mkdir old && git archive 5745c9c | tar -x -C old && cp benchmarks/bench_kernels.py old/benchmarks/
+#   (cd old && PYTHONPATH=. python -m jax_dsa_exchange.build --topk 2048 --local-topk 512 --world 8 --out .cubins
+#    && PYTHONPATH=. python -m jax_dsa_exchange.build --topk 2048 --local-topk 1024 --world 16 --out .cubins)
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/merge_out}; mkdir -p "$OUT"

@@ -106,6 +106,160 @@ def torch_topk_time(shape, k, dtype="bfloat16", reps=20):
     return statistics.median(ts[2:])
 
 
+def topk64_times(R, C, k, reps=16):
+    """Device time per top-k of random 64-bit keys [R, C] (the merge's round-1 shape):
+    torch.topk (int64) replayed from a CUDA graph of ``reps`` calls, and jax.lax.top_k
+    (int64, x64 on) as ``reps`` dependent calls in one jitted loop; medians.  None
+    where the library is not importable (or has no GPU)."""
+    k = min(k, C)
+    out = {"torch": None, "jax": None}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            x = torch.randint(-(2**62), 2**62, (R, C), dtype=torch.int64, device="cuda")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    torch.topk(x, k)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(reps):
+                    torch.topk(x, k)
+            ts = []
+            for _ in range(7):
+                e0 = torch.cuda.Event(enable_timing=True)
+                e1 = torch.cuda.Event(enable_timing=True)
+                e0.record()
+                g.replay()
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) * 1e3 / reps)
+            out["torch"] = statistics.median(ts[2:])
+            del g, x
+    except Exception as e:  # noqa: BLE001 - a baseline, not the subject
+        print(f"torch.topk baseline unavailable: {type(e).__name__}: {e}", flush=True)
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        if jax.default_backend() == "gpu":
+            jax.config.update("jax_enable_x64", True)
+            xs = jax.random.randint(jax.random.PRNGKey(1), (4, R, C), -(2**62), 2**62, jnp.int64)
+
+            @jax.jit
+            def f(xs):
+                def body(i, acc):
+                    x = jax.lax.dynamic_index_in_dim(xs, i % 4, keepdims=False)
+                    v, idx = jax.lax.top_k(x + acc, k)
+                    # data-dependent (XLA cannot fold it to 0 and hoist top_k out of the loop)
+                    return acc + (v[0, -1] & 1) + (idx[0, 0] & 1).astype(jnp.int64)
+                return jax.lax.fori_loop(0, reps, body, jnp.zeros((), jnp.int64))
+
+            jax.block_until_ready(f(xs))
+            ts = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(xs))
+                ts.append((time.perf_counter() - t0) / reps * 1e6)
+            out["jax"] = statistics.median(ts)
+            jax.config.update("jax_enable_x64", False)
+    except Exception as e:  # noqa: BLE001
+        print(f"jax.lax.top_k int64 baseline unavailable: {type(e).__name__}: {e}", flush=True)
+    return out
+
+
+def time_merge(b, R, L, rescue, iters=12, warm=3, seed=0):
+    """Median device time (CUDA events) of rank 0's merge ALONE on the GPU, data
+    already pushed: every producer first, then rank 0's merge (grid min(R, 64)), then
+    the other ranks' merges after it (so they do not take SMs from it; with the forced
+    rescue only rank 0 is saturated, so its merge waits for no other rank).  R = 0
+    times an empty launch of the merge (the launch and event floor)."""
+    cp, sim, W = b.cp, b.sim, b.world
+    Rd = max(R, 1)
+    nsets = 2 if Rd * L * W * 2 > (1 << 29) else 4
+    sets = b.inputs(Rd, L, nsets, rescue, seed)
+    s0 = sim.streams[0]
+    tm = []
+    for it in range(warm + iters):
+        d = sets[it % nsets]
+        if R:
+            for q in range(W):
+                sim.launch_rank(q, d[q], R, L, 64, merge=False)
+        cp.cuda.Device().synchronize()
+        e0, e1 = _events(cp)
+        with s0:
+            b.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
+            e0.record(s0)
+            sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=max(1, min(R, 64)))
+            e1.record(s0)
+        s0.synchronize()
+        if R:
+            for q in range(1, W):
+                sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
+        cp.cuda.Device().synchronize()
+        if it >= warm:
+            tm.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+    for q in range(W):
+        st = sim.status(q)
+        assert st[0] == 0, f"rank {q} status {st}"
+    b.last_sat_rows = float((sets[0][0]["sat"].get()[:Rd] != 0).mean()) if R else 0.0
+    del sets
+    return statistics.median(tm)
+
+
+def merge_only(cp, a):
+    """Merge alone (data already pushed) against top-k of 64-bit keys [R, W*N], and the
+    forced rescue against the producer's local top-K of the same rows (select+push built
+    with N = K: local top-K of each row + its push)."""
+    L = a.cols[0]
+    res = []
+    for n in a.n:
+        b = Bench(cp, a.world, a.topk, n, max(a.rows))
+        print(f"N={n}: loaded {b.sim.loaded_from}", flush=True)
+        t0 = time.perf_counter()  # warm-up: the GPU busy for ~0.5 s before timing (clocks ramp)
+        while time.perf_counter() - t0 < 0.5:
+            for i in range(8):
+                b.spacer.fill(i)
+            cp.cuda.Device().synchronize()
+        floor = time_merge(b, 0, L, False, iters=a.iters)
+        print(f"merge launch floor (R=0, empty launch): {floor:.2f}us", flush=True)
+        for R in a.rows:
+            tm = time_merge(b, R, L, False, iters=a.iters)
+            tr = float("nan")
+            sat = float("nan")
+            if not a.no_rescue:
+                tr = time_merge(b, R, L, True, iters=6, warm=2)
+                sat = b.last_sat_rows
+            tk = {"jax": None, "torch": None} if a.no_jax else topk64_times(R, a.world * n, a.topk)
+            res.append([n, R, tm, tr, sat, tk["jax"], tk["torch"], None, floor])
+            print(f"merge W={a.world} N={n} R={R} L={L}: {tm:.2f}us, forced rescue {tr:.2f}us "
+                  f"(rescued rows {sat}), top-k int64 [R,W*N] jax {tk['jax']} torch {tk['torch']}",
+                  flush=True)  # fmt: skip
+        del b
+    if not a.no_rescue:
+        try:
+            bk = Bench(cp, a.world, a.topk, a.topk, max(a.rows))
+            for r in res:
+                tp, _ = bk.run(r[1], L, rescue=False, iters=6, warm=2)
+                r[7] = tp
+            del bk
+        except FileNotFoundError as e:
+            print(f"no N=K build for the local top-K time: {e}", flush=True)
+    f = lambda v: "-" if v is None or v != v else f"{v:8.2f}"  # noqa: E731
+    print(f"\nmerge alone, W={a.world} K={a.topk} L={L}; us, median (CUDA events / graph replay); "
+          f"localK = select+push with N=K (the rescue's local top-K + push)")
+    print(f"{'N':>5} {'R':>4} | {'floor':>8} {'merge':>8} | {'+rescue':>8} {'localK':>8} {'resc-lK':>8} | "
+          f"{'jax tk64':>8} {'torch tk64':>10}")  # fmt: skip
+    for n, R, tm, tr, sat, tj, tt, tk, fl in res:
+        d = None if tk is None or tr != tr else tr - tk
+        print(f"{n:>5} {R:>4} | {f(fl)} {f(tm)} | {f(tr)} {f(tk)} {f(d)} | {f(tj)} {f(tt):>10}")
+    return res
+
+
 def probe(cp, world, topk, n, reps=20):
     """select_push per launch when launched back to back (a CUDA graph of reps
     launches, median of 5 replays; no other kernel in between) at R = 1: empty rows (the fixed
@@ -173,6 +327,8 @@ def main(argv=None):
     ap.add_argument("--probe", action="store_true", help="back-to-back select_push launches at R=1")
     ap.add_argument("--no-rescue", action="store_true")
     ap.add_argument("--diag", action="store_true", help="producer/merge time vs R, kernel attributes")
+    ap.add_argument("--merge-only", action="store_true",
+                    help="merge alone vs top-k of 64-bit keys (torch, jax); rescue vs local top-K")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -188,6 +344,9 @@ def main(argv=None):
         if a.only_sweep:
             return
 
+    if a.merge_only:
+        merge_only(cp, a)
+        return
     bw = copy_bandwidth(cp)
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     rows = []

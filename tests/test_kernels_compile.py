@@ -15,8 +15,9 @@ from jax_dsa_exchange.kernels import cache
 pytestmark = pytest.mark.skipif(not cache.cutlass_available(),
                                 reason="nvidia-cutlass-dsl (CuTe DSL) is not installed")
 
-# register-cached round 1 (W*N <= 16*512), keys re-read from memory (16*1024), N == K
-CONFIGS = [(8, 256, 64), (16, 2048, 1024), (4, 128, 128)]
+# fast path (words in registers, W*N <= 32*512; W=16 N=1024 is exactly 32 per thread),
+# keys re-read from memory (16*2048), N == K
+CONFIGS = [(8, 256, 64), (16, 2048, 1024), (16, 4096, 2048), (4, 128, 128)]
 
 ABI = {
     "select_push": ["logits", "row_ends", "rows", "cols", "epoch", "peers", "rank", "max_rows"],
@@ -63,6 +64,13 @@ def test_ptx_protocol_instructions(images):
     # merge: 8-byte LL halves, system-scope flag protocol, PDL wait, timeout clock
     assert re.search(r"ld\.volatile\.global\.u64", mg)
     assert "griddepcontrol.wait" in mg and "%globaltimer" in mg
+    cfg0 = images["merge"][0].config
+    if cfg0["world"] * cfg0["local_topk"] <= 32 * 512:
+        # fast path: one 16-byte LL record per load, as two 64-bit elements (each
+        # (word, tag) half is one 8-byte access whose tag is checked); no 32-bit
+        # element vector loads of LL records (they could tear a half)
+        assert re.search(r"ld\.volatile\.global\.v2\.u64", mg)
+        assert not re.search(r"ld(\.volatile)?\.global\.v4\.u32", mg)
     cfg = images["merge"][0].config
     if layout.rescue_slots(cfg["topk"], cfg["local_topk"]) > 0:  # N == K: no rescue code
         assert "ld.acquire.sys.global.u32" in mg and "st.release.sys.global.u32" in mg
@@ -126,7 +134,11 @@ def test_layout_constants_used_by_kernels():
 
     m = merge.Merge(16, 4096, 32)
     assert m.slots == layout.rescue_slots(4096, 32, 16) == 16 and m.keybits == 16 + layout.gid_bits(16)
-    assert not merge.Merge(16, 4096, 1024).use_regs and merge.Merge(8, 2048, 512).use_regs
-    # two producer CTAs per SM fit (the split policy assumes it); the merge stays small
+    assert not merge.Merge(16, 4096, 2048).use_regs and merge.Merge(8, 2048, 512).use_regs
+    assert merge.Merge(16, 2048, 1024).use_regs  # 32 words per thread
+    assert merge.EQ_MAX == 256  # tests/test_kernels_gpu.py EQ_MAX
+    assert merge.Merge(8, 2048, 512).pre_bt and not merge.Merge(16, 2048, 1024).pre_bt
+    assert merge.Merge(8, 2048, 512).fast2 and not merge.Merge(16, 2048, 1024).fast2
+    # two producer CTAs per SM fit; the merge stays small
     assert select_push.SelectPush(8, 4096).smem <= SMEM_OPT_IN_MAX // 2 and m.smem <= 64 * 1024
     assert select_push.SelectPush(8, 512).smem <= 48 * 1024

@@ -27,7 +27,7 @@ SMALL_K, SMALL_N = 256, 64
 WORLDS = [1, 2, 4, 8, 16]
 # (W, K, N) configurations these tests use (tools/gpu_kernels_run.sh builds them).
 CONFIGS = ([(w, SMALL_K, SMALL_N) for w in WORLDS] + [(w, SMALL_K, SMALL_K) for w in WORLDS]
-           + [(8, 2048, 512), (16, 2048, 1024), (2, 2048, 512)])  # fmt: skip
+           + [(8, 2048, 512), (16, 2048, 1024), (2, 2048, 512), (16, 4096, 2048)])  # fmt: skip
 
 _SIMS: dict = {}
 
@@ -103,8 +103,9 @@ def test_consecutive_calls_cycle_epochs():
 
 @pytest.mark.parametrize("world,topk,n,cols,rows", [
     (8, 2048, 512, 20000, 8),      # the production shape
-    (16, 2048, 1024, 5000, 4),     # W*N > 16 keys/thread: keys re-read from memory
+    (16, 2048, 1024, 5000, 4),     # 32 words/thread in registers; round 2 from memory
     (2, 2048, 512, 1 << 17, 4),    # L = 2**17: bit 16 of l in the mask words
+    (16, 4096, 2048, 4500, 2),     # W*N > 32 words/thread: round 1 re-read from memory
 ])  # fmt: skip
 def test_large_configs(world, topk, n, cols, rows):
     rng = np.random.default_rng(world * 7 + n)
@@ -329,3 +330,98 @@ def test_out_of_range_lookups_give_minus_one():
     for _ in range(3):
         _run_check(sim, cases.bad_lookup_case(rng, world=world, topk=SMALL_K, local_topk=SMALL_N,
                                               rows=9, cols=400))
+
+
+# ---------------------------------------------------------------- merge select paths
+# merge.py's fast path: the boundary score from a histogram of (s - lo) >> shift (a
+# second histogram when the score range is >= SCORE_BINS), then the tie-break on g:
+# ranking when the boundary score holds <= EQ_MAX keys, else three histograms of g.
+
+
+EQ_MAX = 256  # merge.EQ_MAX (the GPU machine has no CuTe DSL to import merge.py; the compile test checks it)
+
+
+def _tie_case(rng, world, topk, local_topk, cols, ms, tie_bits=0x3F80):
+    """Row i: a group of ms[i] tokens of one score (1.0 by default) straddles the K-th
+    position of the union: fewer than K tokens score higher (distinct-ish, 2..66),
+    the rest lower; positions random over the ranks.  Per rank at most ~N/2 of the
+    high and tie tokens, so the whole group reaches the merge (then |U| may be < K:
+    the row selects all)."""
+    rows = len(ms)
+    W, K, N = world, topk, local_topk
+    logits = [np.empty((rows, cols), np.uint16) for _ in range(W)]
+    for i, m in enumerate(ms):
+        m = min(m, W * N // 2)
+        a = int(rng.integers(max(0, K - m), K)) if m > 1 else K - 1
+        a = min(a, W * N // 2)
+        if tie_bits == 0x3F80:  # a narrow score range: one score histogram (shift 0)
+            flat = (0.5 + 0.49 * rng.random(W * cols)).astype(cases.BF16).view(np.uint16)
+        elif tie_bits == 0xFF80:  # -inf ties: everything below is NaN (never valid)
+            flat = rng.choice(np.array([0x7FC0, 0xFFC1, 0x7F81], np.uint16), W * cols)
+        else:  # a wide range: the second histogram too
+            flat = (rng.random(W * cols) * -5).astype(cases.BF16).view(np.uint16)
+        # high and tie tokens on distinct positions spread over the ranks
+        pos = rng.permutation(W * cols)[:a + m]
+        hi = ((1.5 + 2.4 * rng.random(a)) if tie_bits == 0x3F80 else (2 + 64 * rng.random(a)))
+        hi = hi.astype(cases.BF16).view(np.uint16)
+        flat[pos[:a]] = hi
+        flat[pos[a:]] = tie_bits
+        if tie_bits == 0:
+            flat[pos[a:][rng.random(m) < 0.5]] = 0x8000  # -0 and +0: one score
+        for q in range(W):
+            logits[q][i] = flat[q * cols:(q + 1) * cols]
+    ends = [np.full(rows, cols, np.int64) for _ in range(W)]
+    return cases._finish(rng, f"ties_m{max(ms)}", W, K, N, 16,
+                         [x.view(cases.BF16) for x in logits], ends)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ties_straddling_the_boundary_score(world):
+    """Boundary groups of 1..>EQ_MAX keys (ranking and radix tie-breaks), ±0 ties."""
+    rng = np.random.default_rng(300 + world)
+    n = SMALL_N if world >= 8 else SMALL_K  # W*N > K: a boundary inside the union
+    sim = sim_for(world, SMALL_K, n)
+    ms = [1, 2, 3, 17, 64, 129, 255, 256, 257, 500]
+    for tie in (0x3F80, 0x0000, 0xFF80):  # 1.0, ±0, -inf
+        _run_check(sim, _tie_case(rng, world, SMALL_K, n, 600, ms, tie))
+
+
+def test_ties_straddling_the_boundary_score_large():
+    rng = np.random.default_rng(77)
+    sim = sim_for(8, 2048, 512)
+    E = EQ_MAX
+    ms = [1, 2, 5, 100, E - 1, E, E + 1, 1500]
+    _run_check(sim, _tie_case(rng, 8, 2048, 512, 4000, ms))
+    _run_check(sim, _tie_case(rng, 8, 2048, 512, 4000, ms, 0x0000), want_ids=False)
+
+
+@pytest.mark.parametrize("world,topk,n", [(8, 2048, 512), (16, 2048, 1024), (4, SMALL_K, SMALL_N)])
+def test_wide_score_range(world, topk, n):
+    """Scores spread over the whole bf16 range (random bit patterns, NaN included):
+    the range does not fit SCORE_BINS, so the second score histogram runs."""
+    rng = np.random.default_rng(world + n)
+    sim = sim_for(world, topk, n)
+    cols = 3 * n
+    rows = 6
+    logits = [rng.integers(0, 1 << 16, (rows, cols)).astype(np.uint16).view(cases.BF16)
+              for _ in range(world)]
+    ends = [np.where(rng.random(rows) < 0.8, cols, rng.integers(0, cols + 1, rows)) for _ in range(world)]
+    _run_check(sim, cases._finish(rng, "wide_range", world, topk, n, 16, logits, ends))
+    # narrow ranges on one side of the boundary, a wide one on the other
+    for q in range(world):
+        x = logits[q].view(np.uint16).copy()
+        x[:, : cols // 2] = (1 + rng.random((rows, cols // 2))).astype(cases.BF16).view(np.uint16)
+        logits[q] = x.view(cases.BF16)
+    _run_check(sim, cases._finish(rng, "half_wide", world, topk, n, 16, logits, ends))
+
+
+@pytest.mark.parametrize("world,n", [(8, 512), (2, 512), (16, 1024)])
+def test_adversarial_large(world, n):
+    """The adversarial set (all-equal rows, NaN/±0/±inf, heavy ties, ties at the K-th
+    key, short rows, saturated ranks) at K=2048: every selection path of the
+    production configurations."""
+    rng = np.random.default_rng(900 + world)
+    sim = sim_for(world, 2048, n)
+    for c in cases.adversarial_cases(rng, world=world, topk=2048, local_topk=n, rows=4,
+                                     cols=3000, saturating_rows=2):
+        _run_check(sim, c)

@@ -35,6 +35,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, Uint64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import layout
 from . import common as C
@@ -50,18 +52,42 @@ PARAMS = [
     ("rescue_off", "i64"), ("flags_off", "i64"), ("timeout_us", "i32"),
 ]  # fmt: skip
 
-KPT_REGS = 16  # keys per thread kept in registers in round 1 (fast path)
+KPT_REGS = 16  # (old register path, unused: the fast path below replaced it)
+KP_MAX = 32  # candidate words per thread kept in registers by the fast path
+SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
+SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
+LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
+PRE_BT_MAX = 8  # round-1 block-table entries prefetched when kp1 <= this (registers)
+EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
+
+
+@dsl_user_op
+def ld_volatile_v2_u64(addr: Int64, *, loc=None, ip=None):
+    """One LL record (w0 | e << 32, w1 | e << 32) in one 16-byte load; each
+    8-byte half is one 64-bit element access (its tag checked separately)."""
+    st = llvm.StructType.get_literal([T.i64(), T.i64()])
+    r = llvm.inline_asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)],
+                        "ld.volatile.global.v2.u64 {$0, $1}, [$2];", "=l,=l,l",
+                        has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)  # fmt: skip
+    return (Uint64(llvm.extractvalue(T.i64(), r, [0], loc=loc, ip=ip)),
+            Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
 
 
 def _align(x, a):
     return -(-x // a) * a
 
 
+FAST_WORDS = (SCORE_BINS + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh, fh2, eq, st, wt, pref, sc
+              + SCORE_BINS + 2 * SCORE_BINS2)  # fg, fg2, fg3
+
+
 def smem_bytes(topk: int) -> int:
     rw = layout.row_words(topk)
     # the rescue's select (its row is buf), hist, warp_totals, scalars, rcnt, seg
-    # (MergeSmem order) + slack
-    return S.smem_bytes(rw, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + 128
+    # (MergeSmem order), fast-path tensors + slack
+    return (S.smem_bytes(rw, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4
+            + FAST_WORDS * 4 + 7 * 16 + 128)
 
 
 class MergeSmem:
@@ -76,12 +102,29 @@ class MergeSmem:
         self.rcnt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         # seg_off[q] (q <= W) and seg_slot[q] of round 2's owner-major segments
         self.seg = smem.allocate_tensor(Int32, cute.make_layout((48,)), 16)
+        # fast path: score histograms, keys at the boundary score, stats (4 slots of
+        # [count, max, min, eq count]: row parity x round), warp totals, per-rank
+        # prefix of the selected counts, scalars
+        self.fh = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
+        self.fh2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
+        self.eq = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
+        self.st = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        self.wt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        self.pref = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
+        self.sc = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        # tie-break histograms on g (many keys at the boundary score)
+        self.fg = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
+        self.fg2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
+        self.fg3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
 
     def parts(self):
         """The tensors as locals: the DSL cannot carry a Python object whose
         attributes are written through a dynamic if / loop, but it carries
         tensors fine."""
         return self.buf, self.hist, self.warp_totals, self.scalars, self.rcnt, self.seg
+
+    def fparts(self):
+        return self.fh, self.fh2, self.eq, self.st, self.wt, self.pref, self.sc
 
 
 class Merge:
@@ -98,7 +141,16 @@ class Merge:
         self.slots = layout.rescue_slots(topk, n, world)
         self.nk1 = world * n
         self.kpt = -(-self.nk1 // C.TB)
-        self.use_regs = self.kpt <= KPT_REGS
+        # fast path: candidate words in registers, warp-interleaved pairs
+        # (position v = warp * 32 * kp + i * 64 + 2 * lane + h)
+        self.kp1 = 2 * -(-self.nk1 // (2 * C.TB))
+        self.fast1 = self.kp1 <= KP_MAX
+        self.nk2max = self.slots * topk + (world - self.slots) * n
+        self.kp2 = 2 * -(-self.nk2max // (2 * C.TB))
+        self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX
+        self.kp = max([2] + [k for k, f in ((self.kp1, self.fast1), (self.kp2, self.fast2)) if f])
+        self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX  # block-table prefetch in round 1
+        self.use_regs = self.fast1  # round-1 keys in registers (else re-read from memory)
         self.smem = smem_bytes(topk)
 
     # ---------------------------------------------------------------- keys
@@ -489,6 +541,503 @@ class Merge:
             C.st_u32(counts + Int64(t) * Int64(4), own_run)
         cute.arch.sync_threads()
 
+    # ------------------------------------------------------ fast path
+    # Candidate words (32 bits: ord16 << 16 | 0xFFFF - (l & 0xFFFF)) in registers,
+    # warp-interleaved pairs: thread (warp, lane) holds positions
+    # v = warp * 32 * kp + i * 64 + 2 * lane + h (i < kp / 2, h < 2); bit i of hb[0]
+    # is bit 16 of l.  Select: the boundary score v from a histogram over
+    # (s - lo) >> shift (lo / hi / count from warp reductions), then the tie-break on
+    # g among the keys of score v only; outputs by warp ballots (the lists arrive in
+    # ascending l, so the selection is an order-preserving compaction).
+
+    @cute.jit
+    def pair_pos(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp) -> Int32:
+        return warp * Int32(32 * kp) + Int32(i * 64) + Int32(2) * lane
+
+    @cute.jit
+    def owner(self, v: Int32, round2: cutlass.Constexpr, seg: cute.Tensor):
+        """(segment q, index j in it) of position v."""
+        q = Int32(0)
+        j = Int32(0)
+        if cutlass.const_expr(round2):
+            for r in cutlass.range_constexpr(1, self.world):
+                if seg[r] <= v:
+                    q = Int32(r)
+            j = v - seg[q]
+        else:
+            q = v // Int32(self.n)
+            j = v - q * Int32(self.n)
+        return q, j
+
+    @cute.jit
+    def ll_word_addr(self, base: Int64, j: Int32) -> Int64:
+        return base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8)
+
+    @cute.jit
+    def pair_addr(self, i: cutlass.Constexpr, v: Int32, ll0: Int64, ll_stride: Int64, lane,
+                  warp) -> Int64:
+        """Address of the LL record of round-1 pair group i of this lane (position v).
+        When a warp's positions lie in one list (N a multiple of 32 * kp), it is a
+        per-warp base plus i * 512 bytes (no per-pair address registers)."""
+        kp = self.kp1
+        a = Int64(0)
+        if cutlass.const_expr(self.n % (32 * kp) == 0):
+            v0 = warp * Int32(32 * kp)
+            q0 = v0 // Int32(self.n)
+            j0 = v0 - q0 * Int32(self.n)
+            a = ll0 + Int64(q0) * ll_stride + Int64((j0 >> Int32(1)) + lane) * Int64(16) + Int64(i * 512)
+        else:
+            q, j = self.owner(v, False, None)
+            a = self.ll_word_addr(ll0 + Int64(q) * ll_stride, j)
+        return a
+
+    @cute.jit
+    def load_r1_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, ll0: Int64,
+                     ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64):
+        """Round-1 words into registers.  Every 16-byte LL record (a pair of words) of a
+        batch, and the mask halves, are loaded before any tag is checked (loads in
+        flight together); then only halves whose tag is not ep are spun on (8-byte
+        volatile loads).  Mask words: the 32 positions of a half-warp in a pair group
+        share one mask word, so lane k < kp loads the one of (group k >> 1, half
+        k & 1) and the warp shuffles it to the lanes that need it."""
+        kp = self.kp1
+        np_ = kp // 2
+        B = min(np_, LOAD_BATCH)
+        d0 = cute.make_rmem_tensor((B,), Uint64)
+        d1 = cute.make_rmem_tensor((B,), Uint64)
+        good = Uint64(ep) << Uint64(32)  # past the end: an empty word with the right tag
+        # the mask half of this lane (k = lane < kp)
+        mh = good
+        vm = warp * Int32(32 * kp) + (lane >> Int32(1)) * Int32(64) + (lane & Int32(1)) * Int32(32)
+        if lane < Int32(kp) and vm < Int32(self.nk1):
+            q, j = self.owner(vm, False, None)
+            mh = C.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
+                                                     Int32(self.n) + (j >> Int32(5))))  # fmt: skip
+        hbits = Uint32(0)
+        mword = Uint32(0)
+        for b0 in cutlass.range_constexpr(0, np_, B):
+            for k in cutlass.range_constexpr(B):
+                if cutlass.const_expr(b0 + k < np_):
+                    v = self.pair_pos(b0 + k, kp, lane, warp)
+                    d0[k] = good
+                    d1[k] = good
+                    if v < Int32(self.nk1):
+                        a, c = ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp))
+                        d0[k] = a
+                        d1[k] = c
+            if cutlass.const_expr(b0 == 0):
+                mword = Uint32(mh & Uint64(0xFFFFFFFF))
+                if Int32(Uint32(mh >> Uint64(32))) != ep:
+                    q, j = self.owner(vm, False, None)
+                    mword = self.ll_half(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
+                                                           Int32(self.n) + (j >> Int32(5))),
+                                         ep, True, status, t, q, timeout_ns)  # fmt: skip
+            for k in cutlass.range_constexpr(B):
+                if cutlass.const_expr(b0 + k < np_):
+                    i = b0 + k
+                    v = self.pair_pos(i, kp, lane, warp)
+                    q, j = self.owner(v, False, None)
+                    w0 = Uint32(d0[k] & Uint64(0xFFFFFFFF))
+                    w1 = Uint32(d1[k] & Uint64(0xFFFFFFFF))
+                    if Int32(Uint32(d0[k] >> Uint64(32))) != ep:
+                        w0 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp), ep, True, status,
+                                          t, q, timeout_ns)  # fmt: skip
+                    if Int32(Uint32(d1[k] >> Uint64(32))) != ep:
+                        w1 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp) + Int64(8), ep,
+                                          True, status, t, q, timeout_ns)  # fmt: skip
+                    m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (lane >> Int32(4)))
+                    words[2 * i] = w0
+                    words[2 * i + 1] = w1
+                    sh = Uint32(j & Int32(31))
+                    hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
+                        ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
+        hb[0] = hbits
+
+    @cute.jit
+    def load_r2_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
+                     ll0: Int64, ll_stride: Int64, resc0: Int64):
+        """Round-2 words into registers: segment q is rank q's K-list (rescue slot
+        seg[17 + q] >= 0, plain words) or its round-1 LL list (tags already checked)."""
+        kp = self.kp2
+        nk = seg[self.world]
+        hbits = Uint32(0)
+        for i in cutlass.range_constexpr(kp // 2):
+            v = self.pair_pos(i, kp, lane, warp)
+            w0 = Uint32(0)
+            w1 = Uint32(0)
+            m = Uint32(0)
+            if v < nk:
+                q, j = self.owner(v, True, seg)
+                s = seg[17 + q]
+                if s >= Int32(0):
+                    base = resc0 + Int64(s) * Int64(self.rw_k * 4)
+                    d = C.ld_volatile_u64(base + Int64(j) * Int64(4))
+                    w0 = Uint32(d & Uint64(0xFFFFFFFF))
+                    w1 = Uint32(d >> Uint64(32))
+                    m = C.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
+                else:
+                    base = ll0 + Int64(q) * ll_stride
+                    a, c = ld_volatile_v2_u64(self.ll_word_addr(base, j))
+                    w0 = Uint32(a & Uint64(0xFFFFFFFF))
+                    w1 = Uint32(c & Uint64(0xFFFFFFFF))
+                    m = Uint32(C.ld_volatile_u64(self.ll_word_addr(base, Int32(self.n) + (j >> Int32(5))))
+                               & Uint64(0xFFFFFFFF))  # fmt: skip
+                sh = Uint32(j & Int32(31))
+                hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
+                    ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
+            words[2 * i] = w0
+            words[2 * i + 1] = w1
+        hb[0] = hbits
+
+    @cute.jit
+    def gid(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32) -> Int32:
+        lidx = Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
+        return lidx * Int32(self.world) + q
+
+    @cute.jit
+    def warp_incl_scan(self, x: Int32, lane) -> Int32:
+        for d in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(x, 1 << d)
+            if lane >= Int32(1 << d):
+                x = x + y
+        return x
+
+    @cute.jit
+    def warp_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
+                      sc: cute.Tensor, slot: cutlass.Constexpr):
+        """One warp: bins scanned from the top, the bin holding the need-th element
+        (need <= total) -> sc[slot] = bin, sc[slot + 1] = elements above it,
+        sc[slot + 2] = its count.  Lane k sums the nb / 32 bins ranked k * per ..
+        from the top; a warp scan finds the lane, whose bins the warp then scans
+        (one per lane)."""
+        per = nb // 32
+        s = Int32(0)
+        for u in cutlass.range_constexpr(per):
+            s = s + hist[Int32(nb - 1 - u) - lane * Int32(per)]
+        incl = self.warp_incl_scan(s, lane)
+        excl = incl - s
+        bal = Uint32(cute.arch.vote_ballot_sync(excl < need and incl >= need))
+        c = Int32(cute.arch.popc((bal & (~bal + Uint32(1))) - Uint32(1)))  # lowest set lane
+        base = cute.arch.shuffle_sync(excl, c)
+        x = Int32(0)
+        b = Int32(nb - 1) - c * Int32(per) - lane
+        if lane < Int32(per):
+            x = hist[b]
+        incl2 = self.warp_incl_scan(x, lane) + base
+        excl2 = incl2 - x
+        if lane < Int32(per) and x > Int32(0) and excl2 < need and incl2 >= need:
+            sc[slot] = b
+            sc[slot + 1] = excl2
+            sc[slot + 2] = x
+
+    @cute.jit
+    def pair_counts(self, selm: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
+                    round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32):
+        """Selected keys (own << 16 | all) of pair group ip of this warp: (of the lanes
+        below this one, of the whole warp (warp-uniform)), from four ballots."""
+        q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+        s0 = ((selm >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
+        s1 = ((selm >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
+        own = q == rank
+        b0 = Uint32(cute.arch.vote_ballot_sync(s0))
+        b1 = Uint32(cute.arch.vote_ballot_sync(s1))
+        o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
+        o1 = Uint32(cute.arch.vote_ballot_sync(s1 and own))
+        before = Int32(cute.arch.popc(b0 & lt)) + Int32(cute.arch.popc(b1 & lt)) + (
+            (Int32(cute.arch.popc(o0 & lt)) + Int32(cute.arch.popc(o1 & lt))) << Int32(16))
+        total = Int32(cute.arch.popc(b0)) + Int32(cute.arch.popc(b1)) + (
+            (Int32(cute.arch.popc(o0)) + Int32(cute.arch.popc(o1))) << Int32(16))
+        return before, total
+
+    @cute.jit
+    def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, lane, warp,
+                    rank: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32):
+        """Block-table entries of this rank's round-1 keys (their l is known once the
+        words are in), loaded now so that they are in flight during the select instead
+        of after it."""
+        kp = self.kp1
+        hbits = hb[0]
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
+            for h in cutlass.range_constexpr(2):
+                i = 2 * ip + h
+                btp[i] = Int32(0)
+                if q == rank and words[i] != Uint32(0) and req_ok != Int32(0):
+                    lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
+                    if lidx // block_size < bt_cols:
+                        btp[i] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+
+    @cute.jit
+    def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, lane, warp,
+                         rank: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
+                         block_size: Int32):
+        """prefetch_bt for many words per thread: the entries go to buf[j] (j = index in
+        this rank's list; buf is free until a rescue), loads first, then the stores."""
+        kp = self.kp1
+        hbits = hb[0]
+        btv = cute.make_rmem_tensor((kp,), Int32)
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
+            for h in cutlass.range_constexpr(2):
+                i = 2 * ip + h
+                btv[i] = Int32(0)
+                if q == rank and words[i] != Uint32(0) and req_ok != Int32(0):
+                    lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
+                    if lidx // block_size < bt_cols:
+                        btv[i] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
+            if q == rank:
+                buf[j] = btv[2 * ip]
+                buf[j + Int32(1)] = btv[2 * ip + 1]
+
+    @cute.jit
+    def fast_round(self, words: cute.Tensor, hb: cute.Tensor, round2: cutlass.Constexpr, slot: Int32,
+                   sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
+                   ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32, ids: Int64,
+                   kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
+                   block_size: Int32, keys: cute.Tensor, btp: cute.Tensor,
+                   pre_bt: cutlass.Constexpr) -> Uint64:
+        """Exact top-K of the words in registers and the outputs; returns T (the K-th
+        key, 0 if fewer than K).  Round 1 also leaves pref[q] = selected keys before
+        rank q's list (pref[W] = all).  ``pre_bt``: 1: btp[i] holds the block-table
+        entry of own key i (prefetch_bt), 2: sm.buf[j] that of own list index j
+        (prefetch_bt_smem), 0: loaded here.  stats slot ``slot`` was reset before (and
+        fh / fh2 cleared here, before the first barrier)."""
+        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
+        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
+        seg = sm.seg
+        kp = self.kp2 if round2 else self.kp1
+        K = self.topk
+        G = self.gbits
+        gmax = Int32((1 << G) - 1)
+        hbits = hb[0]
+        # ---- stats: count, max and min score over the nonzero words
+        cnt = Int32(0)
+        mx = Int32(0)
+        mn = Int32(0xFFFF)
+        for i in cutlass.range_constexpr(kp):
+            sv = Int32(words[i] >> Uint32(16))
+            if sv != Int32(0):
+                cnt = cnt + Int32(1)
+                mx = cutlass.max(mx, sv)
+                mn = cutlass.min(mn, sv)
+        cnt = cute.arch.warp_redux_sync(cnt, "add")
+        mx = cute.arch.warp_redux_sync(mx, "max")
+        mn = cute.arch.warp_redux_sync(mn, "min")
+        if lane == Int32(0):
+            cute.arch.atomic_add(st.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
+            cute.arch.atomic_max(st.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
+            cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            fh[tid + Int32(u * C.TB)] = Int32(0)
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            fg[tid + Int32(u * C.TB)] = Int32(0)
+        if tid < Int32(SCORE_BINS2):
+            fh2[tid] = Int32(0)
+            fg2[tid] = Int32(0)
+            fg3[tid] = Int32(0)
+        cute.arch.sync_threads()
+        total = st[slot * Int32(4)]
+        lo = st[slot * Int32(4) + Int32(2)]
+        rng = st[slot * Int32(4) + Int32(1)] - lo
+        vth = Int32(0)  # boundary score
+        gT = Int32(-1)  # largest selected g at score vth
+        T = Uint64(0)
+        if total >= Int32(K):
+            shift = Int32(0)
+            while (rng >> shift) >= Int32(SCORE_BINS):
+                shift = shift + Int32(1)
+            for i in cutlass.range_constexpr(kp):
+                sv = Int32(words[i] >> Uint32(16))
+                if sv != Int32(0):
+                    cute.arch.atomic_add(fh.iterator + ((sv - lo) >> shift), Int32(1), sem="relaxed",
+                                         scope="cta")  # fmt: skip
+            cute.arch.sync_threads()
+            if warp == Int32(0):
+                self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0)
+            cute.arch.sync_threads()
+            b = sc[0]
+            above = sc[1]
+            m = sc[2]
+            vth = lo + (b << shift)
+            if shift > Int32(0):
+                low = (Int32(1) << shift) - Int32(1)
+                for i in cutlass.range_constexpr(kp):
+                    sv = Int32(words[i] >> Uint32(16))
+                    if sv != Int32(0) and ((sv - lo) >> shift) == b:
+                        cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
+                                             scope="cta")  # fmt: skip
+                cute.arch.sync_threads()
+                if warp == Int32(0):
+                    self.warp_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, sc, 3)
+                cute.arch.sync_threads()
+                vth = vth + sc[3]
+                above = above + sc[4]
+                m = sc[5]
+            need = Int32(K) - above
+            if m <= Int32(EQ_MAX):
+                # the g of every key at score vth into eqb, then each one's rank
+                c = Int32(0)
+                for i in cutlass.range_constexpr(kp):
+                    if Int32(words[i] >> Uint32(16)) == vth:
+                        c = c + Int32(1)
+                if c != Int32(0):
+                    pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
+                                               scope="cta")  # fmt: skip
+                    for ip in cutlass.range_constexpr(kp // 2):
+                        q = Int32(0)
+                        j = Int32(0)
+                        if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                        for h in cutlass.range_constexpr(2):
+                            if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                                eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
+                                pos = pos + Int32(1)
+                cute.arch.sync_threads()
+                if tid < m:
+                    my = eqb[tid]
+                    r = Int32(0)
+                    for jj in cutlass.range(m, unroll=4):
+                        if eqb[jj] < my:
+                            r = r + Int32(1)
+                    if r == need - Int32(1):
+                        sc[6] = my
+                cute.arch.sync_threads()
+                gT = sc[6]
+            else:
+                # many keys at the boundary score: the need-th smallest g among them by
+                # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
+                # the next 6, the last G - 16 (G >= 17), as the score select does
+                uT = Int32(0)
+                nd = need
+                for d in cutlass.range_constexpr(3):
+                    hi_ = (G, G - 10, G - 16)[d]
+                    lo_ = (G - 10, G - 16, 0)[d]
+                    hist = (fg, fg2, fg3)[d]
+                    for ip in cutlass.range_constexpr(kp // 2):
+                        q = Int32(0)
+                        j = Int32(0)
+                        if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                        for h in cutlass.range_constexpr(2):
+                            if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                                u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
+                                if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
+                                    cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
+                                                         Int32(1), sem="relaxed", scope="cta")  # fmt: skip
+                    cute.arch.sync_threads()
+                    if warp == Int32(0):
+                        self.warp_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, sc, 8)
+                    cute.arch.sync_threads()
+                    uT = uT | (sc[8] << Int32(lo_))
+                    nd = nd - sc[9]
+                gT = gmax - uT
+            T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
+        # ---- outputs: selection = s > vth or (s == vth and g <= gT)
+        # Round 1: the status word, read once every wait of the row is over (barriers
+        # above), in flight during the outputs: sc[7] = 1 when a timeout was recorded
+        # (the row is then voided, see kernel), for rows without a rescue.
+        stw = Uint32(0)
+        if cutlass.const_expr(not round2):
+            if tid == Int32(0):
+                stw = C.ld_volatile_u32(status)
+        selm = Uint32(0)
+        for ip in cutlass.range_constexpr(kp // 2):
+            q = Int32(0)
+            j = Int32(0)
+            if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+            for h in cutlass.range_constexpr(2):
+                i = 2 * ip + h
+                sv = Int32(words[i] >> Uint32(16))
+                if sv > vth:
+                    selm = selm | Uint32(1 << i)
+                elif sv == vth and sv != Int32(0):
+                    if self.gid(words[i], hbits, i, q) <= gT:
+                        selm = selm | Uint32(1 << i)
+        lt = cute.arch.lanemask_lt()
+        run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
+        for ip in cutlass.range_constexpr(kp // 2):
+            _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt)
+            run = run + c2
+        if lane == Int32(0):
+            wt[warp] = run
+        cute.arch.sync_threads()
+        wbase = Int32(0)
+        tot = Int32(0)
+        for w in cutlass.range_constexpr(C.NWARPS):
+            x = wt[w]
+            if Int32(w) < warp:
+                wbase = wbase + x
+            tot = tot + x
+        all_run = tot & Int32(0xFFFF)
+        own_run = tot >> Int32(16)
+        trow = Int64(t) * Int64(K)
+        blks = cute.make_rmem_tensor((8,), Int32)
+        for b0 in cutlass.range_constexpr(0, kp // 2, 4):
+            # block-table loads of this batch's own selected tokens first (in flight
+            # together), then the stores
+            for k in cutlass.range_constexpr(8):
+                blks[k] = Int32(0)
+                if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
+                    blks[k] = btp[b0 * 2 + k]
+                elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
+                    if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
+                        q, j = self.owner(self.pair_pos((b0 * 2 + k) // 2, kp, lane, warp), round2, seg)
+                        if q == rank:
+                            blks[k] = sm.buf[j + Int32(k % 2)]
+                elif cutlass.const_expr(b0 * 2 + k < kp):
+                    i = b0 * 2 + k
+                    if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
+                        q, j = self.owner(self.pair_pos(i // 2, kp, lane, warp), round2, seg)
+                        if q == rank and req_ok != Int32(0):
+                            lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
+                            if lidx // block_size < bt_cols:
+                                blks[k] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+            for kk in cutlass.range_constexpr(4):
+                ip = b0 + kk
+                if cutlass.const_expr(ip < kp // 2):
+                    v = self.pair_pos(ip, kp, lane, warp)
+                    q, j = self.owner(v, round2, seg)
+                    c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt)
+                    e = wbase + c1
+                    wbase = wbase + c2
+                    pos = e & Int32(0xFFFF)
+                    kpos = e >> Int32(16)
+                    if cutlass.const_expr(not round2):
+                        if j == Int32(0) and v < Int32(self.nk1):
+                            pref[q] = pos
+                    for h in cutlass.range_constexpr(2):
+                        i = 2 * ip + h
+                        if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
+                            g = self.gid(words[i], hbits, i, q)
+                            if ids != Int64(0):
+                                C.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
+                            pos = pos + Int32(1)
+                            if q == rank:
+                                lidx = g // Int32(self.world)
+                                page = lidx // block_size
+                                slot_ = Int32(-1)
+                                if req_ok != Int32(0) and page < bt_cols:
+                                    slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
+                                C.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
+                                kpos = kpos + Int32(1)
+        if tid == Int32(0):
+            pref[self.world] = all_run
+            C.st_u32(counts + Int64(t) * Int64(4), own_run)
+            if cutlass.const_expr(not round2):
+                sc[7] = Int32(0)
+                if stw == Uint32(layout.STATUS_TIMEOUT_ROUND1) or stw == Uint32(layout.STATUS_TIMEOUT_RESCUE):
+                    sc[7] = Int32(1)
+        for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
+            C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
+        if ids != Int64(0):
+            for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
+                C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+        cute.arch.sync_threads()
+        return T
+
     # ------------------------------------------------------------- kernel
 
     @cute.kernel
@@ -509,11 +1058,26 @@ class Merge:
         status = state + Int64(max_rows) * Int64(8)
         timeout_ns = Int64(timeout_us) * Int64(1000)
         ll_stride = Int64(max_rows) * Int64(self.ll_row_bytes)  # next source rank
-        keys = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
-        hw = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
-        hm = cute.make_rmem_tensor((self.kpt if self.use_regs else 1,), Uint64)
+        keys = cute.make_rmem_tensor((1,), Uint64)  # (the old register path is not used)
+        words = cute.make_rmem_tensor((self.kp,), Uint32)
+        hb = cute.make_rmem_tensor((1,), Uint32)
+        btp = cute.make_rmem_tensor((self.kp1 if self.pre_bt else 1,), Int32)
+        sm_st = sm.st
+        if tid < Int32(16):  # fast-path stats slots: [count, max, min, eq count]
+            sm_st[tid] = Int32(0)
+            if (tid & Int32(3)) == Int32(2):
+                sm_st[tid] = Int32(0xFFFF)
+        cute.arch.sync_threads()
+        rowi = Int32(0)
+        last_f = Int32(0)
         t = Int32(bid)
         refused = Int32(0)
+        # epoch of the first row, loaded together with the status word (a plain load of
+        # this rank's own state: harmless even when the call is refused); later rows'
+        # epochs are loaded one row ahead.  Only this CTA touches its rows' epochs.
+        epn = Int32(0)
+        if t < rows:
+            epn = C.ld_u32(state + Int64(t) * Int64(4))
         # A failed or closed exchange (status set before this launch) does no exchange
         # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
         if C.ld_volatile_u32(status) != Uint32(0):
@@ -522,7 +1086,7 @@ class Merge:
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
                 t = t + Int32(nblk)
         while t < rows:
-            ep = C.ld_u32(state + Int64(t) * Int64(4)) + Int32(1)
+            ep = epn + Int32(1)
             seq = C.ld_u32(state + (Int64(max_rows) + Int64(t)) * Int64(4))
             ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)
             resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rw_k * 4)
@@ -532,25 +1096,48 @@ class Merge:
             if req >= Int32(0) and req < bt_rows and block_size > Int32(0):
                 req_ok = Int32(1)
                 bt_row = block_table + Int64(req) * Int64(bt_cols) * Int64(4)
+            # stats slots of this row: 2 * (rowi & 1) + round; reset the other row parity's
+            # (last read before the previous row's final barrier)
+            slot1 = Int32(2) * (rowi & Int32(1))
+            if tid < Int32(8):
+                o = (Int32(2) - slot1) * Int32(4) + tid
+                sm_st[o] = Int32(0)
+                if (tid & Int32(3)) == Int32(2):
+                    sm_st[o] = Int32(0xFFFF)
             # ---- round 1: wait for the W lists of epoch ep
-            if cutlass.const_expr(self.use_regs):
-                self.load_r1_regs(keys, hw, hm, tid, ll0, ll_stride, ep, status, t, timeout_ns)
+            T = Uint64(0)
+            if cutlass.const_expr(self.fast1):
+                self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
+                if cutlass.const_expr(self.pre_bt):
+                    self.prefetch_bt(words, hb, btp, lane, warp, rank, bt_row, req_ok, bt_cols, block_size)
+                else:
+                    self.prefetch_bt_smem(words, hb, sm_buf, lane, warp, rank, bt_row, req_ok, bt_cols,
+                                          block_size)  # fmt: skip
+                T = self.fast_round(words, hb, False, slot1, sm, tid, lane, warp, ll0, ll_stride, resc0,
+                                    ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row,
+                                    req_ok, bt_cols, block_size, keys, btp,
+                                    1 if self.pre_bt else 2)  # fmt: skip
             else:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
-            cute.arch.sync_threads()
-            T = self.radix_select(keys, self.use_regs, False, sm, tid, lane, warp, ll0, ll_stride,
-                                  resc0, ep, status, t, timeout_ns)  # fmt: skip
-            self.emit(keys, self.use_regs, False, T, sm, tid, lane, warp, ll0, ll_stride, resc0,
-                      ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
-                      bt_cols, block_size)  # fmt: skip
+                cute.arch.sync_threads()
+                T = self.radix_select(keys, False, False, sm, tid, lane, warp, ll0, ll_stride,
+                                      resc0, ep, status, t, timeout_ns)  # fmt: skip
+                self.emit(keys, False, False, T, sm, tid, lane, warp, ll0, ll_stride, resc0,
+                          ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
+                          bt_cols, block_size)  # fmt: skip
             # ---- saturation (uniform: from smem counts and T)
             t_owner = Int32(-1)
             if T != Uint64(0):
                 t_owner = Int32(Uint64((1 << self.gbits) - 1) - (T & Uint64((1 << self.gbits) - 1))) % Int32(W)
             mask = Int32(0)
             for q in cutlass.range_constexpr(W):
-                if sm_rcnt[q] == Int32(self.n) and t_owner != Int32(q):
+                cq = Int32(0)
+                if cutlass.const_expr(self.fast1):
+                    cq = sm.pref[q + 1] - sm.pref[q]
+                else:
+                    cq = sm_rcnt[q]
+                if cq == Int32(self.n) and t_owner != Int32(q):
                     mask = mask | Int32(1 << q)
             nsat = Int32(cute.arch.popc(Uint32(mask)))
             if nsat > Int32(self.slots):
@@ -559,29 +1146,49 @@ class Merge:
                 self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
                             rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
                             status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
-                            bt_row, req_ok, bt_cols, block_size, keys)  # fmt: skip
+                            bt_row, req_ok, bt_cols, block_size, keys, words, hb,
+                            slot1 + Int32(1))  # fmt: skip
                 if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
                     C.st_u32(state + (Int64(max_rows) + Int64(t)) * Int64(4), seq + Int32(1))
             if saturated != Int64(0):
                 if tid == Int32(0):
                     C.st_u32(saturated + Int64(t) * Int64(4), mask)
+            if t + Int32(nblk) < rows:
+                epn = C.ld_u32(state + Int64(t + Int32(nblk)) * Int64(4))
             # ---- every word of the row was read; the producer grid is done
             C.pdl_wait()
             # A failure anywhere in the grid (status set) voids this row: waits that gave
             # up read stale words, so the row gets empty outputs, never a guess.
-            # (failed() starts with a barrier: every thread is done reading the row)
-            if self.failed(status, sm_seg, tid) != Int32(0):
+            # (failed() starts with a barrier: every thread is done reading the row.)
+            # Fast path without a rescue: the status word read after the row's last wait,
+            # during the outputs (sc[7], published by the outputs' final barrier).
+            f = Int32(0)
+            if cutlass.const_expr(self.fast1):
+                if mask == Int32(0):
+                    f = sm.sc[7]
+                else:
+                    f = self.failed(status, sm_seg, tid)
+            else:
+                f = self.failed(status, sm_seg, tid)
+            last_f = f
+            if f != Int32(0):
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
             if tid == Int32(0):
                 C.st_u32(state + Int64(t) * Int64(4), ep)
             t = t + Int32(nblk)
+            rowi = rowi + Int32(1)
         if refused == Int32(0):
             # This call failed here or elsewhere in the grid: withdraw this rank's pushed
             # rows from every peer (both parities), so a peer that arrives late times out
             # too instead of pairing its call with this one's words (the producer grid is
             # complete: pdl_wait above, or below when this CTA had no row).
+            # A CTA that merged rows reuses its last row's check: status never clears
+            # within a launch, and the CTA whose wait failed sees it (withdraw is idempotent).
             C.pdl_wait()
-            if self.failed(status, sm_seg, tid) != Int32(0):
+            fe = last_f
+            if rowi == Int32(0):
+                fe = self.failed(status, sm_seg, tid)
+            if fe != Int32(0):
                 self.withdraw(peers, state, rank, max_rows, tid)
 
     @cute.jit
@@ -632,7 +1239,7 @@ class Merge:
                ep: Int32, seq: Int32, status: Int64, timeout_ns: Int64, ll0: Int64,
                ll_stride: Int64, resc0: Int64, ids: Int64, kv_rows: Int64, counts: Int64,
                bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32,
-               keys: cute.Tensor):  # fmt: skip
+               keys: cute.Tensor, words: cute.Tensor, hb: cute.Tensor, slot2: Int32):  # fmt: skip
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         sel = sm.sel.parts()
         W = self.world
@@ -678,11 +1285,17 @@ class Merge:
                     off = off + Int32(self.n)
             sm_seg[W] = off
         cute.arch.sync_threads()
-        T2 = self.radix_select(keys, False, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
-                               status, t, timeout_ns)  # fmt: skip
-        self.emit(keys, False, True, T2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep, status,
-                  t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok, bt_cols,
-                  block_size)  # fmt: skip
+        if cutlass.const_expr(self.fast2):
+            self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0)
+            self.fast_round(words, hb, True, slot2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
+                            status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
+                            bt_cols, block_size, keys, hb, 0)  # fmt: skip
+        else:
+            T2 = self.radix_select(keys, False, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
+                                   status, t, timeout_ns)  # fmt: skip
+            self.emit(keys, False, True, T2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep, status,
+                      t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok, bt_cols,
+                      block_size)  # fmt: skip
 
     @cute.jit
     def entry(self, peers: Int64, local: Int64, state: Int64, logits: Int64, row_ends: Int64,

@@ -1,0 +1,158 @@
+"""NumPy model of the merge kernel's select (kernels/merge.py, fast path), checked
+against reference.protocol_merge's round 1 / round 2 keys on the shared cases (CPU).
+
+The kernel's select on the <= W*N candidates of a row (positions in owner-major
+order, lists ascending l):
+  1. stats: count of nonzero words, min and max ord16 score s;
+  2. fewer than K: everything nonzero is selected, T = 0;
+  3. histogram of (s - lo) >> shift over NB bins (shift the smallest that fits the
+     range), top-down scan -> bin of the K-th key; if shift > 0 a second histogram
+     of the low shift bits inside that bin -> boundary score v, c_gt = #(s > v),
+     m = #(s == v); need = K - c_gt;
+  4. tie-break on g inside the boundary score: m <= MMAX -> rank of each eq key's g
+     by counting (the need-th smallest g is gT); else three histograms of
+     u = 2^G - 1 - g (10, 6 and G - 16 bits) find it;
+  5. selection = s > v or (s == v and g <= gT), an order-preserving compaction.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_dsa_exchange import cases, layout, reference
+
+NB = 1024  # bins of the first score histogram (kernels/merge.py SCORE_BINS)
+MMAX = 256  # most keys at the boundary score resolved by ranking (merge.py EQ_MAX)
+
+
+def model_select(s, g, K, nb=NB, mmax=MMAX, G=None):
+    """s: ord16 scores (0 = empty), g: global positions, one per candidate position.
+    Returns (selected mask, v, gT, path)."""
+    s = s.astype(np.int64)
+    g = g.astype(np.int64)
+    nz = s != 0
+    total = int(nz.sum())
+    if total < K:
+        return nz, 0, -1, "all"
+    lo, hi = int(s[nz].min()), int(s[nz].max())
+    shift = 0
+    while ((hi - lo) >> shift) >= nb:
+        shift += 1
+    b = (s - lo) >> shift
+    hist = np.bincount(b[nz], minlength=nb)
+    cum = 0
+    for bb in range(nb - 1, -1, -1):  # top-down
+        if cum + hist[bb] >= K:
+            break
+        cum += hist[bb]
+    above = cum
+    if shift:
+        inb = nz & (b == bb)
+        sub = (s - lo) & ((1 << shift) - 1)
+        h2 = np.bincount(sub[inb], minlength=1 << shift)
+        cum2 = above
+        for b2 in range((1 << shift) - 1, -1, -1):
+            if cum2 + h2[b2] >= K:
+                break
+            cum2 += h2[b2]
+        above = cum2
+        v = lo + (bb << shift) + b2
+    else:
+        v = lo + bb
+    eq = nz & (s == v)
+    m = int(eq.sum())
+    need = K - above
+    assert int((nz & (s > v)).sum()) == above and 1 <= need <= m
+    if m <= mmax:
+        ge = np.sort(g[eq])
+        gT = int(ge[need - 1])
+        path = "rank"
+    else:
+        # three histograms of u = gmax - g: bits [G-10, G), [G-16, G-10), [0, G-16)
+        G = int(g.max()).bit_length() if G is None else G
+        gmax = (1 << G) - 1
+        u = gmax - g[eq]
+        uT, nd = 0, need
+        for hi, lo in ((G, G - 10), (G - 10, G - 16), (G - 16, 0)):
+            cand = u[(u >> hi) == (uT >> hi)]
+            h = np.bincount((cand >> lo) & ((1 << (hi - lo)) - 1), minlength=1 << (hi - lo))
+            cum = 0
+            for b in range(h.size - 1, -1, -1):
+                if cum + h[b] >= nd:
+                    break
+                cum += h[b]
+            uT |= b << lo
+            nd -= cum
+        gT = gmax - uT
+        assert gT == int(np.sort(g[eq])[need - 1])
+        path = "radix"
+    sel = nz & ((s > v) | ((s == v) & (g <= gT)))
+    return sel, v, gT, path
+
+
+def _lists(case, i, n):
+    W = case.world
+    bits = [x.view(np.uint16) for x in case.logits]
+    words = [reference.pack_local_topk(bits[q][i], case.row_ends[q][i], n) for q in range(W)]
+    return words
+
+
+def _decode(words, n, q, W):
+    w = words[:n].astype(np.int64)
+    j = np.arange(n)
+    hib = (words[n + j // 32].astype(np.int64) >> (j % 32)) & 1
+    l = (0xFFFF - (w & 0xFFFF)) | (hib << 16)
+    return (w >> 16), l * W + q
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
+def test_model_matches_reference(world):
+    rng = np.random.default_rng(50 + world)
+    K, N = 256, 64
+    allc = cases.adversarial_cases(rng, world=world, topk=K, local_topk=N, rows=8)
+    allc += cases.adversarial_cases(rng, world=world, topk=K, local_topk=K, rows=4)
+    allc.append(cases.random_case(rng, world=world, topk=K, local_topk=N, rows=8, cols=3000))
+    paths = set()
+    for case in allc:
+        n = case.local_topk
+        G = layout.gid_bits(world)
+        for i in range(case.rows):
+            words = _lists(case, i, n)
+            sg = [_decode(words[q], n, q, world) for q in range(world)]
+            s = np.concatenate([x[0] for x in sg])
+            g = np.concatenate([x[1] for x in sg])
+            lists = [reference.decode_keys(words[q], n, q, world) for q in range(world)]
+            mask, T = reference.saturated_mask(lists, K, n)
+            sel, v, gT, path = model_select(s, g, K, G=G)
+            paths.add(path)
+            Tm = 0 if path == "all" else (v << G) | ((1 << G) - 1 - gT)
+            assert Tm == T, (case, i)
+            keys = np.concatenate(lists)
+            assert np.array_equal(sel, (keys != 0) & (keys >= np.uint64(T))), (case, i)
+            # saturation from per-rank selected counts (prefix differences)
+            pref = np.concatenate([[0], np.cumsum(sel)])[np.arange(world + 1) * n]
+            t_owner = -1 if T == 0 else gT % world
+            m2 = sum(1 << q for q in range(world)
+                     if pref[q + 1] - pref[q] == n and t_owner != q)
+            assert m2 == mask, (case, i)
+    want = {"all", "rank"} | ({"radix"} if world * K > MMAX else set())
+    assert want <= paths, paths
+
+
+def test_model_small_bins_second_pass():
+    """NB = 16 forces the second score histogram on ordinary data."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n = int(rng.integers(1, 400))
+        s = rng.integers(0, 0x10000, n)
+        s[rng.random(n) < 0.2] = 0
+        s[rng.random(n) < 0.3] = s[0] or 5
+        g = rng.permutation(min(10 * n, 1 << 17))[:n]
+        K = int(rng.integers(1, n + 1))
+        sel, v, gT, path = model_select(s, g, K, nb=16, mmax=8, G=17)
+        order = np.lexsort((g, -s))
+        order = order[s[order] != 0][:K]
+        want = np.zeros(n, bool)
+        want[order] = True
+        assert np.array_equal(sel, want)

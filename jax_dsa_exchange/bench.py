@@ -45,7 +45,8 @@ import numpy as np
 NO_GPU = ("bench: no GPU: nothing to measure (the XLA path on CPU is not a baseline worth "
           "timing)")
 METHODS = ("op (ffi)", "lax.top_k whole row", "xla path", "select+push kernel", "merge kernel",
-           "1 read of [R, L]")
+           "1 read of [R, L]", "torch.topk [R, L] k=N", "lax.top_k [R, L] k=N",
+           "torch.topk int64 [R, W*N] k=K", "lax.top_k int64 [R, W*N] k=K")
 
 
 def _args(argv):
@@ -270,6 +271,7 @@ def _kernel_rows(a, world, K) -> dict:
     try:
         import cupy as cp
 
+        from .baselines import jax_topk_time, topk64_times, torch_topk_time
         from .kernels.timing import KernelTimer, copy_bandwidth
     except ImportError as e:
         print(f"bench: kernels alone not measured: {e}", flush=True)
@@ -284,9 +286,15 @@ def _kernel_rows(a, world, K) -> dict:
             print(f"bench: kernels alone for N={N} not measured: {e}", flush=True)
             continue
         for R in a.rows:
+            k64 = topk64_times(R, world * N, K)  # the merge's round-1 shape, same run
             for L in a.cols:
                 tp, tm = timer.run(R, L, rescue=False, iters=a.reps, warm=min(3, a.reps))
-                out[(N, R, L)] = {METHODS[3]: tp, METHODS[4]: tm, METHODS[5]: R * L * 2 / bw * 1e6}
+                row = {METHODS[3]: tp, METHODS[4]: tm, METHODS[5]: R * L * 2 / bw * 1e6}
+                for m, t in ((METHODS[6], torch_topk_time((R, L), N)), (METHODS[7], jax_topk_time((R, L), N)),
+                             (METHODS[8], k64["torch"]), (METHODS[9], k64["jax"])):  # fmt: skip
+                    if t is not None:
+                        row[m] = t * 1e6 if m in (METHODS[6], METHODS[7]) else t
+                out[(N, R, L)] = row
         del timer
         cp.get_default_memory_pool().free_all_blocks()
     return out
@@ -310,7 +318,7 @@ def _write(out, rows):
         style = {METHODS[0]: "-", METHODS[1]: "--", METHODS[2]: "--", METHODS[3]: ":",
                  METHODS[4]: ":", METHODS[5]: "-."}
         for ax, L in zip(axes[0], Ls):
-            for m in METHODS:
+            for m in METHODS[:6]:  # the top-k baselines of the kernels: table and CSV only
                 for n in (Ns if m in (METHODS[0], METHODS[3], METHODS[4]) else Ns[:1]):
                     if m in (METHODS[3], METHODS[4]) and n != Ns[len(Ns) // 2]:
                         continue  # kernels: the middle N only, to keep the plot readable
@@ -340,14 +348,15 @@ def _write(out, rows):
     print(f"\nW={first['W']} K={first['K']}, CUDA graphs {first['graphs']}, MPS {'on' if first['mps'] else 'off'}; "
           "us per layer (median); kernels: rank 0 alone, CUDA events; floor: one read of [R, L]")
     print(f"{'N':>5} {'L':>7} {'R':>4} {'op':>9} {'top_k':>9} {'speedup':>8} {'sel+push':>9} {'merge':>7} "
-          f"{'floor':>7}")
+          f"{'floor':>7} {'torch RL':>9} {'jax RL':>8} {'torch 64':>9} {'jax 64':>8}")
     for r in rows:
         if r["method"] != METHODS[0]:
             continue
         b = find(METHODS[1], r)
         print(f"{r['N']:>5} {r['L']:>7} {r['R']:>4} {r['us_per_layer']:>9.1f} {b:>9.1f} "
               f"{b / r['us_per_layer']:>7.1f}x {find(METHODS[3], r):>9.1f} {find(METHODS[4], r):>7.1f} "
-              f"{find(METHODS[5], r):>7.1f}")
+              f"{find(METHODS[5], r):>7.1f} {find(METHODS[6], r):>9.1f} {find(METHODS[7], r):>8.1f} "
+              f"{find(METHODS[8], r):>9.1f} {find(METHODS[9], r):>8.1f}")
     print(f"wrote {path}", flush=True)
 
 

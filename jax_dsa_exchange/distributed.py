@@ -24,6 +24,7 @@ global arrays with a leading rank axis [W, ...] (xla_path's layout).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import inspect
 import os
 import socket
@@ -132,6 +133,9 @@ def _register_shutdown() -> None:
         atexit.register(shutdown)
 
 
+_KEEP_ALIVE: list = []  # process 0's coordination service after shutdown() (see there)
+
+
 def shutdown(barrier_timeout_s: float = EXIT_BARRIER_S) -> None:
     """Leave the job cleanly (registered at exit by :func:`initialize`; idempotent).
 
@@ -145,10 +149,10 @@ def shutdown(barrier_timeout_s: float = EXIT_BARRIER_S) -> None:
     2. all ranks meet at an exit barrier (``barrier_timeout_s``; a rank that died or left
        without us: skip to 4);
     3. every client shuts down (its shutdown barrier: all clients together), and process 0,
-       which hosts the coordinator, stops the service last: once the other processes of
-       its host have exited (their PIDs, published before the barrier; at most
-       ``PEER_EXIT_WAIT_S``), and 0.5 s for other hosts, so that no rank's runtime still
-       talks to the service while it goes away;
+       which hosts the coordinator, waits until the other processes of its host have
+       exited (their PIDs, published before the barrier; at most ``PEER_EXIT_WAIT_S``),
+       and 0.5 s for other hosts, then leaves the service running until the process
+       ends (its own GPU runtime still watches it: stopping it logs an error);
     4. without the barrier (a peer is gone) the clients are left to the interpreter, as before.
     """
     from jax._src import distributed as jd
@@ -184,10 +188,14 @@ def shutdown(barrier_timeout_s: float = EXIT_BARRIER_S) -> None:
             time.sleep(0.02)
         if len(local) < len(peers):
             time.sleep(0.5)
-        try:
-            service.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+        # The service is NOT shut down: this process's own PJRT client still watches it
+        # (pjrt_client.cc WatchTasksAsync) until the interpreter tears the backend down,
+        # and a shutdown cancels that call: "WatchTasksAsync failed for task 0:
+        # UNAVAILABLE: Cancelling all calls" (jax 0.11.2, H200, even after every other
+        # rank had exited).  One reference is kept for the life of the process, so its
+        # destructor never runs; exit() ends its threads with nothing in flight.
+        _KEEP_ALIVE.append(service)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(service))
 
 
 def _alive(pid: int) -> bool:

@@ -234,43 +234,6 @@ class Merge:
         return self.make_key(w, m, j, q)
 
     @cute.jit
-    def load_r1_regs(self, keys: cute.Tensor, hw: cute.Tensor, hm: cute.Tensor, tid, ll0: Int64,
-                     ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64):
-        """Round-1 keys into registers, thread-major (thread tid holds
-        owner-major indices tid*kpt ...).  All 2*kpt LL halves are loaded
-        first (independent loads in flight), then only the halves whose tag
-        is not yet ep are spun on: a load-check-load chain would pay the
-        full memory latency per half."""  # fmt: skip
-        for i in cutlass.range_constexpr(self.kpt):
-            v = tid * Int32(self.kpt) + Int32(i)
-            q = v // Int32(self.n)
-            j = v - q * Int32(self.n)
-            mj = Int32(self.n) + (j >> Int32(5))
-            base = ll0 + Int64(q) * ll_stride
-            a = Uint64(ep) << Uint64(32)  # past the end: an empty word with the right tag
-            b = Uint64(ep) << Uint64(32)
-            if v < Int32(self.nk1):
-                a = C.ld_volatile_u64(base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8))
-                b = C.ld_volatile_u64(base + Int64(mj >> Int32(1)) * Int64(16) + Int64(mj & Int32(1)) * Int64(8))
-            hw[i] = a
-            hm[i] = b
-        for i in cutlass.range_constexpr(self.kpt):
-            v = tid * Int32(self.kpt) + Int32(i)
-            q = v // Int32(self.n)
-            j = v - q * Int32(self.n)
-            mj = Int32(self.n) + (j >> Int32(5))
-            base = ll0 + Int64(q) * ll_stride
-            w = Uint32(hw[i] & Uint64(0xFFFFFFFF))
-            m = Uint32(hm[i] & Uint64(0xFFFFFFFF))
-            if Int32(Uint32(hw[i] >> Uint64(32))) != ep:
-                w = self.ll_half(base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8),
-                                 ep, True, status, t, q, timeout_ns)  # fmt: skip
-            if Int32(Uint32(hm[i] >> Uint64(32))) != ep:
-                m = self.ll_half(base + Int64(mj >> Int32(1)) * Int64(16) + Int64(mj & Int32(1)) * Int64(8),
-                                 ep, True, status, t, q, timeout_ns)  # fmt: skip
-            keys[i] = self.make_key(w, m, j, q)
-
-    @cute.jit
     def key_r1(self, v: Int32, ll0: Int64, ll_stride: Int64, ep: Int32, wait: cutlass.Constexpr,
                status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
         """Round-1 key at owner-major index v = q * N + j (0 past the end)."""
@@ -318,7 +281,7 @@ class Merge:
             scalars[9] = Int32(Uint32(key >> Uint64(32)))
 
     @cute.jit
-    def radix_select(self, keys: cute.Tensor, use_regs: cutlass.Constexpr, round2: cutlass.Constexpr,
+    def radix_select(self, keys: cute.Tensor, round2: cutlass.Constexpr,
                      sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
                      ep: Int32, status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
         """T = the K-th largest nonzero key (0 if fewer than K), exact.
@@ -341,17 +304,13 @@ class Merge:
                 lo = Int32(0)
             hist[tid] = Int32(0)
             cute.arch.sync_threads()
-            if cutlass.const_expr(use_regs):
-                for i in cutlass.range_constexpr(self.kpt):
-                    self.hist_add(keys[i], hi, lo, prefix, hist)
-            else:
-                for v in cutlass.range(tid, nk, C.TB, unroll=1):
-                    key = Uint64(0)
-                    if cutlass.const_expr(round2):
-                        key = self.key_r2(v, seg, ll0, ll_stride, resc0, ep, status, t, timeout_ns)
-                    else:
-                        key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
-                    self.hist_add(key, hi, lo, prefix, hist)
+            for v in cutlass.range(tid, nk, C.TB, unroll=1):
+                key = Uint64(0)
+                if cutlass.const_expr(round2):
+                    key = self.key_r2(v, seg, ll0, ll_stride, resc0, ep, status, t, timeout_ns)
+                else:
+                    key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
+                self.hist_add(key, hi, lo, prefix, hist)
             cute.arch.sync_threads()
             nb = Int32(1) << (hi - lo)
             total = C.find_bin(hist, nb, need, tid, lane, warp, warp_totals, scalars, 0)
@@ -367,18 +326,14 @@ class Merge:
                     T = prefix
                     done = Int32(1)
                 elif cnt == Int32(1):
-                    if cutlass.const_expr(use_regs):
-                        for i in cutlass.range_constexpr(self.kpt):
-                            self.find_key(keys[i], hi, prefix, scalars)
-                    else:
-                        for v in cutlass.range(tid, nk, C.TB, unroll=1):
-                            key = Uint64(0)
-                            if cutlass.const_expr(round2):
-                                key = self.key_r2(v, seg, ll0, ll_stride, resc0, ep, status,
-                                                  t, timeout_ns)  # fmt: skip
-                            else:
-                                key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
-                            self.find_key(key, hi, prefix, scalars)
+                    for v in cutlass.range(tid, nk, C.TB, unroll=1):
+                        key = Uint64(0)
+                        if cutlass.const_expr(round2):
+                            key = self.key_r2(v, seg, ll0, ll_stride, resc0, ep, status,
+                                              t, timeout_ns)  # fmt: skip
+                        else:
+                            key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
+                        self.find_key(key, hi, prefix, scalars)
                     cute.arch.sync_threads()
                     T = (Uint64(Uint32(scalars[9])) << Uint64(32)) | Uint64(Uint32(scalars[8]))
                     done = Int32(1)
@@ -434,72 +389,7 @@ class Merge:
         return slot
 
     @cute.jit
-    def emit_regs(self, keys: cute.Tensor, T: Uint64, sm: MergeSmem, tid, lane, warp,
-                  rank: Int32, t: Int32, ids: Int64, kv_rows: Int64, bt_row: Int64,
-                  req_ok: Int32, bt_cols: Int32, block_size: Int32):
-        """Round-1 outputs from thread-major register keys (thread tid holds
-        owner-major indices tid*kpt ..): ONE block scan of the packed
-        (own << 16 | selected) counts gives every thread its output offsets.
-        Also the per-rank selected counts (sm.rcnt; a thread's keys span at
-        most two ranks since kpt <= N)."""  # fmt: skip
-        rcnt, warp_totals = sm.rcnt, sm.warp_totals
-        blks = cute.make_rmem_tensor((self.kpt,), Int32)
-        gmask = Uint64((1 << self.gbits) - 1)
-        n_sel = Int32(0)
-        n_own = Int32(0)
-        c0 = Int32(0)  # selected keys of rank q0 = (tid*kpt) // N, the rest are q0 + 1's
-        q0 = (tid * Int32(self.kpt)) // Int32(self.n)
-        for i in cutlass.range_constexpr(self.kpt):
-            key = keys[i]
-            if key != Uint64(0) and key >= T:
-                n_sel = n_sel + Int32(1)
-                q = Int32(gmask - (key & gmask)) % Int32(self.world)
-                if q == rank:
-                    n_own = n_own + Int32(1)
-                if q == q0:
-                    c0 = c0 + Int32(1)
-        if c0 != Int32(0):
-            cute.arch.atomic_add(rcnt.iterator + q0, c0, sem="relaxed", scope="cta")
-        if n_sel - c0 != Int32(0):
-            cute.arch.atomic_add(rcnt.iterator + q0 + Int32(1), n_sel - c0, sem="relaxed",
-                                 scope="cta")  # fmt: skip
-        flag = n_sel | (n_own << Int32(16))
-        incl, tot = C.block_scan(flag, lane, warp, warp_totals)
-        excl = incl - flag
-        pos = excl & Int32(0xFFFF)
-        kpos = excl >> Int32(16)
-        if flag != Int32(0):
-            # Block-table loads of all own selected tokens first (predicated,
-            # independent: in flight together), then the stores.
-            for i in cutlass.range_constexpr(self.kpt):
-                key = keys[i]
-                blk = Int32(0)
-                g = Int32(gmask - (key & gmask))
-                lidx = g // Int32(self.world)
-                if key != Uint64(0) and key >= T and g % Int32(self.world) == rank:
-                    if req_ok != Int32(0) and lidx // block_size < bt_cols:
-                        blk = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
-                blks[i] = blk
-            for i in cutlass.range_constexpr(self.kpt):
-                key = keys[i]
-                if key != Uint64(0) and key >= T:
-                    g = Int32(gmask - (key & gmask))
-                    if ids != Int64(0):
-                        C.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(pos)) * Int64(4), g)
-                    pos = pos + Int32(1)
-                    if g % Int32(self.world) == rank:
-                        lidx = g // Int32(self.world)
-                        page = lidx // block_size
-                        slot = Int32(-1)
-                        if req_ok != Int32(0) and page < bt_cols:
-                            slot = blks[i] * block_size + (lidx - page * block_size)
-                        C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(kpos)) * Int64(4),
-                                 slot)  # fmt: skip
-                        kpos = kpos + Int32(1)
-        return tot & Int32(0xFFFF), tot >> Int32(16)
-
-    @cute.jit
-    def emit(self, keys: cute.Tensor, use_regs: cutlass.Constexpr, round2: cutlass.Constexpr,
+    def emit(self, keys: cute.Tensor, round2: cutlass.Constexpr,
              T: Uint64, sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64,
              resc0: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32,
              ids: Int64, kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32,
@@ -513,24 +403,20 @@ class Merge:
         cute.arch.sync_threads()
         all_run = Int32(0)
         own_run = Int32(0)
-        if cutlass.const_expr(use_regs):
-            all_run, own_run = self.emit_regs(keys, T, sm, tid, lane, warp, rank, t, ids, kv_rows,
-                                              bt_row, req_ok, bt_cols, block_size)  # fmt: skip
-        else:
-            nk = Int32(self.nk1)
+        nk = Int32(self.nk1)
+        if cutlass.const_expr(round2):
+            nk = sm_seg[self.world]
+        for base in cutlass.range(0, nk, C.TB, unroll=1):
+            v = base + tid
+            key = Uint64(0)
             if cutlass.const_expr(round2):
-                nk = sm_seg[self.world]
-            for base in cutlass.range(0, nk, C.TB, unroll=1):
-                v = base + tid
-                key = Uint64(0)
-                if cutlass.const_expr(round2):
-                    if v < nk:
-                        key = self.key_r2(v, sm_seg, ll0, ll_stride, resc0, ep, status, t, timeout_ns)
-                else:
-                    key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
-                all_run, own_run = self.emit_chunk(
-                    key, T, not round2, sm, tid, lane, warp, all_run, own_run, rank, t, ids,
-                    kv_rows, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
+                if v < nk:
+                    key = self.key_r2(v, sm_seg, ll0, ll_stride, resc0, ep, status, t, timeout_ns)
+            else:
+                key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
+            all_run, own_run = self.emit_chunk(
+                key, T, not round2, sm, tid, lane, warp, all_run, own_run, rank, t, ids,
+                kv_rows, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
         # -1 padding (all_run, own_run are uniform: they come from block totals)
         for i in cutlass.range(own_run + tid, self.topk, C.TB, unroll=1):
             C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
@@ -1121,9 +1007,9 @@ class Merge:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
                 cute.arch.sync_threads()
-                T = self.radix_select(keys, False, False, sm, tid, lane, warp, ll0, ll_stride,
+                T = self.radix_select(keys, False, sm, tid, lane, warp, ll0, ll_stride,
                                       resc0, ep, status, t, timeout_ns)  # fmt: skip
-                self.emit(keys, False, False, T, sm, tid, lane, warp, ll0, ll_stride, resc0,
+                self.emit(keys, False, T, sm, tid, lane, warp, ll0, ll_stride, resc0,
                           ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
                           bt_cols, block_size)  # fmt: skip
             # ---- saturation (uniform: from smem counts and T)
@@ -1291,9 +1177,9 @@ class Merge:
                             status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
                             bt_cols, block_size, keys, hb, 0)  # fmt: skip
         else:
-            T2 = self.radix_select(keys, False, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
+            T2 = self.radix_select(keys, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
                                    status, t, timeout_ns)  # fmt: skip
-            self.emit(keys, False, True, T2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep, status,
+            self.emit(keys, True, T2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep, status,
                       t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok, bt_cols,
                       block_size)  # fmt: skip
 

@@ -54,12 +54,13 @@ NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
 U1 = 4  # 16-byte loads in flight per thread in passes 1 and 2
 VPT = 2  # consecutive 8-token vectors per thread per compaction chunk
-# Benchmark variants of the static knobs ("u1=8,vpt=4"; cache.source_hash() mixes this
+# Benchmark variants of the static knobs ("u1=8,vpt=4", "early=1"; cache.source_hash() mixes this
 # string into the cubins' tag, so variants never mix): see benchmarks/bench_kernels.py.
 TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"
+EARLY_TRIGGER = 1  # select_push: griddepcontrol.launch_dependents at the start (1) or the end (0)
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
-    globals()[{"u1": "U1", "vpt": "VPT"}[_k.strip()]] = int(_v)
+    globals()[{"u1": "U1", "vpt": "VPT", "early": "EARLY_TRIGGER"}[_k.strip()]] = int(_v)
 SLICE_MAX = layout.PRODUCER_SLICE_MAX  # tokens per CTA kept on chip (ord16 pairs)
 CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
 

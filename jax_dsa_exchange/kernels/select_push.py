@@ -75,6 +75,11 @@ class SelectPush:
         row = sm.row
         # The logits and epochs come from earlier kernels (PDL-safe).
         C.pdl_wait()
+        if cutlass.const_expr(S.EARLY_TRIGGER):
+            # The merge may launch once every CTA of this grid has started (so it can
+            # never hold an SM a producer CTA still needs); it waits for this grid's
+            # completion (griddepcontrol.wait) before it bumps an epoch or reads logits.
+            C.pdl_launch_dependents()
         t = Int32(bid) // csize
         # Everything the push needs is loaded now, beside the row's length: each is a
         # memory round trip, and a chain of them (peer by peer) cost microseconds.
@@ -96,7 +101,8 @@ class SelectPush:
                     dst = psm[p] + off
                     for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
                         C.st_ll_v4(dst + Int64(i) * Int64(16), row[2 * i], e, row[2 * i + 1])
-        C.pdl_launch_dependents()
+        if cutlass.const_expr(not S.EARLY_TRIGGER):
+            C.pdl_launch_dependents()
 
     @cute.jit
     def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,

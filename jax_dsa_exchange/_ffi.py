@@ -81,7 +81,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_driver_available.restype = i32
     lib.dsa_driver_available.argtypes = []
     lib.dsa_load_kernel.restype = i32
-    lib.dsa_load_kernel.argtypes = [cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32]
+    lib.dsa_load_kernel.argtypes = [cp, cp, cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32]
+    lib.dsa_launcher_params.restype = cp
+    lib.dsa_launcher_params.argtypes = [cp]
+    lib.dsa_layout_constant.restype = i64
+    lib.dsa_layout_constant.argtypes = [cp]
     lib.dsa_set_kernel_split.restype = i32
     lib.dsa_set_kernel_split.argtypes = [cp, i32, i32, i32, i32, i32]
     lib.dsa_producer_cluster.restype = i32
@@ -123,6 +127,17 @@ def _compatible(lib: ctypes.CDLL, path: str) -> str | None:
     )
 
 
+def _layout_mismatch(lib: ctypes.CDLL, path: str) -> str | None:
+    """None if the library's status codes and state offsets are layout.py's, else which differ."""
+    from . import layout
+
+    got = {k: int(lib.dsa_layout_constant(k.encode())) for k in layout.launcher_constants()}
+    bad = {k: (got[k], v) for k, v in layout.launcher_constants().items() if got[k] != v}
+    if not bad:
+        return None
+    return f"{path} disagrees with layout.py on {bad} (launcher, layout.py): rebuild it from this checkout"
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None when it was not found/loadable (see :func:`load_error`)."""
     global _lib, _lib_path, _load_error, _found_unusable
@@ -139,7 +154,7 @@ def library() -> ctypes.CDLL | None:
             except (OSError, AttributeError) as e:
                 errors.append(f"{path}: {e}")
                 continue
-            why = _compatible(lib, path)
+            why = _compatible(lib, path) or _layout_mismatch(lib, path)
             if why:
                 errors.append(why)
                 continue
@@ -253,9 +268,13 @@ def register_targets() -> bool:
     return True
 
 
-def load_kernel(key: str, cubin: bytes | None, ptx: str | None, entry: str, device: int, block: int, smem: int) -> str:
+def load_kernel(key: str, kernel: str, params, cubin: bytes | None, ptx: str | None, entry: str, device: int,
+                block: int, smem: int) -> str:
     """Loads kernel ``entry`` into the primary context of CUDA device ``device``, once per (key, device).
 
+    ``kernel``: ``"select_push"`` or ``"merge"``; ``params``: its metadata's
+    ``((name, type), ...)`` in launch order (kernels/abi.py): the launcher packs its
+    values by these names and refuses names other than its own.
     Tries ``cubin`` first and JIT-compiles ``ptx`` when the driver refuses it.
     ``block``: threads per block; ``smem``: dynamic shared memory bytes.
     Returns ``"cubin"`` or ``"ptx"``: which image was used.
@@ -264,10 +283,26 @@ def load_kernel(key: str, cubin: bytes | None, ptx: str | None, entry: str, devi
     cubin = bytes(cubin or b"")
     buf = ctypes.create_string_buffer(cubin, len(cubin)) if cubin else None
     ptx_b = ptx.encode() if ptx else None
+    spec = ",".join(f"{n}:{t}" for n, t in params)
     rc = lib.dsa_load_kernel(
-        key.encode(), buf, len(cubin), ptx_b, entry.encode(), int(device), int(block), int(smem)
+        key.encode(), kernel.encode(), spec.encode(), buf, len(cubin), ptx_b, entry.encode(), int(device),
+        int(block), int(smem)
     )
     return {1: "cubin", 2: "ptx"}[_check(lib, rc)]
+
+
+def launcher_params(kernel: str) -> tuple:
+    """The ((name, type), ...) the launcher fills for ``kernel``, in its own order."""
+    spec = _require().dsa_launcher_params(kernel.encode()).decode()
+    return tuple(tuple(item.split(":")) for item in spec.split(",") if item)
+
+
+def layout_constants() -> dict:
+    """The launcher's layout numbers by their layout.py names (layout.launcher_constants())."""
+    lib = _require()
+    from . import layout
+
+    return {name: int(lib.dsa_layout_constant(name.encode())) for name in layout.launcher_constants()}
 
 
 _SPLIT_KEYS = ("slice_max", "cluster_max", "min_slice", "fill_ctas")

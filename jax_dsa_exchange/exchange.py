@@ -251,7 +251,8 @@ class Exchange:
         keys = {}
         for name, img in images.items():
             keys[name] = f"{name}/{self.arch}/w{self.world}k{self.topk}n{self.local_topk}/{img.source_hash}"
-            _ffi.load_kernel(keys[name], img.cubin, img.ptx, img.entry, self.ordinal, img.block, img.smem)
+            _ffi.load_kernel(keys[name], img.kernel, img.params, img.cubin, img.ptx, img.entry, self.ordinal,
+                             img.block, img.smem)
             if img.split is not None:
                 split = dict(img.split)
                 if self._ranks_on_gpu > 1:

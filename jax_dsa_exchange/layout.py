@@ -48,6 +48,15 @@ STATUS_TIMEOUT_ROUND1 = 1  # a peer's LL words of the current epoch never came
 STATUS_TIMEOUT_RESCUE = 2  # a saturated peer's rescue flag never came
 STATUS_CLOSED = 3  # Exchange.close() ran: kernels (e.g. CUDA-graph replays) must do nothing
 
+# The status words: [code, row, epoch, rank, (unused)...].  The first STATUS_REPORT_WORDS
+# words are what a failure reports (the FFI launcher copies them to the host).
+STATUS_CODE, STATUS_ROW, STATUS_EPOCH, STATUS_RANK = 0, 1, 2, 3
+STATUS_REPORT_WORDS = 4
+
+# The local state is int32 [3 regions]: epoch[max_rows], seq[max_rows], status[8]; the
+# region i starts at word STATE_REGION_ROWS[i] * max_rows (StateLayout).
+STATE_EPOCH_ROWS, STATE_SEQ_ROWS, STATE_STATUS_ROWS = 0, 1, 2
+
 
 # How the producer splits a row over a thread-block cluster (kernels/select.py):
 # CTA c of a cluster of C takes the c-th of C equal slices of the row (multiples of 8
@@ -105,12 +114,16 @@ def row_words(n: int) -> int:
 
 def ll_row_bytes(n: int) -> int:
     """Bytes of one LL row: every word travels with its epoch."""
-    return row_words(n) * 8
+    return row_words(n) * LL_HALF_BYTES
+
+
+LL_RECORD_BYTES = 16  # one LL record: (w0, e, w1, e), one 16-byte store
+LL_HALF_BYTES = 8  # one (word, epoch) half of a record, one 8-byte access
 
 
 def ll_offset(j: int) -> int:
     """Byte offset of word ``j`` inside an LL row."""
-    return (j >> 1) * 16 + (j & 1) * 8
+    return (j >> 1) * LL_RECORD_BYTES + (j & 1) * LL_HALF_BYTES
 
 
 def rescue_slots(topk: int, local_topk: int, world: int | None = None) -> int:
@@ -200,16 +213,29 @@ class StateLayout:
 
     @property
     def epoch_off(self) -> int:
-        return 0
+        return STATE_EPOCH_ROWS * self.max_rows
 
     @property
     def seq_off(self) -> int:
-        return self.max_rows
+        return STATE_SEQ_ROWS * self.max_rows
 
     @property
     def status_off(self) -> int:
-        return 2 * self.max_rows
+        return STATE_STATUS_ROWS * self.max_rows
 
     @property
     def words(self) -> int:
-        return 2 * self.max_rows + STATUS_WORDS
+        return self.status_off + STATUS_WORDS
+
+
+def launcher_constants() -> dict:
+    """The layout numbers the C++ launcher (ffi/dsa_exchange_ffi.cc) uses, by the names
+    its ``dsa_layout_constant`` answers to (tests/test_ffi.py compares them)."""
+    return {
+        "STATUS_OK": STATUS_OK, "STATUS_TIMEOUT_ROUND1": STATUS_TIMEOUT_ROUND1,
+        "STATUS_TIMEOUT_RESCUE": STATUS_TIMEOUT_RESCUE, "STATUS_CLOSED": STATUS_CLOSED,
+        "STATUS_CODE": STATUS_CODE, "STATUS_ROW": STATUS_ROW, "STATUS_EPOCH": STATUS_EPOCH,
+        "STATUS_RANK": STATUS_RANK, "STATUS_REPORT_WORDS": STATUS_REPORT_WORDS,
+        "STATE_EPOCH_ROWS": STATE_EPOCH_ROWS, "STATE_STATUS_ROWS": STATE_STATUS_ROWS,
+        "MAX_LOCAL_LEN": MAX_LOCAL_LEN, "PRODUCER_CLUSTER_MAX": PRODUCER_CLUSTER_MAX,
+    }  # fmt: skip

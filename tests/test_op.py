@@ -22,6 +22,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa_exchange import _ffi
+from jax_dsa_exchange.kernels.abi import MERGE as MG
+from jax_dsa_exchange.kernels.abi import SELECT_PUSH as SP
 from jax_dsa_exchange.op import MergeOutput, topk_exchange_merge
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -461,8 +463,9 @@ def test_ffi_path_end_to_end_with_stand_in_kernels(tmp_path):
         buf = cp.zeros(4 * max_rows, cp.int32)
         peers = cp.asarray([buf.data.ptr], cp.int64)
         cp.cuda.Device(ordinal).synchronize()
-    assert _ffi.load_kernel("e2e_sel", cubin, ptx, "fake_select_push", ordinal, 128, 0) == "cubin"
-    assert _ffi.load_kernel("e2e_merge", cubin, ptx, "fake_merge", ordinal, 128, 64 << 10) == "cubin"
+    sel = _ffi.load_kernel("e2e_sel", SP.kernel, SP.pairs(), cubin, ptx, "fake_select_push", ordinal, 128, 0)
+    mrg = _ffi.load_kernel("e2e_merge", MG.kernel, MG.pairs(), cubin, ptx, "fake_merge", ordinal, 128, 64 << 10)
+    assert sel == mrg == "cubin"
     exid = 31337
     _ffi.register_exchange(exid, ordinal, rank=0, world=1, topk=FAKE_TOPK, local_topk=32, max_rows=max_rows,
                            peers=peers.data.ptr, local=buf.data.ptr, state=state.data.ptr, rescue_off=111,

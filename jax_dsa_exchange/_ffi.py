@@ -250,12 +250,10 @@ def register_targets() -> bool:
         if _registered:
             return True
         mode = cuda_graph_mode()
-        try:  # XLA also takes the traits from the registration; keep both in agreement.
-            from jax._src.lib import xla_client
+        from ._jax_private import custom_call_target_traits
 
-            traits = xla_client.CustomCallTargetTraits
-        except (ImportError, AttributeError):  # pragma: no cover - other jaxlib layouts
-            traits = None
+        # XLA also takes the traits from the registration; keep both in agreement.
+        traits = custom_call_target_traits()
         for name in TARGETS:
             graphed = mode == "on" or (mode == "checked" and name == "dsa_merge")
             symbol = (TARGETS if graphed else TARGETS_NO_GRAPH)[name]

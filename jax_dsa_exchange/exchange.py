@@ -408,12 +408,13 @@ def _forget_failed_jax_tokens() -> None:
         return
     try:
         import jax
-        from jax._src import dispatch
+
+        from ._jax_private import clear_runtime_tokens
 
         try:
             jax.effects_barrier()
         except Exception:  # noqa: BLE001 - the failed call's error, reported before
-            dispatch.runtime_tokens.clear()
+            clear_runtime_tokens()
     except Exception:  # noqa: BLE001 - other JAX versions: keep their behaviour
         pass
 

@@ -20,9 +20,9 @@ class RendezvousError(RuntimeError):
 
 def distributed_client():
     """The jax.distributed client, or None when jax.distributed is not initialized."""
-    from jax._src import distributed
+    from ._jax_private import distributed_state
 
-    return distributed.global_state.client
+    return distributed_state().client
 
 
 class Rendezvous:

@@ -82,7 +82,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -94,6 +94,7 @@ from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import ad, batching, mlir
 
 from . import _ffi, _jax_private, layout
+from .output import MergeOutput
 
 __all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p", "compiler_options",
            "jit", "CrossBodyOrderWarning"]
@@ -135,13 +136,6 @@ def jit(fun=None, **kwargs):
         return functools.partial(jit, **kwargs)
     opts = dict(compiler_options(), **(kwargs.pop("compiler_options", None) or {}))
     return jax.jit(fun, compiler_options=opts or None, **kwargs)
-
-
-class MergeOutput(NamedTuple):
-    kv_rows: jax.Array  # int32 [R, K]
-    counts: jax.Array  # int32 [R]
-    ids: jax.Array | None = None  # int32 [R, K] when with_ids
-    saturated: jax.Array | None = None  # int32 [R] when with_saturated
 
 
 class DsaExchangeEffect(core.Effect):
@@ -485,7 +479,7 @@ def topk_exchange_merge(
             logits, row_ends, req_id, block_table, axis_name=axis_name, topk=exchange.topk,
             block_size=block_size, with_ids=with_ids, with_saturated=with_saturated,
         )
-        return MergeOutput(r.kv_rows, r.counts, r.ids if with_ids else None, r.saturated if with_saturated else None)
+        return r  # a MergeOutput (ids / saturated None unless asked for)
 
     if _ffi.available():
         _ffi.register_targets()

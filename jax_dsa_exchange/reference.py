@@ -13,7 +13,7 @@ Two independent computations of the same answer:
   :func:`kth_key`, :func:`saturated_mask`, ...) are public so GPU tests can check
   kernel outputs bit-exactly.
 
-Both return one :class:`MergeResult` per rank and must agree on every input.
+Both return one :class:`~jax_dsa_exchange.output.MergeOutput` (NumPy arrays) per rank and must agree on every input.
 
 Input checks (both functions): ``logits``, ``row_ends``, ``req_id`` and
 ``block_tables`` must be sequences of the same length W >= 1; each ``logits[q]``
@@ -32,26 +32,16 @@ cannot raise from inside a jitted step and must never read out of bounds.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import ml_dtypes
 import numpy as np
 
 from . import layout
+from .output import MergeOutput
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeResult:
-    """The outputs of one rank (SPEC §3), all int32 NumPy arrays."""
-
-    kv_rows: np.ndarray  # [R, K]: this rank's selected KV slots, ascending l, then -1
-    counts: np.ndarray  # [R]: valid entries of kv_rows
-    ids: np.ndarray  # [R, K]: every selected global position, owner-major, then -1
-    saturated: np.ndarray  # [R]: bitmask of saturated ranks (zeros from the oracle)
 
 
 # ---------------------------------------------------------------------------
@@ -159,7 +149,7 @@ def _build_results(selected, world, rows, topk, reqs, tables, block_size, satura
             if lq.size:
                 kv[q][i, : lq.size] = _kv_slot(tables[q], int(reqs[q][i]), lq, block_size, q, i)
     sat = np.zeros(rows, np.int32) if saturated is None else np.asarray(saturated, np.int32)
-    return [MergeResult(kv_rows=kv[q], counts=counts[q], ids=ids.copy(), saturated=sat.copy())
+    return [MergeOutput(kv_rows=kv[q], counts=counts[q], ids=ids.copy(), saturated=sat.copy())
             for q in range(world)]
 
 
@@ -173,7 +163,7 @@ def topk_merge(logits, row_ends, req_id, block_tables, *, topk, block_size):
     Per row i: every rank q contributes its tokens l < clamp(row_ends[q][i], 0, L_q)
     whose score is not NaN, with global position g = l * W + q.  They are sorted
     by (score descending, compared as floats so -0.0 == +0.0; g ascending) and the
-    first min(K, count) are kept.  Returns one :class:`MergeResult` per rank
+    first min(K, count) are kept.  Returns one :class:`MergeOutput` per rank
     (``saturated`` is all zeros here).  See the module docstring for the input
     checks and the IndexError on bad block-table lookups.
     """
@@ -383,7 +373,7 @@ def protocol_merge(logits, row_ends, req_id, block_tables, *, topk, local_topk, 
     rank decodes the W lists (:func:`decode_keys`) and runs round 1 and the
     saturation rule (:func:`saturated_mask`); saturated ranks pack their local
     top-K, decoded like the round-1 lists; round 2 (:func:`round2_keys`) gives
-    the final keys.  Returns one :class:`MergeResult` per rank with
+    the final keys.  Returns one :class:`MergeOutput` per rank with
     ``saturated`` = the bitmask of saturated ranks of each row.  Configuration
     limits are SPEC §2 (layout.check_config, L <= 2**17); input checks and the
     IndexError on bad block-table lookups are as in :func:`topk_merge`.

@@ -34,7 +34,6 @@ express their length through ``row_ends``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +41,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import layout
+from .output import MergeOutput
 
 # jax >= 0.7 exports shard_map at top level; older releases only have the
 # experimental one.  The two spell the replication check differently, which we
@@ -57,13 +57,6 @@ def _axis_size(axis_name) -> int:
     if hasattr(lax, "axis_size"):
         return int(lax.axis_size(axis_name))
     return int(lax.psum(1, axis_name))  # a Python int for a constant operand
-
-
-class MergeResult(NamedTuple):
-    kv_rows: jax.Array  # int32 [R, K]
-    counts: jax.Array  # int32 [R]
-    ids: jax.Array | None = None  # int32 [R, K] (with_ids)
-    saturated: jax.Array | None = None  # int32 [R] (with_saturated), always 0 here
 
 
 def ord16(logits: jax.Array) -> jax.Array:
@@ -123,12 +116,12 @@ def xla_topk_merge(
     block_size: int,
     with_ids: bool = False,
     with_saturated: bool = False,
-) -> MergeResult:
+) -> MergeOutput:
     """Exact DCP top-K merge for one rank; call inside shard_map over ``axis_name``.
 
     Per-rank arguments (SPEC §3): ``logits`` bf16 [R, L], ``row_ends`` int32 [R]
     (clamped to [0, L]), ``req_id`` int32 [R], ``block_table`` int32
-    [num_req, max_pages].  Returns :class:`MergeResult` with ``kv_rows`` [R, K]
+    [num_req, max_pages].  Returns :class:`MergeOutput` with ``kv_rows`` [R, K]
     and ``counts`` [R]; ``ids`` [R, K] if ``with_ids``; ``saturated`` [R] (all
     zero: this path never needs a rescue round) if ``with_saturated``.
     ``ids``/``saturated`` are None when not requested.
@@ -185,7 +178,7 @@ def xla_topk_merge(
 
     ids = _compact(chosen, all_g, topk) if with_ids else None
     saturated = jnp.zeros((R,), jnp.int32) if with_saturated else None
-    return MergeResult(kv_rows, counts, ids, saturated)
+    return MergeOutput(kv_rows, counts, ids, saturated)
 
 
 def xla_topk_merge_sharded(
@@ -200,7 +193,7 @@ def xla_topk_merge_sharded(
     block_size: int,
     with_ids: bool = False,
     with_saturated: bool = False,
-) -> MergeResult:
+) -> MergeOutput:
     """:func:`xla_topk_merge` over global arrays with a leading rank axis [W, ...].
 
     ``mesh`` has axis ``axis_name`` of size W (other mesh axes replicate).  See
@@ -223,4 +216,4 @@ def xla_topk_merge_sharded(
     kv_rows, counts = outs[0], outs[1]
     ids = outs[2] if with_ids else None
     saturated = outs[-1] if with_saturated else None
-    return MergeResult(kv_rows, counts, ids, saturated)
+    return MergeOutput(kv_rows, counts, ids, saturated)

@@ -1,5 +1,6 @@
-"""Contracts between layers that no other test pins down: private JAX APIs confined
-to one module."""
+"""Contracts between layers that no other test pins down: the package's public names
+and result type, a cheap side-effect-free import, private JAX APIs confined to one
+module, and the repository's design document cited by path."""
 
 from __future__ import annotations
 
@@ -12,6 +13,43 @@ import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PKG = REPO / "jax_dsa_exchange"
+
+
+def test_import_is_cheap_and_side_effect_free():
+    """``import jax_dsa_exchange`` imports no JAX, no submodule, sets no environment."""
+    code = ("import os, sys; env = dict(os.environ); import jax_dsa_exchange as d; "
+            "mods = sorted(m for m in sys.modules if m.startswith(('jax', 'numpy', 'cupy', 'cutlass'))); "
+            "assert mods == ['jax_dsa_exchange'], mods; assert dict(os.environ) == env; "
+            "assert sorted(d.__all__) == ['Exchange', 'MergeOutput', 'topk_exchange_merge']")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_public_names():
+    from jax_dsa_exchange import Exchange, MergeOutput, topk_exchange_merge
+    from jax_dsa_exchange import exchange, op, output
+
+    assert topk_exchange_merge is op.topk_exchange_merge
+    assert Exchange is exchange.Exchange
+    assert MergeOutput is output.MergeOutput is op.MergeOutput
+
+
+def test_every_path_returns_merge_output():
+    """Reference (NumPy), XLA path and the op (FFI / XLA) share one result type."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_dsa_exchange import MergeOutput, reference, xla_path
+    from jax_dsa_exchange import cases
+
+    c = cases.random_case(np.random.default_rng(0), world=1, topk=64, local_topk=32, rows=2, cols=256)
+    args = (c.logits, c.row_ends, c.req_id, c.block_tables)
+    for r in (reference.topk_merge(*args, topk=64, block_size=c.block_size)
+              + reference.protocol_merge(*args, topk=64, local_topk=32, block_size=c.block_size)):  # fmt: skip
+        assert type(r) is MergeOutput
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    out = xla_path.xla_topk_merge_sharded(
+        mesh, "x", *(jnp.asarray(np.stack(a)) for a in args), topk=64, block_size=c.block_size)
+    assert type(out) is MergeOutput
 
 
 def test_private_jax_apis_only_in_one_module():

@@ -39,7 +39,7 @@ def test_every_path_returns_merge_output():
     import jax.numpy as jnp
 
     from jax_dsa_exchange import MergeOutput, reference, xla_path
-    from jax_dsa_exchange import cases
+    from jax_dsa_exchange.testing import cases
 
     c = cases.random_case(np.random.default_rng(0), world=1, topk=64, local_topk=32, rows=2, cols=256)
     args = (c.logits, c.row_ends, c.req_id, c.block_tables)

@@ -8,7 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_dsa_exchange import cases, layout
+from jax_dsa_exchange import layout
+from jax_dsa_exchange.testing import cases
 from jax_dsa_exchange import reference as ref
 
 BF16 = ml_dtypes.bfloat16

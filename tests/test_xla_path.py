@@ -68,7 +68,8 @@ def _worker(world: int, api: bool) -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_dsa_exchange import cases, distributed, reference
+    from jax_dsa_exchange import distributed, reference
+    from jax_dsa_exchange.testing import cases
     from jax_dsa_exchange.xla_path import xla_topk_merge_sharded
 
     assert not jax.config.jax_enable_x64  # the path must not need 64-bit ints

@@ -17,7 +17,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from . import layout
+from .. import layout
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

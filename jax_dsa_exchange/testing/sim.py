@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from .. import layout
-from . import abi
-from .cache import load_kernels
+from ..kernels import abi
+from ..kernels.cache import load_kernels
 
 POISON = -123456789  # outputs are filled with this before every call
 

@@ -1,4 +1,4 @@
-"""Symmetric memory of the exchange: one ``Exchange`` per rank (SPEC §6-§7).
+"""Symmetric memory of the exchange: one ``Exchange`` per rank (docs/DESIGN.md §6-§7).
 
 An ``Exchange`` owns, on its GPU:
 
@@ -42,7 +42,7 @@ import numpy as np
 from . import layout
 from .rendezvous import Rendezvous, RendezvousError, check_agreement, distributed_client
 
-DEFAULT_TIMEOUT_US = 5_000_000  # a kernel wait gives up after 5 s (SPEC §6.7)
+DEFAULT_TIMEOUT_US = 5_000_000  # a kernel wait gives up after 5 s (docs/DESIGN.md §6.7)
 _ids = itertools.count(1)
 _ids_lock = threading.Lock()
 _live: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
@@ -238,7 +238,7 @@ class Exchange:
     @property
     def merge_grid(self) -> int:
         """CTAs of the merge grid: one per SM, shared among the ranks on this GPU, so
-        every waiting CTA is resident at once (SPEC §6.7)."""
+        every waiting CTA is resident at once (docs/DESIGN.md §6.7)."""
         cp = _cupy()
         sms = cp.cuda.Device(self.ordinal).attributes["MultiProcessorCount"]
         return max(1, sms // max(1, self._ranks_on_gpu))

@@ -1,10 +1,10 @@
-"""Encodings and memory layout shared by every layer (SPEC §5-§6).
+"""Encodings and memory layout shared by every layer (docs/DESIGN.md §5-§6).
 
 One module, no JAX and no CUDA import, so the NumPy reference, the CuTe DSL
 kernels, the FFI launcher's Python side and the exchange allocator all agree on
 the same numbers.  Nothing here allocates.
 
-Packed candidate row (SPEC §5): a list of ``n`` candidates is ``n`` words
+Packed candidate row (docs/DESIGN.md §5): a list of ``n`` candidates is ``n`` words
 ``ord16 << 16 | (0xFFFF - (l & 0xFFFF))`` (0 = empty) followed by ``n // 32``
 mask words holding bit 16 of ``l`` (candidate ``j``: word ``n + j // 32``, bit
 ``j % 32``), padded with zero words to a multiple of 4 words.  Lists are stored
@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 
-LOCAL_INDEX_BITS = 17  # SPEC §2: L <= 2**17
+LOCAL_INDEX_BITS = 17  # docs/DESIGN.md §2: L <= 2**17
 MAX_LOCAL_LEN = 1 << LOCAL_INDEX_BITS
 MAX_WORLD = 16
 MIN_TOPK, MAX_TOPK = 64, 4096
-ALIGN = 2 << 20  # cudaMalloc sizes are rounded to 2 MiB (SPEC §7)
+ALIGN = 2 << 20  # cudaMalloc sizes are rounded to 2 MiB (docs/DESIGN.md §7)
 REGION_ALIGN = 256
 STATUS_WORDS = 8
 
@@ -95,7 +95,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def check_config(world: int, topk: int, local_topk: int) -> None:
-    """SPEC §2 limits on the static configuration; ValueError names the value."""
+    """docs/DESIGN.md §2 limits on the static configuration; ValueError names the value."""
     for name, v in (("world", world), ("topk", topk), ("local_topk", local_topk)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
@@ -108,7 +108,7 @@ def check_config(world: int, topk: int, local_topk: int) -> None:
 
 
 def row_words(n: int) -> int:
-    """Words of a packed row of ``n`` candidates (SPEC §5)."""
+    """Words of a packed row of ``n`` candidates (docs/DESIGN.md §5)."""
     return _round_up(n + n // 32, 4)
 
 
@@ -127,7 +127,7 @@ def ll_offset(j: int) -> int:
 
 
 def rescue_slots(topk: int, local_topk: int, world: int | None = None) -> int:
-    """Most ranks that can be saturated in one row: floor((K-1)/N) (SPEC §6.4), and
+    """Most ranks that can be saturated in one row: floor((K-1)/N) (docs/DESIGN.md §6.4), and
     never more than the W ranks there are (sizes the rescue slots: at K = 2048, N = 32,
     W = 16 that is 16 slots, not 63)."""
     bound = (topk - 1) // local_topk

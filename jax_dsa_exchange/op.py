@@ -1,4 +1,4 @@
-"""The JAX op: ``topk_exchange_merge`` (SPEC §3, §7).
+"""The JAX op: ``topk_exchange_merge`` (docs/DESIGN.md §3, §7).
 
 One primitive, ``dsa_topk_exchange_merge``, that lowers on CUDA to two XLA FFI
 custom calls on XLA's stream, in this order:
@@ -24,7 +24,7 @@ that call it: compile them with ``jax.jit(step, compiler_options=compiler_option
 affected jax versions, ``{}`` for the others), which turns the pass off for that
 executable only.  Version gate: :data:`DSF_SAFE_FROM`.
 
-Ordering between calls (``ordered=True``, the default, SPEC §7) without a JAX
+Ordering between calls (``ordered=True``, the default, docs/DESIGN.md §7) without a JAX
 effect, so jitted steps keep JAX's C++ dispatch fast path and the host never
 waits for the device between dispatches:
 
@@ -443,7 +443,7 @@ def topk_exchange_merge(
     axis_name=None,
     ordered: bool | str = True,
 ) -> MergeOutput:
-    """Exact DCP top-K merge of this rank's candidates (SPEC §3) through ``exchange``.
+    """Exact DCP top-K merge of this rank's candidates (docs/DESIGN.md §3) through ``exchange``.
 
     Per-rank arguments (inside ``shard_map`` over the DCP axis, or jit on one
     device): ``logits`` bf16 [R, L], ``row_ends`` int32 [R], ``req_id`` int32

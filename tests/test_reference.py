@@ -1,4 +1,4 @@
-"""The NumPy oracle, the CPU model of the protocol and the shared cases (SPEC §4-§6)."""
+"""The NumPy oracle, the CPU model of the protocol and the shared cases (docs/DESIGN.md §4-§6)."""
 
 from __future__ import annotations
 
@@ -294,7 +294,7 @@ def check_case(case: cases.Case):
     got = ref.protocol_merge(*case.args, topk=case.topk, local_topk=case.local_topk,
                              block_size=case.block_size)
     assert_same(want, got, repr(case))
-    # Invariants of SPEC §3-§4 on the oracle itself.
+    # Invariants of docs/DESIGN.md §3-§4 on the oracle itself.
     K, W = case.topk, case.world
     for q in range(W):
         assert np.array_equal(want[q].ids, want[0].ids)

@@ -54,7 +54,7 @@ GRID_DOC = {
     "select_push": "(rows * C, 1, 1) in clusters of (C, 1, 1), C = layout.producer_cluster(rows, "
     "cols) from the metadata's split: cluster b selects and pushes row b",
     "merge": "(G, 1, 1), 1 <= G <= rows, small enough that the W ranks' merge grids "
-    "are co-resident on their GPUs (SPEC §6.7): CTA b does rows b, b+G, ...",
+    "are co-resident on their GPUs (docs/DESIGN.md §6.7): CTA b does rows b, b+G, ...",
 }
 
 

@@ -1,4 +1,4 @@
-"""PTX helpers and the CTA-wide selections shared by both kernels (SPEC §4-§6).
+"""PTX helpers and the CTA-wide selections shared by both kernels (docs/DESIGN.md §4-§6).
 
 No JAX import.  Every global access goes through an Int64 address and a short
 inline-PTX helper, so the memory semantics (volatile LL halves, system-scope
@@ -206,7 +206,7 @@ def hist_inc(hist: cute.Tensor, b: Int32, valid):
 
 @cute.jit
 def ord16(bits: Uint32) -> Uint32:
-    """SPEC §5: order-preserving map of non-NaN bf16 bits to 1..0xFFFF; 0 for
+    """docs/DESIGN.md §5: order-preserving map of non-NaN bf16 bits to 1..0xFFFF; 0 for
     NaN (never a candidate)."""
     o = Uint32(0)
     if (bits & Uint32(0x7FFF)) <= Uint32(0x7F80):

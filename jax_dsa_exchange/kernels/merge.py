@@ -1,4 +1,4 @@
-"""Consumer kernel (SPEC §6.2-§6.7): wait for the W ranks' LL rows, exact
+"""Consumer kernel (docs/DESIGN.md §6.2-§6.7): wait for the W ranks' LL rows, exact
 top-K merge, saturation, rescue (round 2), outputs, epoch bump.
 
 ABI: ``abi.MERGE`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry``
@@ -16,7 +16,7 @@ Per row t (e = epoch[t] + 1):
   outputs  order-preserving compaction of {key >= T} in owner-major order
            (lists are ascending l), per-rank selected counts;
   saturation  rank q saturated iff all its N keys are > T, i.e. N of them
-           selected and T is not q's (full keys, SPEC §6.4);
+           selected and T is not q's (full keys, docs/DESIGN.md §6.4);
   rescue   a saturated rank pushes its local top-K into slot s of every
            rank's rescue region, then flags seq+1 (release, system scope);
            every rank acquires the flags (timeout -> status [2, ...]), selects
@@ -1014,7 +1014,7 @@ class Merge:
                     mask = mask | Int32(1 << q)
             nsat = Int32(cute.arch.popc(Uint32(mask)))
             if nsat > Int32(self.slots):
-                mask = Int32(0)  # impossible (SPEC §6.4); keeps the slots in bounds
+                mask = Int32(0)  # impossible (docs/DESIGN.md §6.4); keeps the slots in bounds
             if mask != Int32(0):
                 self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
                             rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,

@@ -1,4 +1,4 @@
-"""Producer kernel (SPEC §6.1): local top-N of each row, pushed as NCCL-LL
+"""Producer kernel (docs/DESIGN.md §6.1): local top-N of each row, pushed as NCCL-LL
 16-byte stores into every rank's symmetric buffer.
 
 ABI: ``abi.SELECT_PUSH`` (kernels/abi.py, the one declaration; ``kernel`` and

@@ -6,7 +6,7 @@ local state (layout.StateLayout); one device int64[W] peers table holds all
 ranks' buffer addresses (same-device pointers play the NVLink peers).  A call
 launches, per rank on its own stream, select_push then merge; the W merges
 run concurrently, so a rescue can complete.  The merge grid is sized so the
-W grids are co-resident (SPEC §6.7).
+W grids are co-resident (docs/DESIGN.md §6.7).
 """
 
 from __future__ import annotations

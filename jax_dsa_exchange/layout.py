@@ -126,6 +126,29 @@ def ll_offset(j: int) -> int:
     return (j >> 1) * LL_RECORD_BYTES + (j & 1) * LL_HALF_BYTES
 
 
+def rescue_row_bytes(topk: int) -> int:
+    """Bytes of one rescue row: a plain packed row of K candidates."""
+    return row_words(topk) * 4
+
+
+# Offsets inside the buffer's regions, each one expression for Python ints (i64=int)
+# and for the kernels' device integers (i64=cutlass.Int64, kernels/common.py), so the
+# kernels compute exactly what BufferLayout defines.
+def ll_row_offset(parity, src, row, world, max_rows, row_bytes, i64=int):
+    """Byte offset of LL row [parity, src, row] from the start of the LL region."""
+    return ((i64(parity) * i64(world) + i64(src)) * i64(max_rows) + i64(row)) * i64(row_bytes)
+
+
+def rescue_row_offset(row, slot, slots, row_bytes, i64=int):
+    """Byte offset of rescue row [row, slot] from the start of the rescue region."""
+    return (i64(row) * i64(slots) + i64(slot)) * i64(row_bytes)
+
+
+def flag_offset(src, row, max_rows, i64=int):
+    """Byte offset of flag [src, row] from the start of the flags region."""
+    return (i64(src) * i64(max_rows) + i64(row)) * i64(4)
+
+
 def rescue_slots(topk: int, local_topk: int, world: int | None = None) -> int:
     """Most ranks that can be saturated in one row: floor((K-1)/N) (docs/DESIGN.md §6.4), and
     never more than the W ranks there are (sizes the rescue slots: at K = 2048, N = 32,
@@ -163,7 +186,7 @@ class BufferLayout:
 
     @property
     def rescue_row_bytes(self) -> int:
-        return row_words(self.topk) * 4
+        return rescue_row_bytes(self.topk)
 
     @property
     def ll_off(self) -> int:
@@ -196,13 +219,15 @@ class BufferLayout:
 
     def ll_row(self, parity: int, src: int, row: int) -> int:
         """Byte offset of LL row [parity, src, row]."""
-        return self.ll_off + ((parity * self.world + src) * self.max_rows + row) * self.ll_row_bytes
+        return self.ll_off + ll_row_offset(parity, src, row, self.world, self.max_rows, self.ll_row_bytes)
 
     def rescue_row(self, row: int, slot: int) -> int:
-        return self.rescue_off + (row * self.slots + slot) * self.rescue_row_bytes
+        """Byte offset of rescue row [row, slot]."""
+        return self.rescue_off + rescue_row_offset(row, slot, self.slots, self.rescue_row_bytes)
 
     def flag(self, src: int, row: int) -> int:
-        return self.flags_off + (src * self.max_rows + row) * 4
+        """Byte offset of the flag of source rank ``src`` for ``row``."""
+        return self.flags_off + flag_offset(src, row, self.max_rows)
 
 
 @dataclasses.dataclass(frozen=True)

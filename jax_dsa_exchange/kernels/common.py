@@ -63,6 +63,21 @@ def status_word(status, i: int):
     return status if i == 0 else status + Int64(4 * i)
 
 
+def ll_row_offset(parity, src, row, world, max_rows, row_bytes):
+    """layout.ll_row_offset on device integers (Int64)."""
+    return layout.ll_row_offset(parity, src, row, world, max_rows, row_bytes, i64=Int64)
+
+
+def rescue_row_offset(row, slot, slots, row_bytes):
+    """layout.rescue_row_offset on device integers (Int64)."""
+    return layout.rescue_row_offset(row, slot, slots, row_bytes, i64=Int64)
+
+
+def flag_offset(src, row, max_rows):
+    """layout.flag_offset on device integers (Int64)."""
+    return layout.flag_offset(src, row, max_rows, i64=Int64)
+
+
 def ll_word_addr(base, j):
     """Address of word ``j`` of the LL row at ``base`` (layout.ll_offset)."""
     return (base + Int64(j >> Int32(1)) * Int64(layout.LL_RECORD_BYTES)

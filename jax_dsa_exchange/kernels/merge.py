@@ -63,10 +63,6 @@ def ld_volatile_v2_u64(addr: Int64, *, loc=None, ip=None):
             Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
 
 
-def _align(x, a):
-    return -(-x // a) * a
-
-
 FAST_WORDS = (SCORE_BINS + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh, fh2, eq, st, wt, pref, sc
               + SCORE_BINS + 2 * SCORE_BINS2)  # fg, fg2, fg3
 
@@ -126,6 +122,7 @@ class Merge:
         self.keybits = 16 + self.gbits
         self.rw_n = layout.row_words(n)
         self.rw_k = layout.row_words(topk)
+        self.rescue_row_bytes = layout.rescue_row_bytes(topk)
         self.ll_row_bytes = layout.ll_row_bytes(n)
         self.slots = layout.rescue_slots(topk, n, world)
         self.nk1 = world * n
@@ -245,7 +242,7 @@ class Merge:
             j = v - seg[q]
             s = seg[17 + q]
             if s >= Int32(0):
-                base = resc0 + Int64(s) * Int64(self.rw_k * 4)
+                base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
                 w = C.ld_volatile_u32(base + Int64(j) * Int64(4))
                 m = C.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
                 key = self.make_key(w, m, j, q)
@@ -543,7 +540,7 @@ class Merge:
                 q, j = self.owner(v, True, seg)
                 s = seg[17 + q]
                 if s >= Int32(0):
-                    base = resc0 + Int64(s) * Int64(self.rw_k * 4)
+                    base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
                     d = C.ld_volatile_u64(base + Int64(j) * Int64(4))
                     w0 = Uint32(d & Uint64(0xFFFFFFFF))
                     w1 = Uint32(d >> Uint64(32))
@@ -961,8 +958,10 @@ class Merge:
         while t < rows:
             ep = epn + Int32(1)
             seq = C.ld_u32(C.state_seq(state, max_rows, t))
+            # LL row [parity, 0, t] (layout.ll_row_offset, factored: ll_stride steps the source)
             ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)
-            resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rw_k * 4)
+            # rescue row [t, 0] (layout.rescue_row_offset with slot 0)
+            resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rescue_row_bytes)
             req = C.ld_u32(req_id + Int64(t) * Int64(4))
             req_ok = Int32(0)
             bt_row = block_table
@@ -1087,8 +1086,7 @@ class Merge:
                 par = i // max_rows
                 r = i - par * max_rows
                 bad = C.ld_u32(C.state_epoch(state, max_rows, r)) ^ Int32(-(2**31))
-                off = ((Int64(par) * Int64(self.world) + Int64(rank)) * Int64(max_rows) + Int64(r)) * Int64(
-                    self.ll_row_bytes)
+                off = C.ll_row_offset(par, rank, r, self.world, max_rows, self.ll_row_bytes)
                 C.st_ll_v4(base + off, Int32(0), bad, Int32(0))
 
     @cute.jit
@@ -1125,7 +1123,7 @@ class Merge:
             S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
                          sel, tid, lane, warp, Int32(1), Int32(0), False, False)  # fmt: skip
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
-            off = rescue_off + (Int64(t) * Int64(self.slots) + Int64(s)) * Int64(self.rw_k * 4)
+            off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
             for p in cutlass.range(W, unroll=1):
                 dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
                 for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
@@ -1135,13 +1133,13 @@ class Merge:
             if tid == Int32(0):
                 # bar.sync orders the CTA's stores before this fence (cumulativity)
                 C.fence_sys()
-                foff = flags_off + (Int64(rank) * Int64(max_rows) + Int64(t)) * Int64(4)
+                foff = flags_off + C.flag_offset(rank, t, max_rows)
                 for p in cutlass.range(W, unroll=1):
                     C.st_release_sys(C.ld_u64(peers + Int64(p) * Int64(8)) + foff, flag_val)
         # Every rank: acquire the saturated ranks' flags (one lane per rank).
         if tid < Int32(W):
             if ((mask >> tid) & Int32(1)) != Int32(0):
-                addr = local + flags_off + (Int64(tid) * Int64(max_rows) + Int64(t)) * Int64(4)
+                addr = local + flags_off + C.flag_offset(tid, t, max_rows)
                 self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
                               timeout_ns)  # fmt: skip
         if tid == Int32(0):

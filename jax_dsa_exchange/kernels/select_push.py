@@ -89,8 +89,7 @@ class SelectPush:
         # CTA ran the select, so no cluster barrier was skipped.
         if me == Int32(0):
             if status == Uint32(layout.STATUS_OK):
-                off = (((Int64(e & Int32(1)) * Int64(self.world) + Int64(rank)) * Int64(max_rows)
-                        + Int64(t)) * Int64(self.ll_row_bytes))  # fmt: skip
+                off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
                 for p in cutlass.range_constexpr(self.world):
                     dst = psm[p] + off
                     for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):

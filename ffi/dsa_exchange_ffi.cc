@@ -281,7 +281,8 @@ ffi::Error CollectArgs(const ffi::RemainingArgs& args, ffi::AnyBuffer* out, size
   for (size_t i = 0; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return ffi::Error::InvalidArgument(std::string(target) + ": operand is not a buffer");
-    // Tokens and rank-0 "tickets" only order the calls (op.py): not kernel operands.
+    // Tokens only order the calls (op.py), and a rank-0 buffer is no kernel operand
+    // (op.py passes none; select_push's s32[] result placeholder is skipped likewise).
     if (b->element_type() == ffi::DataType::TOKEN || b->dimensions().size() == 0) continue;
     if (n == want) return ffi::Error::InvalidArgument(std::string(target) + ": too many operands");
     out[n++] = *b;
@@ -388,8 +389,9 @@ ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stre
 }
 
 // ---------------------------------------------------------------------------
-// dsa_select_push: operands logits bf16[R, L], row_ends s32[R] (+ ordering
-// tokens); results: a token only (never written: it orders the merge).
+// dsa_select_push: operands logits bf16[R, L], row_ends s32[R] (+ the ordering
+// token); results: the token (it orders the merge) and an s32[] placeholder that
+// only makes the result a tuple (op.py); neither is written.
 // ---------------------------------------------------------------------------
 ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {

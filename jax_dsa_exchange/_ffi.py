@@ -40,7 +40,6 @@ TARGETS_NO_GRAPH = {"dsa_select_push": "DsaSelectPushNoGraph", "dsa_merge": "Dsa
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_lib_path: str | None = None
 _load_error: str | None = None
 _found_unusable = False  # a library file exists but could not be used (see load_error())
 _registered = False
@@ -140,7 +139,7 @@ def _layout_mismatch(lib: ctypes.CDLL, path: str) -> str | None:
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None when it was not found/loadable (see :func:`load_error`)."""
-    global _lib, _lib_path, _load_error, _found_unusable
+    global _lib, _load_error, _found_unusable
     with _lock:
         if _lib is not None or _load_error is not None:
             return _lib
@@ -158,7 +157,7 @@ def library() -> ctypes.CDLL | None:
             if why:
                 errors.append(why)
                 continue
-            _lib, _lib_path = lib, path
+            _lib = lib
             return _lib
         _found_unusable = bool(errors)
         _load_error = (
@@ -174,11 +173,6 @@ def found_unusable() -> bool:
     """True when a library file was found but could not be loaded or is too new for this jax."""
     library()
     return _found_unusable
-
-
-def library_path() -> str | None:
-    library()
-    return _lib_path
 
 
 def load_error() -> str | None:

@@ -337,7 +337,7 @@ def register_exchange(
     ``peers``: device address of an int64[world] table of every rank's symmetric
     buffer base; ``local``: this rank's buffer base; ``state``: this rank's int32
     state (epoch at byte 0).  Both kernels must have been loaded on ``device``.
-    ``host_status``: address of 16 bytes of pinned host memory (0 = none): after each
+    ``host_status``: address of 4 * layout.STATUS_REPORT_WORDS bytes of pinned host memory (0 = none): after each
     merge the handler copies the state's status words there (async, on XLA's stream),
     and every call first reads them, so a failure of an earlier call (a peer that did
     not arrive) fails the next call with a Python error naming row, epoch and rank.

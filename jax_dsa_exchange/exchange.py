@@ -102,8 +102,9 @@ class Exchange:
         self._peers_table = _DeviceMemory(ordinal, 8 * world)
         # Pinned host copy of the status words, refreshed by the FFI launcher after each
         # merge and read when the next call starts: an earlier failure fails that call.
-        self._host_status = _cupy().cuda.alloc_pinned_memory(16)
-        np.frombuffer(self._host_status, np.int32, 4)[:] = 0
+        # the launcher's host copy of the reported status words (layout.STATUS_REPORT_WORDS)
+        self._host_status = _cupy().cuda.alloc_pinned_memory(4 * layout.STATUS_REPORT_WORDS)
+        np.frombuffer(self._host_status, np.int32, layout.STATUS_REPORT_WORDS)[:] = 0
         self._ipc_opened: list[int] = []  # peer pointers this process must close
         self._rdv: Rendezvous | None = None
         self._registered = False
@@ -290,7 +291,8 @@ class Exchange:
         if getattr(self, "_freed", False):
             raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed")
         st = self.read_state()["status"]
-        code, row, epoch, peer = (int(x) for x in st[:4])
+        code, row, epoch, peer = (int(st[i]) for i in (layout.STATUS_CODE, layout.STATUS_ROW,
+                                                        layout.STATUS_EPOCH, layout.STATUS_RANK))
         if code != layout.STATUS_OK:
             what = {layout.STATUS_TIMEOUT_ROUND1: "its candidates",
                     layout.STATUS_TIMEOUT_RESCUE: "its rescue list"}.get(code, f"status {code}")
@@ -325,7 +327,7 @@ class Exchange:
                 # calling our handler: the kernels check this status word first and then
                 # do nothing, so the (small) state allocation outlives close().
                 closed = np.array([layout.STATUS_CLOSED], np.int32)
-                cp.cuda.runtime.memcpy(self._state.ptr + 4 * self.state_layout.status_off,
+                cp.cuda.runtime.memcpy(self._state.ptr + 4 * (self.state_layout.status_off + layout.STATUS_CODE),
                                        closed.ctypes.data, 4, cp.cuda.runtime.memcpyHostToDevice)
                 cp.cuda.runtime.deviceSynchronize()
                 _retired_states.append(self._state)

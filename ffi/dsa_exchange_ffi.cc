@@ -14,6 +14,7 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -111,13 +113,118 @@ std::string CuError(const Driver* d, const char* call, CUresult rc) {
 }
 
 // ---------------------------------------------------------------------------
-// Kernels and exchange records.
+// Layout numbers (jax_dsa_exchange/layout.py is the definition; dsa_layout_constant
+// exposes these and a CI test, tests/test_ffi.py, compares them with layout.py).
 // ---------------------------------------------------------------------------
+constexpr int kStatusOk = 0;
+constexpr int kStatusTimeoutRound1 = 1;
+constexpr int kStatusTimeoutRescue = 2;
+constexpr int kStatusClosed = 3;
+constexpr int kStatusCode = 0, kStatusRow = 1, kStatusEpoch = 2, kStatusRank = 3;  // status word indices
+constexpr int kStatusReportWords = 4;  // [code, row, epoch, rank]: what a failure reports
+// State regions (int32 words): epoch at kStateEpochRows * max_rows, status at
+// kStateStatusRows * max_rows.
+constexpr int kStateEpochRows = 0, kStateStatusRows = 2;
+constexpr int kMaxLocalLen = 1 << 17;
+constexpr int kProducerClusterMax = 8;
+
+// ---------------------------------------------------------------------------
+// Kernel parameters, filled by name: the kernel metadata's "params" (kernels/abi.py,
+// the one declaration) arrive at load as "name:type,..." and fix the launch order;
+// the handlers fill a value per name below and pack them in that order.
+// ---------------------------------------------------------------------------
+struct ParamSpec {
+  const char* name;
+  bool i64;  // else i32
+};
+
+enum SelectPushParam { kSpLogits, kSpRowEnds, kSpRows, kSpCols, kSpEpoch, kSpPeers, kSpRank, kSpMaxRows, kSpCount };
+constexpr ParamSpec kSelectPushParams[kSpCount] = {
+    {"logits", true}, {"row_ends", true}, {"rows", false}, {"cols", false},
+    {"epoch", true},  {"peers", true},    {"rank", false}, {"max_rows", false}};
+
+enum MergeParam {
+  kMgPeers, kMgLocal, kMgState, kMgLogits, kMgRowEnds, kMgReqId, kMgBlockTable, kMgKvRows, kMgCounts, kMgIds,
+  kMgSaturated, kMgRows, kMgCols, kMgBtRows, kMgBtCols, kMgBlockSize, kMgRank, kMgMaxRows, kMgRescueOff,
+  kMgFlagsOff, kMgTimeoutUs, kMgCount
+};
+constexpr ParamSpec kMergeParams[kMgCount] = {
+    {"peers", true},       {"local", true},     {"state", true},    {"logits", true},      {"row_ends", true},
+    {"req_id", true},      {"block_table", true}, {"kv_rows", true}, {"counts", true},     {"ids", true},
+    {"saturated", true},   {"rows", false},     {"cols", false},    {"bt_rows", false},    {"bt_cols", false},
+    {"block_size", false}, {"rank", false},     {"max_rows", false}, {"rescue_off", true}, {"flags_off", true},
+    {"timeout_us", false}};
+
+constexpr int kMaxParams = kMgCount;
+
+// One parameter value; a kernel parameter points at the member of its type (both at
+// offset 0).
+union ParamValue {
+  int64_t i64;
+  int32_t i32;
+};
+
+bool ParamTable(const std::string& kernel, const ParamSpec** table, int* n) {
+  if (kernel == "select_push") {
+    *table = kSelectPushParams;
+    *n = kSpCount;
+  } else if (kernel == "merge") {
+    *table = kMergeParams;
+    *n = kMgCount;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+std::string ParamList(const ParamSpec* table, int n) {
+  std::string s;
+  for (int i = 0; i < n; ++i) s += std::string(i ? "," : "") + table[i].name + (table[i].i64 ? ":i64" : ":i32");
+  return s;
+}
+
+// Parses "name:type,..." into launch-order slots of the launcher's table; the names
+// must be exactly the launcher's, each once, with its type.  Returns "" or why not.
+std::string ParseParams(const std::string& kernel, const char* spec, int* slots, int* nslots) {
+  const ParamSpec* table;
+  int n;
+  if (!ParamTable(kernel, &table, &n)) return "unknown kernel '" + kernel + "' (select_push or merge)";
+  std::string want = ParamList(table, n);
+  std::string s = spec ? spec : "";
+  std::vector<bool> seen(n, false);
+  int count = 0;
+  size_t pos = 0;
+  while (pos <= s.size() && !s.empty()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    std::string item = s.substr(pos, end - pos);
+    size_t colon = item.find(':');
+    std::string name = item.substr(0, colon), type = colon == std::string::npos ? "" : item.substr(colon + 1);
+    int found = -1;
+    for (int i = 0; i < n; ++i)
+      if (name == table[i].name) found = i;
+    if (found < 0 || seen[found] || type != (table[found].i64 ? "i64" : "i32") || count >= n)
+      return "kernel params '" + s + "' do not match the launcher's " + kernel + " params '" + want +
+             "' (at '" + item + "'): rebuild the kernels or the launcher from one checkout";
+    seen[found] = true;
+    slots[count++] = found;
+    pos = end + 1;
+  }
+  if (count != n)
+    return "kernel params '" + s + "' do not match the launcher's " + kernel + " params '" + want +
+           "': rebuild the kernels or the launcher from one checkout";
+  *nslots = count;
+  return "";
+}
+
 struct Kernel {
   CUfunction fn = nullptr;
   int block = 0;      // threads per block (x)
   int smem = 0;       // dynamic shared memory bytes
   int source = 0;     // 1 = cubin, 2 = PTX JIT
+  std::string kind;   // "select_push" | "merge"
+  int nparams = 0;    // launch order: slot[i] indexes the launcher's param table
+  int slot[kMaxParams] = {0};
   // select_push's row split (layout.producer_split(), from the kernel metadata):
   // slice_max, cluster_max, min_slice, fill_ctas; cluster_max == 0: no cluster launch.
   int split[4] = {0, 0, 0, 0};
@@ -129,7 +236,7 @@ struct Kernel {
 int ProducerCluster(int rows, int cols, const int split[4]) {
   const int cluster_max = split[1], min_slice = split[2] < 1 ? 1 : split[2], fill = split[3];
   if (cluster_max < 1) return 1;
-  long long length = cols < 1 ? 1 : (cols > (1 << 17) ? (1 << 17) : cols);
+  long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
   long long c = (length + min_slice - 1) / min_slice;
   if (c > cluster_max) c = cluster_max;
   while (c > 1 && static_cast<long long>(rows) * c > fill) --c;
@@ -174,7 +281,8 @@ ffi::Error CollectArgs(const ffi::RemainingArgs& args, ffi::AnyBuffer* out, size
   for (size_t i = 0; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return ffi::Error::InvalidArgument(std::string(target) + ": operand is not a buffer");
-    // Tokens and rank-0 "tickets" only order the calls (op.py): not kernel operands.
+    // Tokens only order the calls (op.py), and a rank-0 buffer is no kernel operand
+    // (op.py passes none; select_push's s32[] result placeholder is skipped likewise).
     if (b->element_type() == ffi::DataType::TOKEN || b->dimensions().size() == 0) continue;
     if (n == want) return ffi::Error::InvalidArgument(std::string(target) + ": too many operands");
     out[n++] = *b;
@@ -228,25 +336,27 @@ ffi::Error Lookup(int64_t exchange_id, int device, const char* target, Record* r
 ffi::Error CheckStatus(const Record& rec, const char* target, int64_t exchange_id, int device) {
   if (!rec.host_status) return ffi::Error::Success();
   const volatile int32_t* st = reinterpret_cast<const volatile int32_t*>(rec.host_status);
-  int32_t code = st[0];
-  if (code == 0) return ffi::Error::Success();
-  if (code == 3)
+  int32_t code = st[kStatusCode];
+  if (code == kStatusOk) return ffi::Error::Success();
+  if (code == kStatusClosed)
     return ffi::Error::Internal(std::string(target) + ": exchange " + std::to_string(exchange_id) +
                                 " is closed" + Where(exchange_id, device));
-  std::string what = code == 1   ? "its candidates"
-                     : code == 2 ? "its rescue list"
-                                 : "status " + std::to_string(code);
+  std::string what = code == kStatusTimeoutRound1   ? "its candidates"
+                     : code == kStatusTimeoutRescue ? "its rescue list"
+                                                    : "status " + std::to_string(code);
   return ffi::Error::Internal(std::string(target) + ": exchange " + std::to_string(exchange_id) + " rank " +
-                              std::to_string(rec.rank) + ": rank " + std::to_string(st[3]) +
-                              " did not deliver " + what + " for row " + std::to_string(st[1]) +
-                              " at epoch " + std::to_string(st[2]) + " within " +
+                              std::to_string(rec.rank) + ": rank " + std::to_string(st[kStatusRank]) +
+                              " did not deliver " + what + " for row " + std::to_string(st[kStatusRow]) +
+                              " at epoch " + std::to_string(st[kStatusEpoch]) + " within " +
                               std::to_string(rec.timeout_us) +
                               " us; the exchange refuses further calls: recreate it" +
                               Where(exchange_id, device));
 }
 
 ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stream, bool pdl,
-                  void** params, const char* target, int64_t exchange_id, int device, unsigned cluster = 0) {
+                  ParamValue* values, const char* target, int64_t exchange_id, int device, unsigned cluster = 0) {
+  void* params[kMaxParams];
+  for (int i = 0; i < k.nparams; ++i) params[i] = &values[k.slot[i]];
   CUlaunchAttribute attrs[2];
   std::memset(attrs, 0, sizeof(attrs));
   unsigned nattrs = 0;
@@ -279,8 +389,9 @@ ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stre
 }
 
 // ---------------------------------------------------------------------------
-// dsa_select_push: operands logits bf16[R, L], row_ends s32[R] (+ an s32[]
-// ticket); results: an s32[] ticket only (never written: it orders the merge).
+// dsa_select_push: operands logits bf16[R, L], row_ends s32[R] (+ the ordering
+// token); results: the token (it orders the merge) and an s32[] placeholder that
+// only makes the result a tuple (op.py); neither is written.
 // ---------------------------------------------------------------------------
 ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {
@@ -307,20 +418,24 @@ ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, 
                                        std::to_string(rec.max_rows) + Where(exchange_id, device));
   if (rows == 0) return ffi::Error::Success();
 
-  int64_t logits = reinterpret_cast<int64_t>(in[0].untyped_data());
-  int64_t row_ends = reinterpret_cast<int64_t>(in[1].untyped_data());
-  int64_t epoch = rec.state;  // epoch[max_rows] sits at byte 0 of the state
-  int32_t rank = rec.rank, max_rows = rec.max_rows;
-  void* params[] = {&logits, &row_ends, &rows, &cols, &epoch, &rec.peers, &rank, &max_rows};
+  ParamValue v[kSpCount];
+  v[kSpLogits].i64 = reinterpret_cast<int64_t>(in[0].untyped_data());
+  v[kSpRowEnds].i64 = reinterpret_cast<int64_t>(in[1].untyped_data());
+  v[kSpRows].i32 = rows;
+  v[kSpCols].i32 = cols;
+  v[kSpEpoch].i64 = rec.state;  // the state base: epoch[] is its region kStateEpochRows (= 0)
+  v[kSpPeers].i64 = rec.peers;
+  v[kSpRank].i32 = rec.rank;
+  v[kSpMaxRows].i32 = rec.max_rows;
   // One cluster of C CTAs per row (kernels/select_push.py); no split: one CTA per row.
   unsigned c = rec.select.split[1] > 0 ? static_cast<unsigned>(ProducerCluster(rows, cols, rec.select.split)) : 0;
-  return Launch(d, rec.select, static_cast<unsigned>(rows) * (c ? c : 1), stream, /*pdl=*/false, params, target,
+  return Launch(d, rec.select, static_cast<unsigned>(rows) * (c ? c : 1), stream, /*pdl=*/false, v, target,
                 exchange_id, device, c);
 }
 
 // ---------------------------------------------------------------------------
 // dsa_merge: operands logits bf16[R, L], row_ends s32[R], req_id s32[R],
-// block_table s32[NR, P] (+ the s32[] ticket of select_push); results kv_rows s32[R, K], counts s32[R],
+// block_table s32[NR, P] (+ the ordering token of select_push); results kv_rows s32[R, K], counts s32[R],
 // then ids s32[R, K] iff with_ids, then saturated s32[R] iff with_saturated.  Launched with programmatic stream serialization (PDL) so it can
 // start while select_push (the previous kernel on the stream) still runs.
 // ---------------------------------------------------------------------------
@@ -359,29 +474,38 @@ ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32
                                        "] and counts int32[R]" + Where(exchange_id, device));
   if (R == 0) return ffi::Error::Success();
 
-  int64_t a_logits = reinterpret_cast<int64_t>(in[0].untyped_data());
-  int64_t a_row_ends = reinterpret_cast<int64_t>(in[1].untyped_data());
-  int64_t a_req_id = reinterpret_cast<int64_t>(in[2].untyped_data());
-  int64_t a_bt = reinterpret_cast<int64_t>(in[3].untyped_data());
-  int64_t a_kv = reinterpret_cast<int64_t>(out[0]);
-  int64_t a_counts = reinterpret_cast<int64_t>(out[1]);
+  int32_t rows = static_cast<int32_t>(R);
+  ParamValue v[kMgCount];
+  v[kMgPeers].i64 = rec.peers;
+  v[kMgLocal].i64 = rec.local;
+  v[kMgState].i64 = rec.state;
+  v[kMgLogits].i64 = reinterpret_cast<int64_t>(in[0].untyped_data());
+  v[kMgRowEnds].i64 = reinterpret_cast<int64_t>(in[1].untyped_data());
+  v[kMgReqId].i64 = reinterpret_cast<int64_t>(in[2].untyped_data());
+  v[kMgBlockTable].i64 = reinterpret_cast<int64_t>(in[3].untyped_data());
+  v[kMgKvRows].i64 = reinterpret_cast<int64_t>(out[0]);
+  v[kMgCounts].i64 = reinterpret_cast<int64_t>(out[1]);
   size_t next = 2;
-  int64_t a_ids = with_ids ? reinterpret_cast<int64_t>(out[next++]) : 0;
-  int64_t a_sat = with_saturated ? reinterpret_cast<int64_t>(out[next++]) : 0;
-  int32_t rows = static_cast<int32_t>(R), cols = static_cast<int32_t>(ld[1]);
-  int32_t bt_rows = static_cast<int32_t>(bt[0]), bt_cols = static_cast<int32_t>(bt[1]);
-  int32_t rank = rec.rank, max_rows = rec.max_rows, timeout_us = rec.timeout_us;
-  void* params[] = {&rec.peers, &rec.local,    &rec.state,  &a_logits, &a_row_ends, &a_req_id,  &a_bt,
-                    &a_kv,      &a_counts,     &a_ids,      &a_sat,    &rows,       &cols,      &bt_rows,
-                    &bt_cols,   &block_size,   &rank,       &max_rows, &rec.rescue_off, &rec.flags_off,
-                    &timeout_us};
+  v[kMgIds].i64 = with_ids ? reinterpret_cast<int64_t>(out[next++]) : 0;
+  v[kMgSaturated].i64 = with_saturated ? reinterpret_cast<int64_t>(out[next++]) : 0;
+  v[kMgRows].i32 = rows;
+  v[kMgCols].i32 = static_cast<int32_t>(ld[1]);
+  v[kMgBtRows].i32 = static_cast<int32_t>(bt[0]);
+  v[kMgBtCols].i32 = static_cast<int32_t>(bt[1]);
+  v[kMgBlockSize].i32 = block_size;
+  v[kMgRank].i32 = rec.rank;
+  v[kMgMaxRows].i32 = rec.max_rows;
+  v[kMgRescueOff].i64 = rec.rescue_off;
+  v[kMgFlagsOff].i64 = rec.flags_off;
+  v[kMgTimeoutUs].i32 = rec.timeout_us;
   unsigned grid = static_cast<unsigned>(rows < rec.merge_grid ? rows : rec.merge_grid);
-  if (auto e = Launch(d, rec.merge, grid, stream, /*pdl=*/true, params, target, exchange_id, device);
+  if (auto e = Launch(d, rec.merge, grid, stream, /*pdl=*/true, v, target, exchange_id, device);
       e.failure())
     return e;
   if (rec.host_status) {  // the next call's CheckStatus reads this copy (no sync)
-    CUdeviceptr status = static_cast<CUdeviceptr>(rec.state + 8 * static_cast<int64_t>(rec.max_rows));
-    CUresult rc = d->MemcpyDtoHAsync(reinterpret_cast<void*>(rec.host_status), status, 16, stream);
+    CUdeviceptr status =
+        static_cast<CUdeviceptr>(rec.state + 4 * kStateStatusRows * static_cast<int64_t>(rec.max_rows));
+    CUresult rc = d->MemcpyDtoHAsync(reinterpret_cast<void*>(rec.host_status), status, 4 * kStatusReportWords, stream);
     if (rc != CUDA_SUCCESS)
       return ffi::Error::Internal(std::string(target) + ": " + CuError(d, "cuMemcpyDtoHAsync", rc) +
                                   Where(exchange_id, device));
@@ -435,16 +559,46 @@ int dsa_driver_available() {
   return 0;
 }
 
+// The parameters ("name:type,...", launch order of kernels/abi.py) the launcher
+// fills for `kernel` ("select_push" | "merge"); "" for another name.
+const char* dsa_launcher_params(const char* kernel) {
+  static const std::string sp = ParamList(kSelectPushParams, kSpCount), mg = ParamList(kMergeParams, kMgCount);
+  std::string k = kernel ? kernel : "";
+  return k == "select_push" ? sp.c_str() : k == "merge" ? mg.c_str() : "";
+}
+
+// A layout number of this launcher by its layout.py name (layout.launcher_constants());
+// -1 for an unknown name.
+int64_t dsa_layout_constant(const char* name) {
+  static const std::pair<const char*, int64_t> table[] = {
+      {"STATUS_OK", kStatusOk}, {"STATUS_TIMEOUT_ROUND1", kStatusTimeoutRound1},
+      {"STATUS_TIMEOUT_RESCUE", kStatusTimeoutRescue}, {"STATUS_CLOSED", kStatusClosed},
+      {"STATUS_CODE", kStatusCode}, {"STATUS_ROW", kStatusRow}, {"STATUS_EPOCH", kStatusEpoch},
+      {"STATUS_RANK", kStatusRank}, {"STATUS_REPORT_WORDS", kStatusReportWords},
+      {"STATE_EPOCH_ROWS", kStateEpochRows}, {"STATE_STATUS_ROWS", kStateStatusRows},
+      {"MAX_LOCAL_LEN", kMaxLocalLen}, {"PRODUCER_CLUSTER_MAX", kProducerClusterMax}};
+  for (const auto& e : table)
+    if (name && std::strcmp(name, e.first) == 0) return e.second;
+  return -1;
+}
+
 // Loads `entry` from a cubin (preferred) or PTX (JIT fallback) into the primary
-// context of `device`, once per (key, device).  Returns 1 if the cubin was used,
-// 2 if the PTX was, -1 on error.
-int dsa_load_kernel(const char* key, const void* cubin, int64_t cubin_size, const char* ptx, const char* entry,
-                    int device, int block, int smem) {
+// context of `device`, once per (key, device).  `kernel` ("select_push" | "merge")
+// and `params` (the metadata's "name:type,..." in launch order) say how the
+// handlers pack its parameters; other names than the launcher's are refused.
+// Returns 1 if the cubin was used, 2 if the PTX was, -1 on error.
+int dsa_load_kernel(const char* key, const char* kernel, const char* params, const void* cubin,
+                    int64_t cubin_size, const char* ptx, const char* entry, int device, int block, int smem) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::string where = std::string("kernel '") + key + "' on device " + std::to_string(device);
+  int slots[kMaxParams];
+  int nslots = 0;
+  std::string kind = kernel ? kernel : "";
+  if (std::string why = ParseParams(kind, params, slots, &nslots); !why.empty()) return Fail(where + ": " + why);
   auto found = g_kernels.find({key, device});
   if (found != g_kernels.end()) {
-    if (found->second.block != block || found->second.smem != smem)
+    if (found->second.block != block || found->second.smem != smem || found->second.kind != kind ||
+        found->second.nparams != nslots || !std::equal(slots, slots + nslots, found->second.slot))
       return Fail(where + " is already loaded with other launch parameters");
     return found->second.source;
   }
@@ -467,6 +621,9 @@ int dsa_load_kernel(const char* key, const void* cubin, int64_t cubin_size, cons
   Kernel k;
   k.block = block;
   k.smem = smem;
+  k.kind = kind;
+  k.nparams = nslots;
+  std::copy(slots, slots + nslots, k.slot);
   std::string err;
   CUmodule mod = nullptr;
   std::string cubin_err = "no cubin given";
@@ -511,7 +668,7 @@ int dsa_set_kernel_split(const char* key, int device, int slice_max, int cluster
   auto found = g_kernels.find({key, device});
   std::string where = std::string("kernel '") + key + "' on device " + std::to_string(device);
   if (found == g_kernels.end()) return Fail(where + " is not loaded");
-  if (slice_max < 0 || cluster_max < 0 || cluster_max > 8 || min_slice < 0 || fill_ctas < 0)
+  if (slice_max < 0 || cluster_max < 0 || cluster_max > kProducerClusterMax || min_slice < 0 || fill_ctas < 0)
     return Fail(where + ": bad split " + std::to_string(slice_max) + "/" + std::to_string(cluster_max));
   int v[4] = {slice_max, cluster_max, min_slice, fill_ctas};
   std::memcpy(found->second.split, v, sizeof(v));
@@ -543,6 +700,9 @@ int dsa_register_exchange(int64_t exchange_id, int device, int rank, int world, 
   auto km = g_kernels.find({merge_key, device});
   if (km == g_kernels.end())
     return Fail(std::string("kernel '") + merge_key + "' not loaded on device " + std::to_string(device) + where);
+  if (ks->second.kind != "select_push" || km->second.kind != "merge")
+    return Fail(std::string("kernel '") + select_key + "' must be a select_push and '" + merge_key + "' a merge" +
+                where);
   Record r;
   r.rank = rank;
   r.world = world;

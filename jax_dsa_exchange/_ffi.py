@@ -40,7 +40,6 @@ TARGETS_NO_GRAPH = {"dsa_select_push": "DsaSelectPushNoGraph", "dsa_merge": "Dsa
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_lib_path: str | None = None
 _load_error: str | None = None
 _found_unusable = False  # a library file exists but could not be used (see load_error())
 _registered = False
@@ -81,7 +80,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_driver_available.restype = i32
     lib.dsa_driver_available.argtypes = []
     lib.dsa_load_kernel.restype = i32
-    lib.dsa_load_kernel.argtypes = [cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32]
+    lib.dsa_load_kernel.argtypes = [cp, cp, cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32]
+    lib.dsa_launcher_params.restype = cp
+    lib.dsa_launcher_params.argtypes = [cp]
+    lib.dsa_layout_constant.restype = i64
+    lib.dsa_layout_constant.argtypes = [cp]
     lib.dsa_set_kernel_split.restype = i32
     lib.dsa_set_kernel_split.argtypes = [cp, i32, i32, i32, i32, i32]
     lib.dsa_producer_cluster.restype = i32
@@ -123,9 +126,20 @@ def _compatible(lib: ctypes.CDLL, path: str) -> str | None:
     )
 
 
+def _layout_mismatch(lib: ctypes.CDLL, path: str) -> str | None:
+    """None if the library's status codes and state offsets are layout.py's, else which differ."""
+    from . import layout
+
+    got = {k: int(lib.dsa_layout_constant(k.encode())) for k in layout.launcher_constants()}
+    bad = {k: (got[k], v) for k, v in layout.launcher_constants().items() if got[k] != v}
+    if not bad:
+        return None
+    return f"{path} disagrees with layout.py on {bad} (launcher, layout.py): rebuild it from this checkout"
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None when it was not found/loadable (see :func:`load_error`)."""
-    global _lib, _lib_path, _load_error, _found_unusable
+    global _lib, _load_error, _found_unusable
     with _lock:
         if _lib is not None or _load_error is not None:
             return _lib
@@ -139,11 +153,11 @@ def library() -> ctypes.CDLL | None:
             except (OSError, AttributeError) as e:
                 errors.append(f"{path}: {e}")
                 continue
-            why = _compatible(lib, path)
+            why = _compatible(lib, path) or _layout_mismatch(lib, path)
             if why:
                 errors.append(why)
                 continue
-            _lib, _lib_path = lib, path
+            _lib = lib
             return _lib
         _found_unusable = bool(errors)
         _load_error = (
@@ -159,11 +173,6 @@ def found_unusable() -> bool:
     """True when a library file was found but could not be loaded or is too new for this jax."""
     library()
     return _found_unusable
-
-
-def library_path() -> str | None:
-    library()
-    return _lib_path
 
 
 def load_error() -> str | None:
@@ -235,12 +244,10 @@ def register_targets() -> bool:
         if _registered:
             return True
         mode = cuda_graph_mode()
-        try:  # XLA also takes the traits from the registration; keep both in agreement.
-            from jax._src.lib import xla_client
+        from ._jax_private import custom_call_target_traits
 
-            traits = xla_client.CustomCallTargetTraits
-        except (ImportError, AttributeError):  # pragma: no cover - other jaxlib layouts
-            traits = None
+        # XLA also takes the traits from the registration; keep both in agreement.
+        traits = custom_call_target_traits()
         for name in TARGETS:
             graphed = mode == "on" or (mode == "checked" and name == "dsa_merge")
             symbol = (TARGETS if graphed else TARGETS_NO_GRAPH)[name]
@@ -253,9 +260,13 @@ def register_targets() -> bool:
     return True
 
 
-def load_kernel(key: str, cubin: bytes | None, ptx: str | None, entry: str, device: int, block: int, smem: int) -> str:
+def load_kernel(key: str, kernel: str, params, cubin: bytes | None, ptx: str | None, entry: str, device: int,
+                block: int, smem: int) -> str:
     """Loads kernel ``entry`` into the primary context of CUDA device ``device``, once per (key, device).
 
+    ``kernel``: ``"select_push"`` or ``"merge"``; ``params``: its metadata's
+    ``((name, type), ...)`` in launch order (kernels/abi.py): the launcher packs its
+    values by these names and refuses names other than its own.
     Tries ``cubin`` first and JIT-compiles ``ptx`` when the driver refuses it.
     ``block``: threads per block; ``smem``: dynamic shared memory bytes.
     Returns ``"cubin"`` or ``"ptx"``: which image was used.
@@ -264,10 +275,26 @@ def load_kernel(key: str, cubin: bytes | None, ptx: str | None, entry: str, devi
     cubin = bytes(cubin or b"")
     buf = ctypes.create_string_buffer(cubin, len(cubin)) if cubin else None
     ptx_b = ptx.encode() if ptx else None
+    spec = ",".join(f"{n}:{t}" for n, t in params)
     rc = lib.dsa_load_kernel(
-        key.encode(), buf, len(cubin), ptx_b, entry.encode(), int(device), int(block), int(smem)
+        key.encode(), kernel.encode(), spec.encode(), buf, len(cubin), ptx_b, entry.encode(), int(device),
+        int(block), int(smem)
     )
     return {1: "cubin", 2: "ptx"}[_check(lib, rc)]
+
+
+def launcher_params(kernel: str) -> tuple:
+    """The ((name, type), ...) the launcher fills for ``kernel``, in its own order."""
+    spec = _require().dsa_launcher_params(kernel.encode()).decode()
+    return tuple(tuple(item.split(":")) for item in spec.split(",") if item)
+
+
+def layout_constants() -> dict:
+    """The launcher's layout numbers by their layout.py names (layout.launcher_constants())."""
+    lib = _require()
+    from . import layout
+
+    return {name: int(lib.dsa_layout_constant(name.encode())) for name in layout.launcher_constants()}
 
 
 _SPLIT_KEYS = ("slice_max", "cluster_max", "min_slice", "fill_ctas")
@@ -310,7 +337,7 @@ def register_exchange(
     ``peers``: device address of an int64[world] table of every rank's symmetric
     buffer base; ``local``: this rank's buffer base; ``state``: this rank's int32
     state (epoch at byte 0).  Both kernels must have been loaded on ``device``.
-    ``host_status``: address of 16 bytes of pinned host memory (0 = none): after each
+    ``host_status``: address of 4 * layout.STATUS_REPORT_WORDS bytes of pinned host memory (0 = none): after each
     merge the handler copies the state's status words there (async, on XLA's stream),
     and every call first reads them, so a failure of an earlier call (a peer that did
     not arrive) fails the next call with a Python error naming row, epoch and rank.

@@ -57,23 +57,24 @@ def detected_cluster() -> str | None:
     """The name of the job environment JAX's own ``jax.distributed.initialize()`` would
     detect among SLURM and Open MPI ("slurm", "ompi"), or None.
 
-    Asks JAX's cluster classes (``jax._src.clusters``, the same tests JAX runs: jax 0.11,
-    0.12); falls back to their environment variables if that module moved.  Only these two:
+    Asks JAX's cluster classes (_jax_private.cluster_classes: the same tests JAX runs);
+    falls back to their environment variables if that module moved.  Only these two:
     the other detectors (Cloud TPU, Kubernetes) query metadata servers or warn."""
-    try:
-        from jax._src.clusters import OmpiCluster, SlurmCluster
+    from ._jax_private import cluster_classes
 
-        for cls in (SlurmCluster, OmpiCluster):
+    classes = cluster_classes()
+    if classes is not None:
+        for cls in classes:
             if cls.is_env_present():
                 return cls.name
         return None
-    except (ImportError, AttributeError):  # pragma: no cover - another jax layout
-        if all(v in os.environ for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
-                                         "SLURM_PROCID", "SLURM_LOCALID")):
-            return "slurm"
-        if "OMPI_MCA_orte_hnp_uri" in os.environ:
-            return "ompi"
-        return None
+    # pragma: no cover - another jax layout
+    if all(v in os.environ for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
+                                     "SLURM_PROCID", "SLURM_LOCALID")):
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in os.environ:
+        return "ompi"
+    return None
 
 
 def initialize(*, cpu_collectives: str = "gloo", timeout_s: int = 120) -> tuple[int, int]:
@@ -155,9 +156,9 @@ def shutdown(barrier_timeout_s: float = EXIT_BARRIER_S) -> None:
        ends (its own GPU runtime still watches it: stopping it logs an error);
     4. without the barrier (a peer is gone) the clients are left to the interpreter, as before.
     """
-    from jax._src import distributed as jd
+    from ._jax_private import distributed_state
 
-    state = jd.global_state
+    state = distributed_state()
     if state.client is None:
         return
     ex = sys.modules.get(__package__ + ".exchange")

@@ -1,4 +1,4 @@
-"""Symmetric memory of the exchange: one ``Exchange`` per rank (SPEC §6-§7).
+"""Symmetric memory of the exchange: one ``Exchange`` per rank (docs/DESIGN.md §6-§7).
 
 An ``Exchange`` owns, on its GPU:
 
@@ -42,7 +42,7 @@ import numpy as np
 from . import layout
 from .rendezvous import Rendezvous, RendezvousError, check_agreement, distributed_client
 
-DEFAULT_TIMEOUT_US = 5_000_000  # a kernel wait gives up after 5 s (SPEC §6.7)
+DEFAULT_TIMEOUT_US = 5_000_000  # a kernel wait gives up after 5 s (docs/DESIGN.md §6.7)
 _ids = itertools.count(1)
 _ids_lock = threading.Lock()
 _live: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
@@ -102,8 +102,9 @@ class Exchange:
         self._peers_table = _DeviceMemory(ordinal, 8 * world)
         # Pinned host copy of the status words, refreshed by the FFI launcher after each
         # merge and read when the next call starts: an earlier failure fails that call.
-        self._host_status = _cupy().cuda.alloc_pinned_memory(16)
-        np.frombuffer(self._host_status, np.int32, 4)[:] = 0
+        # the launcher's host copy of the reported status words (layout.STATUS_REPORT_WORDS)
+        self._host_status = _cupy().cuda.alloc_pinned_memory(4 * layout.STATUS_REPORT_WORDS)
+        np.frombuffer(self._host_status, np.int32, layout.STATUS_REPORT_WORDS)[:] = 0
         self._ipc_opened: list[int] = []  # peer pointers this process must close
         self._rdv: Rendezvous | None = None
         self._registered = False
@@ -238,7 +239,7 @@ class Exchange:
     @property
     def merge_grid(self) -> int:
         """CTAs of the merge grid: one per SM, shared among the ranks on this GPU, so
-        every waiting CTA is resident at once (SPEC §6.7)."""
+        every waiting CTA is resident at once (docs/DESIGN.md §6.7)."""
         cp = _cupy()
         sms = cp.cuda.Device(self.ordinal).attributes["MultiProcessorCount"]
         return max(1, sms // max(1, self._ranks_on_gpu))
@@ -251,7 +252,8 @@ class Exchange:
         keys = {}
         for name, img in images.items():
             keys[name] = f"{name}/{self.arch}/w{self.world}k{self.topk}n{self.local_topk}/{img.source_hash}"
-            _ffi.load_kernel(keys[name], img.cubin, img.ptx, img.entry, self.ordinal, img.block, img.smem)
+            _ffi.load_kernel(keys[name], img.kernel, img.params, img.cubin, img.ptx, img.entry, self.ordinal,
+                             img.block, img.smem)
             if img.split is not None:
                 split = dict(img.split)
                 if self._ranks_on_gpu > 1:
@@ -289,7 +291,8 @@ class Exchange:
         if getattr(self, "_freed", False):
             raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed")
         st = self.read_state()["status"]
-        code, row, epoch, peer = (int(x) for x in st[:4])
+        code, row, epoch, peer = (int(st[i]) for i in (layout.STATUS_CODE, layout.STATUS_ROW,
+                                                        layout.STATUS_EPOCH, layout.STATUS_RANK))
         if code != layout.STATUS_OK:
             what = {layout.STATUS_TIMEOUT_ROUND1: "its candidates",
                     layout.STATUS_TIMEOUT_RESCUE: "its rescue list"}.get(code, f"status {code}")
@@ -324,7 +327,7 @@ class Exchange:
                 # calling our handler: the kernels check this status word first and then
                 # do nothing, so the (small) state allocation outlives close().
                 closed = np.array([layout.STATUS_CLOSED], np.int32)
-                cp.cuda.runtime.memcpy(self._state.ptr + 4 * self.state_layout.status_off,
+                cp.cuda.runtime.memcpy(self._state.ptr + 4 * (self.state_layout.status_off + layout.STATUS_CODE),
                                        closed.ctypes.data, 4, cp.cuda.runtime.memcpyHostToDevice)
                 cp.cuda.runtime.deviceSynchronize()
                 _retired_states.append(self._state)
@@ -407,12 +410,13 @@ def _forget_failed_jax_tokens() -> None:
         return
     try:
         import jax
-        from jax._src import dispatch
+
+        from ._jax_private import clear_runtime_tokens
 
         try:
             jax.effects_barrier()
         except Exception:  # noqa: BLE001 - the failed call's error, reported before
-            dispatch.runtime_tokens.clear()
+            clear_runtime_tokens()
     except Exception:  # noqa: BLE001 - other JAX versions: keep their behaviour
         pass
 

@@ -1,10 +1,10 @@
-"""Encodings and memory layout shared by every layer (SPEC §5-§6).
+"""Encodings and memory layout shared by every layer (docs/DESIGN.md §5-§6).
 
 One module, no JAX and no CUDA import, so the NumPy reference, the CuTe DSL
 kernels, the FFI launcher's Python side and the exchange allocator all agree on
 the same numbers.  Nothing here allocates.
 
-Packed candidate row (SPEC §5): a list of ``n`` candidates is ``n`` words
+Packed candidate row (docs/DESIGN.md §5): a list of ``n`` candidates is ``n`` words
 ``ord16 << 16 | (0xFFFF - (l & 0xFFFF))`` (0 = empty) followed by ``n // 32``
 mask words holding bit 16 of ``l`` (candidate ``j``: word ``n + j // 32``, bit
 ``j % 32``), padded with zero words to a multiple of 4 words.  Lists are stored
@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 
-LOCAL_INDEX_BITS = 17  # SPEC §2: L <= 2**17
+LOCAL_INDEX_BITS = 17  # docs/DESIGN.md §2: L <= 2**17
 MAX_LOCAL_LEN = 1 << LOCAL_INDEX_BITS
 MAX_WORLD = 16
 MIN_TOPK, MAX_TOPK = 64, 4096
-ALIGN = 2 << 20  # cudaMalloc sizes are rounded to 2 MiB (SPEC §7)
+ALIGN = 2 << 20  # cudaMalloc sizes are rounded to 2 MiB (docs/DESIGN.md §7)
 REGION_ALIGN = 256
 STATUS_WORDS = 8
 
@@ -47,6 +47,15 @@ STATUS_OK = 0
 STATUS_TIMEOUT_ROUND1 = 1  # a peer's LL words of the current epoch never came
 STATUS_TIMEOUT_RESCUE = 2  # a saturated peer's rescue flag never came
 STATUS_CLOSED = 3  # Exchange.close() ran: kernels (e.g. CUDA-graph replays) must do nothing
+
+# The status words: [code, row, epoch, rank, (unused)...].  The first STATUS_REPORT_WORDS
+# words are what a failure reports (the FFI launcher copies them to the host).
+STATUS_CODE, STATUS_ROW, STATUS_EPOCH, STATUS_RANK = 0, 1, 2, 3
+STATUS_REPORT_WORDS = 4
+
+# The local state is int32 [3 regions]: epoch[max_rows], seq[max_rows], status[8]; the
+# region i starts at word STATE_REGION_ROWS[i] * max_rows (StateLayout).
+STATE_EPOCH_ROWS, STATE_SEQ_ROWS, STATE_STATUS_ROWS = 0, 1, 2
 
 
 # How the producer splits a row over a thread-block cluster (kernels/select.py):
@@ -86,7 +95,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def check_config(world: int, topk: int, local_topk: int) -> None:
-    """SPEC §2 limits on the static configuration; ValueError names the value."""
+    """docs/DESIGN.md §2 limits on the static configuration; ValueError names the value."""
     for name, v in (("world", world), ("topk", topk), ("local_topk", local_topk)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
@@ -99,22 +108,49 @@ def check_config(world: int, topk: int, local_topk: int) -> None:
 
 
 def row_words(n: int) -> int:
-    """Words of a packed row of ``n`` candidates (SPEC §5)."""
+    """Words of a packed row of ``n`` candidates (docs/DESIGN.md §5)."""
     return _round_up(n + n // 32, 4)
 
 
 def ll_row_bytes(n: int) -> int:
     """Bytes of one LL row: every word travels with its epoch."""
-    return row_words(n) * 8
+    return row_words(n) * LL_HALF_BYTES
+
+
+LL_RECORD_BYTES = 16  # one LL record: (w0, e, w1, e), one 16-byte store
+LL_HALF_BYTES = 8  # one (word, epoch) half of a record, one 8-byte access
 
 
 def ll_offset(j: int) -> int:
     """Byte offset of word ``j`` inside an LL row."""
-    return (j >> 1) * 16 + (j & 1) * 8
+    return (j >> 1) * LL_RECORD_BYTES + (j & 1) * LL_HALF_BYTES
+
+
+def rescue_row_bytes(topk: int) -> int:
+    """Bytes of one rescue row: a plain packed row of K candidates."""
+    return row_words(topk) * 4
+
+
+# Offsets inside the buffer's regions, each one expression for Python ints (i64=int)
+# and for the kernels' device integers (i64=cutlass.Int64, kernels/common.py), so the
+# kernels compute exactly what BufferLayout defines.
+def ll_row_offset(parity, src, row, world, max_rows, row_bytes, i64=int):
+    """Byte offset of LL row [parity, src, row] from the start of the LL region."""
+    return ((i64(parity) * i64(world) + i64(src)) * i64(max_rows) + i64(row)) * i64(row_bytes)
+
+
+def rescue_row_offset(row, slot, slots, row_bytes, i64=int):
+    """Byte offset of rescue row [row, slot] from the start of the rescue region."""
+    return (i64(row) * i64(slots) + i64(slot)) * i64(row_bytes)
+
+
+def flag_offset(src, row, max_rows, i64=int):
+    """Byte offset of flag [src, row] from the start of the flags region."""
+    return (i64(src) * i64(max_rows) + i64(row)) * i64(4)
 
 
 def rescue_slots(topk: int, local_topk: int, world: int | None = None) -> int:
-    """Most ranks that can be saturated in one row: floor((K-1)/N) (SPEC §6.4), and
+    """Most ranks that can be saturated in one row: floor((K-1)/N) (docs/DESIGN.md §6.4), and
     never more than the W ranks there are (sizes the rescue slots: at K = 2048, N = 32,
     W = 16 that is 16 slots, not 63)."""
     bound = (topk - 1) // local_topk
@@ -150,7 +186,7 @@ class BufferLayout:
 
     @property
     def rescue_row_bytes(self) -> int:
-        return row_words(self.topk) * 4
+        return rescue_row_bytes(self.topk)
 
     @property
     def ll_off(self) -> int:
@@ -183,13 +219,15 @@ class BufferLayout:
 
     def ll_row(self, parity: int, src: int, row: int) -> int:
         """Byte offset of LL row [parity, src, row]."""
-        return self.ll_off + ((parity * self.world + src) * self.max_rows + row) * self.ll_row_bytes
+        return self.ll_off + ll_row_offset(parity, src, row, self.world, self.max_rows, self.ll_row_bytes)
 
     def rescue_row(self, row: int, slot: int) -> int:
-        return self.rescue_off + (row * self.slots + slot) * self.rescue_row_bytes
+        """Byte offset of rescue row [row, slot]."""
+        return self.rescue_off + rescue_row_offset(row, slot, self.slots, self.rescue_row_bytes)
 
     def flag(self, src: int, row: int) -> int:
-        return self.flags_off + (src * self.max_rows + row) * 4
+        """Byte offset of the flag of source rank ``src`` for ``row``."""
+        return self.flags_off + flag_offset(src, row, self.max_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,16 +238,29 @@ class StateLayout:
 
     @property
     def epoch_off(self) -> int:
-        return 0
+        return STATE_EPOCH_ROWS * self.max_rows
 
     @property
     def seq_off(self) -> int:
-        return self.max_rows
+        return STATE_SEQ_ROWS * self.max_rows
 
     @property
     def status_off(self) -> int:
-        return 2 * self.max_rows
+        return STATE_STATUS_ROWS * self.max_rows
 
     @property
     def words(self) -> int:
-        return 2 * self.max_rows + STATUS_WORDS
+        return self.status_off + STATUS_WORDS
+
+
+def launcher_constants() -> dict:
+    """The layout numbers the C++ launcher (ffi/dsa_exchange_ffi.cc) uses, by the names
+    its ``dsa_layout_constant`` answers to (tests/test_ffi.py compares them)."""
+    return {
+        "STATUS_OK": STATUS_OK, "STATUS_TIMEOUT_ROUND1": STATUS_TIMEOUT_ROUND1,
+        "STATUS_TIMEOUT_RESCUE": STATUS_TIMEOUT_RESCUE, "STATUS_CLOSED": STATUS_CLOSED,
+        "STATUS_CODE": STATUS_CODE, "STATUS_ROW": STATUS_ROW, "STATUS_EPOCH": STATUS_EPOCH,
+        "STATUS_RANK": STATUS_RANK, "STATUS_REPORT_WORDS": STATUS_REPORT_WORDS,
+        "STATE_EPOCH_ROWS": STATE_EPOCH_ROWS, "STATE_STATUS_ROWS": STATE_STATUS_ROWS,
+        "MAX_LOCAL_LEN": MAX_LOCAL_LEN, "PRODUCER_CLUSTER_MAX": PRODUCER_CLUSTER_MAX,
+    }  # fmt: skip

@@ -1,4 +1,4 @@
-"""The JAX op: ``topk_exchange_merge`` (SPEC §3, §7).
+"""The JAX op: ``topk_exchange_merge`` (docs/DESIGN.md §3, §7).
 
 One primitive, ``dsa_topk_exchange_merge``, that lowers on CUDA to two XLA FFI
 custom calls on XLA's stream, in this order:
@@ -24,7 +24,7 @@ that call it: compile them with ``jax.jit(step, compiler_options=compiler_option
 affected jax versions, ``{}`` for the others), which turns the pass off for that
 executable only.  Version gate: :data:`DSF_SAFE_FROM`.
 
-Ordering between calls (``ordered=True``, the default, SPEC §7) without a JAX
+Ordering between calls (``ordered=True``, the default, docs/DESIGN.md §7) without a JAX
 effect, so jitted steps keep JAX's C++ dispatch fast path and the host never
 waits for the device between dispatches:
 
@@ -82,18 +82,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 import jax
 import jax.numpy as jnp
-from jax._src import core, dispatch, effects
-from jax._src.interpreters import mlir
-from jax._src.interpreters import partial_eval as pe
-from jax.interpreters import ad, batching
+from jax import core as jax_core
+from jax.extend import core
+from jax.extend.mlir.dialects import stablehlo
+from jax.interpreters import ad, batching, mlir
 
-from . import _ffi, layout
+from . import _ffi, _jax_private, layout
+from .output import MergeOutput
 
 __all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p", "compiler_options",
            "jit", "CrossBodyOrderWarning"]
@@ -119,9 +120,7 @@ def dynamic_slice_fusion_workaround_needed() -> bool:
         return env == "1"
     if DSF_SAFE_FROM is None:
         return True
-    from jax._src.lib import version as jaxlib_version
-
-    return tuple(jaxlib_version) < DSF_SAFE_FROM
+    return _jax_private.jaxlib_version() < DSF_SAFE_FROM
 
 
 def compiler_options() -> dict:
@@ -139,41 +138,31 @@ def jit(fun=None, **kwargs):
     return jax.jit(fun, compiler_options=opts or None, **kwargs)
 
 
-class MergeOutput(NamedTuple):
-    kv_rows: jax.Array  # int32 [R, K]
-    counts: jax.Array  # int32 [R]
-    ids: jax.Array | None = None  # int32 [R, K] when with_ids
-    saturated: jax.Array | None = None  # int32 [R] when with_saturated
-
-
-class DsaExchangeEffect(effects.Effect):
+class DsaExchangeEffect(core.Effect):
     """Ordered, shardable side effect of the exchange, only with ``ordered="effect"``."""
 
     __str__ = lambda self: "DsaExchange"  # noqa: E731
 
 
 EFFECT = DsaExchangeEffect()
-effects.ordered_effects.add_type(DsaExchangeEffect)
-effects.shardable_ordered_effects.add_type(DsaExchangeEffect)
-effects.lowerable_effects.add_type(DsaExchangeEffect)
-effects.control_flow_allowed_effects.add_type(DsaExchangeEffect)
+_jax_private.register_ordered_effect(DsaExchangeEffect)
 
 topk_exchange_merge_p = core.Primitive("dsa_topk_exchange_merge")
 topk_exchange_merge_p.multiple_results = True
 
 
 # Eager calls run through a cached one-primitive jit, like any primitive.
-topk_exchange_merge_p.def_impl(functools.partial(dispatch.apply_primitive, topk_exchange_merge_p))
+topk_exchange_merge_p.def_impl(functools.partial(_jax_private.apply_primitive, topk_exchange_merge_p))
 
 
 def _abstract_eval(logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids, with_saturated,
                    ordered):
     rows = logits.shape[0]
-    outs = [core.ShapedArray((rows, topk), jnp.int32), core.ShapedArray((rows,), jnp.int32)]
+    outs = [jax_core.ShapedArray((rows, topk), jnp.int32), jax_core.ShapedArray((rows,), jnp.int32)]
     if with_ids:
-        outs.append(core.ShapedArray((rows, topk), jnp.int32))
+        outs.append(jax_core.ShapedArray((rows, topk), jnp.int32))
     if with_saturated:
-        outs.append(core.ShapedArray((rows,), jnp.int32))
+        outs.append(jax_core.ShapedArray((rows,), jnp.int32))
     return outs, ({EFFECT} if ordered == "effect" else core.no_effects)
 
 
@@ -190,7 +179,8 @@ def _keep_when_unused(*args):
     return [True] * len(eqn.invars), eqn
 
 
-pe.dce_rules[topk_exchange_merge_p] = _keep_when_unused
+_DCE_RULES = _jax_private.dce_rules()
+_DCE_RULES[topk_exchange_merge_p] = _keep_when_unused
 
 _holds_op_cache: "weakref.WeakKeyDictionary[core.Jaxpr, bool]" = weakref.WeakKeyDictionary()
 
@@ -229,9 +219,9 @@ def _wrap_higher_order_dce_rules() -> None:
     # Every rule registered by now (jax registers them when its modules load: lax's
     # control flow, jit, shard_map, remat, custom derivatives); the rule itself is
     # unchanged for equations that do not call the exchange.
-    for prim, rule in list(pe.dce_rules.items()):
+    for prim, rule in list(_DCE_RULES.items()):
         if prim is not topk_exchange_merge_p and not getattr(rule, "_dsa_exchange_wrapped", False):
-            pe.dce_rules[prim] = _keeping_loops_with_the_op(rule)
+            _DCE_RULES[prim] = _keeping_loops_with_the_op(rule)
 
 
 _wrap_higher_order_dce_rules()
@@ -261,15 +251,14 @@ batching.primitive_batchers[topk_exchange_merge_p] = _no_vmap
 
 def _check_per_device(ctx) -> None:
     """The custom calls launch per device: refuse GSPMD-partitioned (auto-sharded) contexts."""
-    from jax._src import sharding_impls
-
+    sharding_context, spmd_axis_context = _jax_private.sharding_contexts()
     ax = ctx.module_context.axis_context
-    if isinstance(ax, sharding_impls.ShardingContext) and ax.num_devices > 1:
+    if isinstance(ax, sharding_context) and ax.num_devices > 1:
         raise ValueError(
             "topk_exchange_merge runs per device (one rank each): call it inside shard_map over the "
             f"DCP mesh axis, not in a jit partitioned over {ax.num_devices} devices"
         )
-    if isinstance(ax, sharding_impls.SPMDAxisContext):
+    if isinstance(ax, spmd_axis_context):
         auto = set(ax.mesh.axis_names) - set(ax.manual_axes)
         if auto and any(ax.mesh.shape[a] > 1 for a in auto):
             raise ValueError(
@@ -339,9 +328,9 @@ def _cuda_lowering(ctx, logits, row_ends, req_id, block_table, *, exchange_id, t
     elif chained:
         token = _chain_get(ctx)
     if token is None:
-        token = mlir.hlo.create_token()
-    tok = core.abstract_token
-    ticket_aval = core.ShapedArray((), np.int32)  # never written; only makes the tuple
+        token = stablehlo.create_token()
+    tok = _jax_private.abstract_token()
+    ticket_aval = jax_core.ShapedArray((), np.int32)  # never written; only makes the tuple
     lg_aval, re_aval = ctx.avals_in[0], ctx.avals_in[1]
 
     push_ctx = dataclasses.replace(ctx, avals_in=[tok, lg_aval, re_aval], avals_out=[tok, ticket_aval])
@@ -454,7 +443,7 @@ def topk_exchange_merge(
     axis_name=None,
     ordered: bool | str = True,
 ) -> MergeOutput:
-    """Exact DCP top-K merge of this rank's candidates (SPEC §3) through ``exchange``.
+    """Exact DCP top-K merge of this rank's candidates (docs/DESIGN.md §3) through ``exchange``.
 
     Per-rank arguments (inside ``shard_map`` over the DCP axis, or jit on one
     device): ``logits`` bf16 [R, L], ``row_ends`` int32 [R], ``req_id`` int32
@@ -490,9 +479,7 @@ def topk_exchange_merge(
             logits, row_ends, req_id, block_table, axis_name=axis_name, topk=exchange.topk,
             block_size=block_size, with_ids=with_ids, with_saturated=with_saturated,
         )
-        return MergeOutput(r.kv_rows, r.counts, r.ids if with_ids else None, r.saturated if with_saturated else None)
-
-    from . import _ffi
+        return r  # a MergeOutput (ids / saturated None unless asked for)
 
     if _ffi.available():
         _ffi.register_targets()

@@ -1,4 +1,4 @@
-"""NumPy reference: the oracle of SPEC §4 and the CPU model of the protocol (§5-§6).
+"""NumPy reference: the oracle of docs/DESIGN.md §4 and the CPU model of the protocol (§5-§6).
 
 Two independent computations of the same answer:
 
@@ -13,12 +13,12 @@ Two independent computations of the same answer:
   :func:`kth_key`, :func:`saturated_mask`, ...) are public so GPU tests can check
   kernel outputs bit-exactly.
 
-Both return one :class:`MergeResult` per rank and must agree on every input.
+Both return one :class:`~jax_dsa_exchange.output.MergeOutput` (NumPy arrays) per rank and must agree on every input.
 
 Input checks (both functions): ``logits``, ``row_ends``, ``req_id`` and
 ``block_tables`` must be sequences of the same length W >= 1; each ``logits[q]``
 is a 2-D ``ml_dtypes.bfloat16`` array [R, L_q] with the same R on every rank;
-``row_ends[q]`` and ``req_id[q]`` are 1-D integer arrays [R] (int32 per SPEC;
+``row_ends[q]`` and ``req_id[q]`` are 1-D integer arrays [R] (int32 per docs/DESIGN.md §3;
 any integer dtype whose values fit int32 is accepted); ``block_tables[q]`` is a
 2-D integer array.  Wrong types raise TypeError, wrong shapes or values
 ValueError, each naming the argument and rank.
@@ -32,26 +32,16 @@ cannot raise from inside a jitted step and must never read out of bounds.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import ml_dtypes
 import numpy as np
 
 from . import layout
+from .output import MergeOutput
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-
-
-@dataclasses.dataclass(frozen=True)
-class MergeResult:
-    """The outputs of one rank (SPEC §3), all int32 NumPy arrays."""
-
-    kv_rows: np.ndarray  # [R, K]: this rank's selected KV slots, ascending l, then -1
-    counts: np.ndarray  # [R]: valid entries of kv_rows
-    ids: np.ndarray  # [R, K]: every selected global position, owner-major, then -1
-    saturated: np.ndarray  # [R]: bitmask of saturated ranks (zeros from the oracle)
 
 
 # ---------------------------------------------------------------------------
@@ -131,7 +121,7 @@ def _check_inputs(logits, row_ends, req_id, block_tables, topk, block_size):
 
 
 def _kv_slot(table: np.ndarray, req: int, l: np.ndarray, block_size: int, rank: int, row: int):
-    """Physical KV slots of local indices ``l`` (SPEC §3); -1 where the lookup is out of range."""
+    """Physical KV slots of local indices ``l`` (docs/DESIGN.md §3); -1 where the lookup is out of range."""
     pages = l // block_size
     ok = (0 <= req < table.shape[0]) & (pages < table.shape[1])
     slots = np.full(l.shape, -1, np.int64)
@@ -159,21 +149,21 @@ def _build_results(selected, world, rows, topk, reqs, tables, block_size, satura
             if lq.size:
                 kv[q][i, : lq.size] = _kv_slot(tables[q], int(reqs[q][i]), lq, block_size, q, i)
     sat = np.zeros(rows, np.int32) if saturated is None else np.asarray(saturated, np.int32)
-    return [MergeResult(kv_rows=kv[q], counts=counts[q], ids=ids.copy(), saturated=sat.copy())
+    return [MergeOutput(kv_rows=kv[q], counts=counts[q], ids=ids.copy(), saturated=sat.copy())
             for q in range(world)]
 
 
 # ---------------------------------------------------------------------------
-# The oracle (SPEC §4)
+# The oracle (docs/DESIGN.md §4)
 
 
 def topk_merge(logits, row_ends, req_id, block_tables, *, topk, block_size):
-    """Exact global top-K of every row over all W ranks (SPEC §4), the oracle.
+    """Exact global top-K of every row over all W ranks (docs/DESIGN.md §4), the oracle.
 
     Per row i: every rank q contributes its tokens l < clamp(row_ends[q][i], 0, L_q)
     whose score is not NaN, with global position g = l * W + q.  They are sorted
     by (score descending, compared as floats so -0.0 == +0.0; g ascending) and the
-    first min(K, count) are kept.  Returns one :class:`MergeResult` per rank
+    first min(K, count) are kept.  Returns one :class:`MergeOutput` per rank
     (``saturated`` is all zeros here).  See the module docstring for the input
     checks and the IndexError on bad block-table lookups.
     """
@@ -200,7 +190,7 @@ def topk_merge(logits, row_ends, req_id, block_tables, *, topk, block_size):
 
 
 # ---------------------------------------------------------------------------
-# The protocol model (SPEC §5-§6), piece by piece as the kernels do it
+# The protocol model (docs/DESIGN.md §5-§6), piece by piece as the kernels do it
 
 
 def bf16_bits(x) -> np.ndarray:
@@ -224,13 +214,13 @@ def _bits(x) -> np.ndarray:
 
 
 def is_nan_bits(bits) -> np.ndarray:
-    """NaN test on bf16 bits (SPEC §5): exponent all ones and a nonzero mantissa."""
+    """NaN test on bf16 bits (docs/DESIGN.md §5): exponent all ones and a nonzero mantissa."""
     b = _bits(bits).astype(np.uint32)
     return (b & 0x7FFF) > 0x7F80
 
 
 def ord16(bits) -> np.ndarray:
-    """Order-preserving map of bf16 bits into 1..0xFFFF (SPEC §5), as uint32.
+    """Order-preserving map of bf16 bits into 1..0xFFFF (docs/DESIGN.md §5), as uint32.
 
     -0 is canonicalized to +0 first, so both map to 0x8000.  Positive values set
     the top bit (above every negative); negative values are bit-inverted so a
@@ -245,7 +235,7 @@ def ord16(bits) -> np.ndarray:
 
 
 def local_topk_indices(logits_row, row_end, n) -> np.ndarray:
-    """Local indices l of a rank's top-n of one row (SPEC §6.1), ascending l.
+    """Local indices l of a rank's top-n of one row (docs/DESIGN.md §6.1), ascending l.
 
     Valid tokens are l < clamp(row_end, 0, L) with a non-NaN score; order is
     ord16 descending, then l ascending (= g ascending within one rank).  Fewer
@@ -262,7 +252,7 @@ def local_topk_indices(logits_row, row_end, n) -> np.ndarray:
 
 
 def pack_local_topk(logits_row_bits, row_end, n) -> np.ndarray:
-    """Packed words of a rank's local top-n of one row (SPEC §5, layout.py).
+    """Packed words of a rank's local top-n of one row (docs/DESIGN.md §5, layout.py).
 
     Returns uint32 [layout.row_words(n)]: candidate j (ascending local index l,
     empty zero words last) is ``ord16 << 16 | (0xFFFF - (l & 0xFFFF))``; bit 16
@@ -285,7 +275,7 @@ def pack_local_topk(logits_row_bits, row_end, n) -> np.ndarray:
 
 
 def decode_keys(words, n, rank, world) -> np.ndarray:
-    """Global 64-bit keys of a packed row from ``rank`` (SPEC §5); 0 = empty.
+    """Global 64-bit keys of a packed row from ``rank`` (docs/DESIGN.md §5); 0 = empty.
 
     ``ord16 << G | (2**G - 1 - g)`` with g = l * world + rank and
     G = layout.gid_bits(world).  Returns uint64 [n], in the list's order.
@@ -320,13 +310,13 @@ def top_keys(keys, k) -> np.ndarray:
 
 
 def kth_key(keys, k) -> int:
-    """T of round 1 (SPEC §6.3): the k-th largest nonzero key, 0 if fewer than k."""
+    """T of round 1 (docs/DESIGN.md §6.3): the k-th largest nonzero key, 0 if fewer than k."""
     top = top_keys(keys, k)
     return int(top[k - 1]) if top.size == k else 0
 
 
 def saturated_mask(lists, topk, local_topk) -> tuple[int, int]:
-    """Round 1 and the exact saturation rule (SPEC §6.3-§6.4) for one row.
+    """Round 1 and the exact saturation rule (docs/DESIGN.md §6.3-§6.4) for one row.
 
     ``lists[q]``: uint64 [N] decoded round-1 keys of rank q (0 = empty).
     Returns ``(mask, T)``: rank q's bit is set iff its list is full (N nonzero
@@ -358,7 +348,7 @@ def saturated_masks(logits, row_ends, *, topk, local_topk) -> np.ndarray:
 
 
 def round2_keys(lists, rescue, mask, T, topk) -> np.ndarray:
-    """Final selection (SPEC §6.5): top-K keys, descending.
+    """Final selection (docs/DESIGN.md §6.5): top-K keys, descending.
 
     Non-saturated ranks contribute their round-1 keys >= T (keys below T can
     never make the top K: at least K keys >= T are already in round 1, and each
@@ -377,15 +367,15 @@ def round2_keys(lists, rescue, mask, T, topk) -> np.ndarray:
 
 
 def protocol_merge(logits, row_ends, req_id, block_tables, *, topk, local_topk, block_size):
-    """CPU model of the two-round protocol (SPEC §5-§6); equals :func:`topk_merge`.
+    """CPU model of the two-round protocol (docs/DESIGN.md §5-§6); equals :func:`topk_merge`.
 
     Per row: every rank packs its local top-N (:func:`pack_local_topk`), every
     rank decodes the W lists (:func:`decode_keys`) and runs round 1 and the
     saturation rule (:func:`saturated_mask`); saturated ranks pack their local
     top-K, decoded like the round-1 lists; round 2 (:func:`round2_keys`) gives
-    the final keys.  Returns one :class:`MergeResult` per rank with
+    the final keys.  Returns one :class:`MergeOutput` per rank with
     ``saturated`` = the bitmask of saturated ranks of each row.  Configuration
-    limits are SPEC §2 (layout.check_config, L <= 2**17); input checks and the
+    limits are docs/DESIGN.md §2 (layout.check_config, L <= 2**17); input checks and the
     IndexError on bad block-table lookups are as in :func:`topk_merge`.
     """
     if not isinstance(logits, Sequence) or isinstance(logits, np.ndarray):

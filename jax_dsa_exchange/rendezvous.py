@@ -1,6 +1,6 @@
 """Collective agreement of the ranks of one exchange, over the jax.distributed key-value store.
 
-Creating an exchange is collective (SPEC §7): every rank publishes a record, reads
+Creating an exchange is collective (docs/DESIGN.md §7): every rank publishes a record, reads
 every other rank's, and checks that they agree.  Every rank reads all records and
 applies the same checks, so a mismatch is detected, and reported with the same
 message, on every rank; a rank that never publishes makes every other rank fail
@@ -20,9 +20,9 @@ class RendezvousError(RuntimeError):
 
 def distributed_client():
     """The jax.distributed client, or None when jax.distributed is not initialized."""
-    from jax._src import distributed
+    from ._jax_private import distributed_state
 
-    return distributed.global_state.client
+    return distributed_state().client
 
 
 class Rendezvous:

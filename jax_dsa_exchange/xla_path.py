@@ -1,8 +1,8 @@
-"""Pure-XLA exact top-K merge (SPEC §7 "pure-XLA path"): all_gather + top-k.
+"""Pure-XLA exact top-K merge (docs/DESIGN.md §7 "pure-XLA path"): all_gather + top-k.
 
 Runs on any backend (CPU included) inside ``jax.jit`` and ``shard_map`` over the
 DCP mesh axis, needs no 64-bit integers (``jax_enable_x64`` may stay off) and
-gives results bit-identical to ``reference.topk_merge`` (SPEC §4).
+gives results bit-identical to ``reference.topk_merge`` (docs/DESIGN.md §4).
 
 How it stays exact without 64-bit keys: a score key ``ord16`` (16 bits) and a
 position (17-21 bits) do not fit one int32, so no single ``top_k`` can order by
@@ -34,7 +34,6 @@ express their length through ``row_ends``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +41,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from . import layout
+from .output import MergeOutput
 
 # jax >= 0.7 exports shard_map at top level; older releases only have the
 # experimental one.  The two spell the replication check differently, which we
@@ -59,15 +59,8 @@ def _axis_size(axis_name) -> int:
     return int(lax.psum(1, axis_name))  # a Python int for a constant operand
 
 
-class MergeResult(NamedTuple):
-    kv_rows: jax.Array  # int32 [R, K]
-    counts: jax.Array  # int32 [R]
-    ids: jax.Array | None = None  # int32 [R, K] (with_ids)
-    saturated: jax.Array | None = None  # int32 [R] (with_saturated), always 0 here
-
-
 def ord16(logits: jax.Array) -> jax.Array:
-    """SPEC §5 order-preserving map of bf16 scores to int32 in [1, 0xFFFF]; NaN -> 0.
+    """docs/DESIGN.md §5 order-preserving map of bf16 scores to int32 in [1, 0xFFFF]; NaN -> 0.
 
     -0 and +0 both map to 0x8000; -inf to 0x007F, +inf to 0xFF80.
     """
@@ -123,17 +116,17 @@ def xla_topk_merge(
     block_size: int,
     with_ids: bool = False,
     with_saturated: bool = False,
-) -> MergeResult:
+) -> MergeOutput:
     """Exact DCP top-K merge for one rank; call inside shard_map over ``axis_name``.
 
-    Per-rank arguments (SPEC §3): ``logits`` bf16 [R, L], ``row_ends`` int32 [R]
+    Per-rank arguments (docs/DESIGN.md §3): ``logits`` bf16 [R, L], ``row_ends`` int32 [R]
     (clamped to [0, L]), ``req_id`` int32 [R], ``block_table`` int32
-    [num_req, max_pages].  Returns :class:`MergeResult` with ``kv_rows`` [R, K]
+    [num_req, max_pages].  Returns :class:`MergeOutput` with ``kv_rows`` [R, K]
     and ``counts`` [R]; ``ids`` [R, K] if ``with_ids``; ``saturated`` [R] (all
     zero: this path never needs a rescue round) if ``with_saturated``.
     ``ids``/``saturated`` are None when not requested.
 
-    Static arguments: ``topk`` (SPEC §2 limits, ValueError otherwise),
+    Static arguments: ``topk`` (docs/DESIGN.md §2 limits, ValueError otherwise),
     ``block_size``, the flags.  Works with ``jax_enable_x64`` off or on.  A
     selected token whose block-table lookup is out of range (bad ``req_id`` or
     too few pages) stays selected but gets kv_rows -1 (the rule of every path,
@@ -149,7 +142,7 @@ def xla_topk_merge(
     layout.check_config(world, topk, topk)
     R, L = logits.shape
     if L > layout.MAX_LOCAL_LEN:
-        raise ValueError(f"L={L} exceeds {layout.MAX_LOCAL_LEN} (SPEC §2)")
+        raise ValueError(f"L={L} exceeds {layout.MAX_LOCAL_LEN} (docs/DESIGN.md §2)")
     me = lax.axis_index(axis_name).astype(jnp.int32)
 
     # 1. Exact local top-K (fewer if fewer valid), listed in ascending l.
@@ -163,7 +156,7 @@ def xla_topk_merge(
     cand_g = jnp.where(cand_l >= 0, cand_l * world + me, -1)
 
     # 2. Every rank gets every rank's list: [R, W * n], owner-major, each
-    # owner's part in ascending l, i.e. already in the order SPEC §3 wants ids.
+    # owner's part in ascending l, i.e. already in the order docs/DESIGN.md §3 wants ids.
     all_s = lax.all_gather(cand_s, axis_name, axis=1, tiled=True)
     all_g = lax.all_gather(cand_g, axis_name, axis=1, tiled=True)
 
@@ -185,7 +178,7 @@ def xla_topk_merge(
 
     ids = _compact(chosen, all_g, topk) if with_ids else None
     saturated = jnp.zeros((R,), jnp.int32) if with_saturated else None
-    return MergeResult(kv_rows, counts, ids, saturated)
+    return MergeOutput(kv_rows, counts, ids, saturated)
 
 
 def xla_topk_merge_sharded(
@@ -200,7 +193,7 @@ def xla_topk_merge_sharded(
     block_size: int,
     with_ids: bool = False,
     with_saturated: bool = False,
-) -> MergeResult:
+) -> MergeOutput:
     """:func:`xla_topk_merge` over global arrays with a leading rank axis [W, ...].
 
     ``mesh`` has axis ``axis_name`` of size W (other mesh axes replicate).  See
@@ -223,4 +216,4 @@ def xla_topk_merge_sharded(
     kv_rows, counts = outs[0], outs[1]
     ids = outs[2] if with_ids else None
     saturated = outs[-1] if with_saturated else None
-    return MergeResult(kv_rows, counts, ids, saturated)
+    return MergeOutput(kv_rows, counts, ids, saturated)

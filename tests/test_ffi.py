@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from jax_dsa_exchange import _ffi
+from jax_dsa_exchange import _ffi, layout
+from jax_dsa_exchange.kernels import abi
+from jax_dsa_exchange.kernels.abi import MERGE as MG
+from jax_dsa_exchange.kernels.abi import SELECT_PUSH as SP
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
 SYMBOLS = [
     "DsaSelectPush", "DsaMerge", "DsaSelectPushNoGraph", "DsaMergeNoGraph", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
-    "dsa_set_kernel_split", "dsa_producer_cluster",
+    "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_launcher_params", "dsa_layout_constant",
 ]
 
 needs_lib = pytest.mark.skipif(not _ffi.available(), reason=f"FFI library not built: {_ffi.load_error()}")
@@ -119,15 +123,64 @@ def test_load_kernel_without_driver_is_readable():
     if _ffi.driver_available():
         pytest.skip("a CUDA driver is present")
     with pytest.raises(RuntimeError, match="kernel 'k' on device 0: cannot dlopen libcuda.so.1"):
-        _ffi.load_kernel("k", b"\0" * 16, None, "entry", 0, 128, 0)
+        _ffi.load_kernel("k", SP.kernel, SP.pairs(), b"\0" * 16, None, "entry", 0, 128, 0)
+
+
+@needs_lib
+def test_launcher_params_are_the_abi():
+    """The launcher fills exactly the parameters kernels/abi.py declares (names, types)."""
+    for name, k in abi.KERNELS.items():
+        assert _ffi.launcher_params(name) == k.pairs()
+    assert _ffi.launcher_params("other") == ()
+
+
+@needs_lib
+@pytest.mark.parametrize("kernel,params,where", [
+    ("select_push", SP.pairs()[:-1], "do not match"),  # one missing
+    ("select_push", SP.pairs() + (("extra", "i32"),), "at 'extra:i32'"),
+    ("merge", tuple(("rows", "i64") if n == "rows" else (n, t) for n, t in MG.pairs()), "at 'rows:i64'"),
+    ("merge", SP.pairs(), "do not match the launcher's merge params"),
+    ("merge", MG.pairs()[:3] + MG.pairs()[2:], "at 'state:i64'"),  # a name twice
+    ("other", MG.pairs(), "unknown kernel 'other'"),
+])  # fmt: skip
+def test_launcher_refuses_other_params(kernel, params, where):
+    """A kernel image whose metadata names other parameters than the launcher's is refused
+    at load (before any driver call), naming both lists."""
+    with pytest.raises(RuntimeError, match=re.escape(where)):
+        _ffi.load_kernel("k_bad", kernel, params, b"\0" * 16, None, "entry", 0, 128, 0)
+
+
+@needs_lib
+def test_launcher_params_any_order_is_accepted():
+    """The launcher packs by name: the metadata's order is the launch order (checked on
+    the GPU by the fake kernels); here only that a permutation passes the name check."""
+    if _ffi.driver_available():
+        pytest.skip("a CUDA driver is present")
+    with pytest.raises(RuntimeError, match="cannot dlopen libcuda.so.1"):
+        _ffi.load_kernel("k_perm", "merge", MG.pairs()[::-1], b"\0" * 16, None, "entry", 0, 128, 0)
+
+
+@needs_lib
+def test_launcher_layout_constants_are_layout_py():
+    """The C++ status codes, status word indices and state offsets equal layout.py's."""
+    assert _ffi.layout_constants() == layout.launcher_constants()
+
+
+def test_fake_kernels_have_the_abi():
+    """ffi/testing/fake_kernels.cu (the launcher's GPU test kernels) take the parameters
+    of kernels/abi.py, in order."""
+    text = FAKE_CU.read_text()
+    for entry, k in (("fake_select_push", SP), ("fake_merge", MG)):
+        m = re.search(r"__global__ void " + entry + r"\((.*?)\)", text, re.S)
+        assert m, entry
+        got = [tuple(a.split()) for a in m.group(1).split(",")]
+        assert [(n, {"int64_t": "i64", "int": "i32"}[t]) for t, n in got] == list(k.pairs()), entry
 
 
 @needs_lib
 def test_launcher_splits_rows_like_layout():
     """The C++ launcher's cluster size (from the metadata's split) equals
     layout.producer_cluster for every shape, default and other splits."""
-    from jax_dsa_exchange import layout
-
     splits = [layout.producer_split(), dict(slice_max=4096, cluster_max=8, min_slice=512, fill_ctas=132),
               dict(slice_max=16384, cluster_max=1, min_slice=2048, fill_ctas=264)]  # fmt: skip
     cols = [1, 7, 8, 100, 2047, 2048, 2049, 4096, 8191, 8192, 16383, 16384, 16385, 32768, 40000,
@@ -166,16 +219,17 @@ def compile_fake(tmp: pathlib.Path) -> tuple[bytes, str]:
 @gpu
 def test_load_kernel_cubin_ptx_fallback_and_register(tmp_path):
     cubin, ptx = compile_fake(tmp_path)
-    assert _ffi.load_kernel("t_sel", cubin, ptx, "fake_select_push", 0, 128, 0) == "cubin"
-    assert _ffi.load_kernel("t_sel", cubin, ptx, "fake_select_push", 0, 128, 0) == "cubin"  # once
+    sp, mg = (SP.kernel, SP.pairs()), (MG.kernel, MG.pairs())
+    assert _ffi.load_kernel("t_sel", *sp, cubin, ptx, "fake_select_push", 0, 128, 0) == "cubin"
+    assert _ffi.load_kernel("t_sel", *sp, cubin, ptx, "fake_select_push", 0, 128, 0) == "cubin"  # once
     with pytest.raises(RuntimeError, match="already loaded with other launch parameters"):
-        _ffi.load_kernel("t_sel", cubin, ptx, "fake_select_push", 0, 256, 0)
+        _ffi.load_kernel("t_sel", *sp, cubin, ptx, "fake_select_push", 0, 256, 0)
     # A cubin the driver refuses falls back to the PTX; > 48 KB dynamic smem opts in.
-    assert _ffi.load_kernel("t_merge_ptx", b"garbage-not-a-cubin", ptx, "fake_merge", 0, 128, 100 << 10) == "ptx"
+    assert _ffi.load_kernel("t_merge_ptx", *mg, b"garbage-not-a-cubin", ptx, "fake_merge", 0, 128, 100 << 10) == "ptx"
     with pytest.raises(RuntimeError, match=r"cuModuleLoadDataEx\(cubin\) failed: CUDA_ERROR_"):
-        _ffi.load_kernel("t_bad", b"garbage", None, "fake_merge", 0, 128, 0)
+        _ffi.load_kernel("t_bad", MG.kernel, MG.pairs(), b"garbage", None, "fake_merge", 0, 128, 0)
     with pytest.raises(RuntimeError, match=r"cuModuleGetFunction\('no_such_entry'\) failed: CUDA_ERROR_NOT_FOUND"):
-        _ffi.load_kernel("t_noentry", cubin, None, "no_such_entry", 0, 128, 0)
+        _ffi.load_kernel("t_noentry", MG.kernel, MG.pairs(), cubin, None, "no_such_entry", 0, 128, 0)
     _ffi.register_exchange(
         4242, 0, **_reg_kwargs(select_key="t_sel", merge_key="t_merge_ptx")
     )

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from jax_dsa_exchange import layout
-from jax_dsa_exchange.kernels import cache
+from jax_dsa_exchange.kernels import abi, cache
 
 pytestmark = pytest.mark.skipif(not cache.cutlass_available(),
                                 reason="nvidia-cutlass-dsl (CuTe DSL) is not installed")
@@ -19,14 +19,7 @@ pytestmark = pytest.mark.skipif(not cache.cutlass_available(),
 # keys re-read from memory (16*2048), N == K
 CONFIGS = [(8, 256, 64), (16, 2048, 1024), (16, 4096, 2048), (4, 128, 128)]
 
-ABI = {
-    "select_push": ["logits", "row_ends", "rows", "cols", "epoch", "peers", "rank", "max_rows"],
-    "merge": ["peers", "local", "state", "logits", "row_ends", "req_id", "block_table", "kv_rows",
-              "counts", "ids", "saturated", "rows", "cols", "bt_rows", "bt_cols", "block_size",
-              "rank", "max_rows", "rescue_off", "flags_off", "timeout_us"],
-}  # fmt: skip
 SMEM_OPT_IN_MAX = 232448  # dynamic shared memory one Hopper CTA may opt in to (227 KB)
-I32 = {"rows", "cols", "rank", "max_rows", "bt_rows", "bt_cols", "block_size", "timeout_us"}
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: "w%d-k%d-n%d" % c)
@@ -83,8 +76,7 @@ def test_metadata_matches_abi(images, tmp_path):
     d = cache.write_images(images, tmp_path)
     for name, (img, _) in images.items():
         meta = json.loads((d / f"{name}.json").read_text())
-        assert [p[0] for p in meta["params"]] == ABI[name]
-        assert [p[1] for p in meta["params"]] == ["i32" if p in I32 else "i64" for p in ABI[name]]
+        assert [tuple(p) for p in meta["params"]] == list(abi.KERNELS[name].pairs())
         assert meta["entry"] == img.entry and meta["kernel"] == name
         assert meta["block"] == 512 and meta["smem"] == img.smem
         assert meta["arch"] == "sm_90a" and meta["source_hash"] == cache.source_hash()
@@ -94,6 +86,26 @@ def test_metadata_matches_abi(images, tmp_path):
         assert (d / meta["cubin"]).read_bytes() == img.cubin
     back = cache.read_images(d)
     assert {k: v.entry for k, v in back.items()} == {k: v[0].entry for k, v in images.items()}
+
+
+def test_kernel_signatures_are_the_abi():
+    """The CuTe DSL kernel and entry spell out kernels/abi.py's parameters: same names,
+    same order, annotated Int64 / Int32 as declared; the compile dummies follow it."""
+    import inspect
+
+    from cutlass import Int32, Int64
+
+    from jax_dsa_exchange.kernels.merge import Merge
+    from jax_dsa_exchange.kernels.select_push import SelectPush
+
+    dsl = {"i64": Int64, "i32": Int32}
+    ann = {"i64": "Int64", "i32": "Int32"}  # (string annotations: from __future__)
+    for cls, k in ((SelectPush, abi.SELECT_PUSH), (Merge, abi.MERGE)):
+        for fn in (cls.kernel, cls.entry):
+            params = list(inspect.signature(fn).parameters.values())[1:]  # less self
+            assert [p.name for p in params] == list(k.names), (cls.__name__, fn)
+            assert [str(p.annotation) for p in params] == [ann[p.type] for p in k.params], (cls.__name__, fn)
+        assert [type(d) for d in k.dummies(Int64, Int32)] == [dsl[p.type] for p in k.params]
 
 
 def test_cache_key_follows_source(tmp_path):

@@ -1,5 +1,5 @@
 """GPU tests of the raw kernels (select_push + merge): W ranks in one process
-on one GPU (jax_dsa_exchange.kernels.sim), bit-identical to the NumPy
+on one GPU (jax_dsa_exchange.testing.sim), bit-identical to the NumPy
 protocol model on the shared adversarial cases.
 
 Runs where a GPU and CuPy exist, from prebuilt cubins found through
@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from jax_dsa_exchange import cases, layout, reference
+from jax_dsa_exchange import layout, reference
+from jax_dsa_exchange.testing import cases
 
 from gpu import gpu_stack_missing
 
@@ -33,7 +34,7 @@ _SIMS: dict = {}
 
 
 def sim_for(world, topk, n, max_rows=64):
-    from jax_dsa_exchange.kernels.sim import Sim
+    from jax_dsa_exchange.testing.sim import Sim
 
     key = (world, topk, n)
     if key not in _SIMS or _SIMS[key].max_rows < max_rows:
@@ -131,7 +132,7 @@ def test_delayed_rank():
 
 
 def test_missing_rank_times_out():
-    from jax_dsa_exchange.kernels.sim import Sim
+    from jax_dsa_exchange.testing.sim import Sim
 
     world, missing = 4, 2
     sim = Sim(world, SMALL_K, SMALL_N, 16)  # fresh buffers: this call leaves them stale
@@ -151,7 +152,7 @@ def test_a_late_rank_after_a_timeout_times_out_too():
     """Rank 1 starts after rank 0 gave up on it.  Rank 0 withdrew its pushed words when it
     timed out, so rank 1 does not merge with a call rank 0 abandoned: it times out too,
     naming rank 0.  Every row of both ranks is empty (a failed call voids its rows)."""
-    from jax_dsa_exchange.kernels.sim import Sim
+    from jax_dsa_exchange.testing.sim import Sim
 
     world = 2
     sim = Sim(world, SMALL_K, SMALL_N, 16)
@@ -170,7 +171,7 @@ def test_rows_of_a_failed_call_are_right_or_empty():
     """Rank 3 never pushes rows 3.. (it is given fewer rows): every rank's rows are either
     bit-identical to the model (rows every rank pushed, merged before the failure) or
     empty; none is a guess from stale words."""
-    from jax_dsa_exchange.kernels.sim import Sim
+    from jax_dsa_exchange.testing.sim import Sim
 
     world = 4
     sim = Sim(world, SMALL_K, SMALL_N, 16)
@@ -193,7 +194,7 @@ def test_rows_of_a_failed_call_are_right_or_empty():
 def test_missing_rescue_times_out():
     """A saturated rank that pushed round 1 but never runs its merge (so never
     rescues): the others record [2, row, epoch, that rank], no hang."""
-    from jax_dsa_exchange.kernels.sim import Sim
+    from jax_dsa_exchange.testing.sim import Sim
 
     world = 4
     sim = Sim(world, SMALL_K, SMALL_N, 16)
@@ -219,7 +220,7 @@ def test_failed_or_closed_exchange_refuses_calls():
     empty outputs at once (no wait, no hang), epochs unchanged, no store into any peer.
     The same holds for a closed exchange (status STATUS_CLOSED), which is what makes a
     CUDA-graph replay after Exchange.close() harmless."""
-    from jax_dsa_exchange.kernels.sim import Sim
+    from jax_dsa_exchange.testing.sim import Sim
 
     world = 4
     sim = Sim(world, SMALL_K, SMALL_N, 16)
@@ -249,7 +250,7 @@ def test_failed_or_closed_exchange_refuses_calls():
 def test_epochs_across_the_int32_and_uint32_wrap(start):
     """Epochs started just below 2^31 (sign flip) and 2^32 (wrap through 0) keep working:
     tags compare as 32-bit words and the parity is the low bit, so nothing changes there."""
-    from jax_dsa_exchange.kernels.sim import Sim
+    from jax_dsa_exchange.testing.sim import Sim
 
     world = 4
     sim = Sim(world, SMALL_K, SMALL_N, 16)
@@ -276,7 +277,7 @@ def test_long_run():
     (default 100000)."""
     import os
 
-    from jax_dsa_exchange.kernels.sim import POISON, Sim
+    from jax_dsa_exchange.testing.sim import POISON, Sim
 
     world, calls = 4, int(os.environ.get("DSA_LONG_RUN_CALLS", "100000"))
     sim = Sim(world, SMALL_K, SMALL_N, 64)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_dsa_exchange import cases, layout, reference
+from jax_dsa_exchange import layout, reference
+from jax_dsa_exchange.testing import cases
 
 NB = 1024  # bins of the first score histogram (kernels/merge.py SCORE_BINS)
 MMAX = 256  # most keys at the boundary score resolved by ranking (merge.py EQ_MAX)

@@ -201,7 +201,8 @@ def _worker(argv) -> int:
     import jax
     import numpy as np
 
-    from jax_dsa_exchange import cases, reference
+    from jax_dsa_exchange import reference
+    from jax_dsa_exchange.testing import cases
     from jax_dsa_exchange.xla_path import xla_topk_merge_sharded
 
     assert jax.process_count() == world and jax.process_index() == rank

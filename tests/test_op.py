@@ -22,6 +22,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_dsa_exchange import _ffi
+from jax_dsa_exchange.kernels.abi import MERGE as MG
+from jax_dsa_exchange.kernels.abi import SELECT_PUSH as SP
 from jax_dsa_exchange.op import MergeOutput, topk_exchange_merge
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -461,8 +463,9 @@ def test_ffi_path_end_to_end_with_stand_in_kernels(tmp_path):
         buf = cp.zeros(4 * max_rows, cp.int32)
         peers = cp.asarray([buf.data.ptr], cp.int64)
         cp.cuda.Device(ordinal).synchronize()
-    assert _ffi.load_kernel("e2e_sel", cubin, ptx, "fake_select_push", ordinal, 128, 0) == "cubin"
-    assert _ffi.load_kernel("e2e_merge", cubin, ptx, "fake_merge", ordinal, 128, 64 << 10) == "cubin"
+    sel = _ffi.load_kernel("e2e_sel", SP.kernel, SP.pairs(), cubin, ptx, "fake_select_push", ordinal, 128, 0)
+    mrg = _ffi.load_kernel("e2e_merge", MG.kernel, MG.pairs(), cubin, ptx, "fake_merge", ordinal, 128, 64 << 10)
+    assert sel == mrg == "cubin"
     exid = 31337
     _ffi.register_exchange(exid, ordinal, rank=0, world=1, topk=FAKE_TOPK, local_topk=32, max_rows=max_rows,
                            peers=peers.data.ptr, local=buf.data.ptr, state=state.data.ptr, rescue_off=111,
@@ -546,9 +549,9 @@ def test_ffi_path_end_to_end_with_stand_in_kernels(tmp_path):
     finally:
         # The failed call's ordered-effect token carries the error into later
         # effectful calls of this process; drop it so other tests start clean.
-        from jax._src import dispatch
+        from jax_dsa_exchange._jax_private import clear_runtime_tokens
 
-        dispatch.runtime_tokens.clear()
+        clear_runtime_tokens()
 
 
 FLAGS_SCRIPT = textwrap.dedent(
@@ -630,15 +633,16 @@ def test_compiler_options_scope_the_fusion_workaround_to_one_executable(monkeypa
 SERIALIZE_SCRIPT = textwrap.dedent(
     """
     import time, numpy as np, jax, jax.numpy as jnp
-    from jax._src.interpreters import mlir
+    from jax.interpreters import mlir
     from jax_dsa_exchange import op
+    from jax_dsa_exchange._jax_private import full_like_aval
     from jax_dsa_exchange.op import topk_exchange_merge, topk_exchange_merge_p, EFFECT
 
     def fake_cpu(ctx, logits, row_ends, req_id, block_table, *, ordered, **kw):
         # Stand-in for the kernels on CPU: same avals, same effect handling; no work.
         if ordered == "effect":
             ctx.set_tokens_out(ctx.tokens_in)
-        return [mlir.full_like_aval(ctx, 0, a) for a in ctx.avals_out]
+        return [full_like_aval(ctx, 0, a) for a in ctx.avals_out]
 
     mlir.register_lowering(topk_exchange_merge_p, fake_cpu, platform="cpu", cacheable=False)
 

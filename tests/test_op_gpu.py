@@ -1,4 +1,4 @@
-"""The op on the GPU through the FFI path, one rank per process (SPEC §7).
+"""The op on the GPU through the FFI path, one rank per process (docs/DESIGN.md §7).
 
 W processes share the one GPU of the test machine (each with its own exchange, peers
 mapped over CUDA IPC) and run a jitted decode loop (lax.scan over layers, several steps);

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_dsa_exchange import cases, layout, reference
+from jax_dsa_exchange import layout, reference
+from jax_dsa_exchange.testing import cases
 
 from gpu import gpu_stack_missing
 from test_kernels_gpu import check, sim_for

@@ -37,7 +37,7 @@ def _run_worker(world: int, *extra: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 16])  # 3: not a power of two; 16: SPEC max
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8, 16])  # 3: not a power of two; 16: the max of docs/DESIGN.md §2
 def test_adversarial_cases_bit_identical(world):
     res = _run_worker(world)
     assert res["mismatches"] == [], res["mismatches"][:20]
@@ -68,7 +68,8 @@ def _worker(world: int, api: bool) -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jax_dsa_exchange import cases, distributed, reference
+    from jax_dsa_exchange import distributed, reference
+    from jax_dsa_exchange.testing import cases
     from jax_dsa_exchange.xla_path import xla_topk_merge_sharded
 
     assert not jax.config.jax_enable_x64  # the path must not need 64-bit ints
@@ -139,7 +140,7 @@ def _worker(world: int, api: bool) -> dict:
         mismatches.append("float32 logits were accepted")
     except TypeError:
         pass
-    # ord16 on every bf16 bit pattern equals the reference encoding (SPEC §5).
+    # ord16 on every bf16 bit pattern equals the reference encoding (docs/DESIGN.md §5).
     from jax_dsa_exchange.xla_path import ord16
 
     bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)

@@ -74,8 +74,11 @@ def child(cfg: str, dump: str) -> None:
         buf = cp.zeros(4 * max_rows, cp.int32)
         peers = cp.asarray([buf.data.ptr], cp.int64)
         cp.cuda.Device(dev).synchronize()
-    _ffi.load_kernel("g_sel", cubin, None, "fake_select_push", dev, 128, 0)
-    _ffi.load_kernel("g_merge", cubin, None, "fake_merge", dev, 128, 64 << 10)
+    from jax_dsa_exchange.kernels.abi import MERGE as MG
+    from jax_dsa_exchange.kernels.abi import SELECT_PUSH as SP
+
+    _ffi.load_kernel("g_sel", SP.kernel, SP.pairs(), cubin, None, "fake_select_push", dev, 128, 0)
+    _ffi.load_kernel("g_merge", MG.kernel, MG.pairs(), cubin, None, "fake_merge", dev, 128, 64 << 10)
     _ffi.register_exchange(5, dev, rank=0, world=1, topk=64, local_topk=32, max_rows=max_rows,
                            peers=peers.data.ptr, local=buf.data.ptr, state=state.data.ptr, rescue_off=0,
                            flags_off=0, timeout_us=1000, merge_grid=2, select_key="g_sel", merge_key="g_merge")

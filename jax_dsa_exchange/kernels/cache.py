@@ -39,6 +39,7 @@ from .. import layout
 KERNELS = ("select_push", "merge")
 _HERE = pathlib.Path(__file__).resolve().parent
 SOURCE_FILES = (
+    _HERE / "abi.py",
     _HERE / "common.py",
     _HERE / "select.py",
     _HERE / "select_push.py",
@@ -53,7 +54,7 @@ GRID_DOC = {
     "select_push": "(rows * C, 1, 1) in clusters of (C, 1, 1), C = layout.producer_cluster(rows, "
     "cols) from the metadata's split: cluster b selects and pushes row b",
     "merge": "(G, 1, 1), 1 <= G <= rows, small enough that the W ranks' merge grids "
-    "are co-resident on their GPUs (SPEC §6.7): CTA b does rows b, b+G, ...",
+    "are co-resident on their GPUs (docs/DESIGN.md §6.7): CTA b does rows b, b+G, ...",
 }
 
 
@@ -143,10 +144,9 @@ def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: in
 def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
     """Compile both kernels -> {name: (KernelImage, compile seconds)}."""
     layout.check_config(world, topk, local_topk)
-    from . import merge, select_push
+    from .abi import KERNELS as ABIS
     from .common import TB
 
-    params = {"select_push": select_push.PARAMS, "merge": merge.PARAMS}
     shash = source_hash()
     out = {}
     for name in KERNELS:
@@ -157,7 +157,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
         img = KernelImage(
             kernel=name, entry=entries[0], cubin=bytes(compiled.__cubin__),
             ptx=str(compiled.__ptx__), block=TB, smem=int(obj.smem),
-            params=tuple(tuple(p) for p in params[name]),
+            params=ABIS[name].pairs(),
             config={"world": world, "topk": topk, "local_topk": local_topk},
             arch=arch, source_hash=shash,
             split=layout.producer_split() if name == "select_push" else None,

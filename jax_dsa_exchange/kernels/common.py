@@ -1,4 +1,4 @@
-"""PTX helpers and the CTA-wide selections shared by both kernels (SPEC §4-§6).
+"""PTX helpers and the CTA-wide selections shared by both kernels (docs/DESIGN.md §4-§6).
 
 No JAX import.  Every global access goes through an Int64 address and a short
 inline-PTX helper, so the memory semantics (volatile LL halves, system-scope
@@ -23,9 +23,65 @@ from cutlass import Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .. import layout
+
 TB = 512  # threads per CTA; also the number of bins of the first histogram
 NWARPS = TB // 32
 DIGIT = 9  # bits per radix digit of the 64-bit key select (2**9 == TB bins)
+
+
+# --------------------------------------------------------------------------
+# Addresses in the local state (int32 words, layout.StateLayout) and its status
+# words (layout.STATUS_*), built from layout.py's numbers.
+# --------------------------------------------------------------------------
+
+
+def _region(max_rows, rows: int):
+    """Int64 word offset rows * max_rows of a state region (rows from layout.py)."""
+    return Int64(max_rows) if rows == 1 else Int64(max_rows) * Int64(rows)
+
+
+def state_epoch(state, max_rows, t):
+    """Address of epoch[t]."""
+    if layout.STATE_EPOCH_ROWS == 0:
+        return state + Int64(t) * Int64(4)
+    return state + (_region(max_rows, layout.STATE_EPOCH_ROWS) + Int64(t)) * Int64(4)
+
+
+def state_seq(state, max_rows, t):
+    """Address of seq[t] (the rescue sequence of row t)."""
+    return state + (_region(max_rows, layout.STATE_SEQ_ROWS) + Int64(t)) * Int64(4)
+
+
+def state_status(state, max_rows):
+    """Address of the status words (word layout.STATUS_CODE first)."""
+    return state + Int64(max_rows) * Int64(4 * layout.STATE_STATUS_ROWS)
+
+
+def status_word(status, i: int):
+    """Address of status word ``i`` (layout.STATUS_ROW, ...)."""
+    return status if i == 0 else status + Int64(4 * i)
+
+
+def ll_row_offset(parity, src, row, world, max_rows, row_bytes):
+    """layout.ll_row_offset on device integers (Int64)."""
+    return layout.ll_row_offset(parity, src, row, world, max_rows, row_bytes, i64=Int64)
+
+
+def rescue_row_offset(row, slot, slots, row_bytes):
+    """layout.rescue_row_offset on device integers (Int64)."""
+    return layout.rescue_row_offset(row, slot, slots, row_bytes, i64=Int64)
+
+
+def flag_offset(src, row, max_rows):
+    """layout.flag_offset on device integers (Int64)."""
+    return layout.flag_offset(src, row, max_rows, i64=Int64)
+
+
+def ll_word_addr(base, j):
+    """Address of word ``j`` of the LL row at ``base`` (layout.ll_offset)."""
+    return (base + Int64(j >> Int32(1)) * Int64(layout.LL_RECORD_BYTES)
+            + Int64(j & Int32(1)) * Int64(layout.LL_HALF_BYTES))  # fmt: skip
 
 
 # --------------------------------------------------------------------------
@@ -165,7 +221,7 @@ def hist_inc(hist: cute.Tensor, b: Int32, valid):
 
 @cute.jit
 def ord16(bits: Uint32) -> Uint32:
-    """SPEC §5: order-preserving map of non-NaN bf16 bits to 1..0xFFFF; 0 for
+    """docs/DESIGN.md §5: order-preserving map of non-NaN bf16 bits to 1..0xFFFF; 0 for
     NaN (never a candidate)."""
     o = Uint32(0)
     if (bits & Uint32(0x7FFF)) <= Uint32(0x7F80):

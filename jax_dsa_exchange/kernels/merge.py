@@ -1,12 +1,8 @@
-"""Consumer kernel (SPEC §6.2-§6.7): wait for the W ranks' LL rows, exact
+"""Consumer kernel (docs/DESIGN.md §6.2-§6.7): wait for the W ranks' LL rows, exact
 top-K merge, saturation, rescue (round 2), outputs, epoch bump.
 
-ABI (fixed; all plain Int64 addresses / Int32 scalars, in this order)::
-
-    peers, local, state, logits, row_ends, req_id, block_table, kv_rows,
-    counts, ids (0 = not wanted), saturated (0 = not wanted): i64
-    rows, cols, bt_rows, bt_cols, block_size, rank, max_rows: i32
-    rescue_off, flags_off: i64;  timeout_us: i32
+ABI: ``abi.MERGE`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry``
+spell it out and tests/test_kernels_compile.py checks them against it).
 
 grid = (G, 1, 1), G <= rows chosen by the host so that the W ranks' merge
 grids are co-resident: CTA b walks rows b, b + G, ... (the same order on
@@ -20,7 +16,7 @@ Per row t (e = epoch[t] + 1):
   outputs  order-preserving compaction of {key >= T} in owner-major order
            (lists are ascending l), per-rank selected counts;
   saturation  rank q saturated iff all its N keys are > T, i.e. N of them
-           selected and T is not q's (full keys, SPEC §6.4);
+           selected and T is not q's (full keys, docs/DESIGN.md §6.4);
   rescue   a saturated rank pushes its local top-K into slot s of every
            rank's rescue region, then flags seq+1 (release, system scope);
            every rank acquires the flags (timeout -> status [2, ...]), selects
@@ -39,20 +35,13 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import layout
+from . import abi
 from . import common as C
 from . import select as S
 from .select_push import row_end
 
-PARAMS = [
-    ("peers", "i64"), ("local", "i64"), ("state", "i64"), ("logits", "i64"),
-    ("row_ends", "i64"), ("req_id", "i64"), ("block_table", "i64"),
-    ("kv_rows", "i64"), ("counts", "i64"), ("ids", "i64"), ("saturated", "i64"),
-    ("rows", "i32"), ("cols", "i32"), ("bt_rows", "i32"), ("bt_cols", "i32"),
-    ("block_size", "i32"), ("rank", "i32"), ("max_rows", "i32"),
-    ("rescue_off", "i64"), ("flags_off", "i64"), ("timeout_us", "i32"),
-]  # fmt: skip
+ABI = abi.MERGE
 
-KPT_REGS = 16  # (old register path, unused: the fast path below replaced it)
 KP_MAX = 32  # candidate words per thread kept in registers by the fast path
 SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
 SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
@@ -72,10 +61,6 @@ def ld_volatile_v2_u64(addr: Int64, *, loc=None, ip=None):
                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)  # fmt: skip
     return (Uint64(llvm.extractvalue(T.i64(), r, [0], loc=loc, ip=ip)),
             Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
-
-
-def _align(x, a):
-    return -(-x // a) * a
 
 
 FAST_WORDS = (SCORE_BINS + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh, fh2, eq, st, wt, pref, sc
@@ -137,6 +122,7 @@ class Merge:
         self.keybits = 16 + self.gbits
         self.rw_n = layout.row_words(n)
         self.rw_k = layout.row_words(topk)
+        self.rescue_row_bytes = layout.rescue_row_bytes(topk)
         self.ll_row_bytes = layout.ll_row_bytes(n)
         self.slots = layout.rescue_slots(topk, n, world)
         self.nk1 = world * n
@@ -195,7 +181,7 @@ class Merge:
                 h = self.probe(addr, flag)
                 if Int32(Uint32(h >> Uint64(32))) == want:
                     go = Int32(0)
-                elif C.ld_volatile_u32(status) != Uint32(0):
+                elif C.ld_volatile_u32(status) != Uint32(layout.STATUS_OK):
                     go = Int32(0)
                 elif C.globaltimer() - start > timeout_ns:
                     self.record(status, Int32(code), t, ep, q)
@@ -215,22 +201,20 @@ class Merge:
 
     @cute.jit
     def record(self, status: Int64, code: Int32, t: Int32, ep: Int32, q: Int32):
-        old = C.atom_cas_u32(status, Int32(0), code)
-        if old == Int32(0):
-            C.st_volatile_u32(status + Int64(4), t)
-            C.st_volatile_u32(status + Int64(8), ep)
-            C.st_volatile_u32(status + Int64(12), q)
+        old = C.atom_cas_u32(C.status_word(status, layout.STATUS_CODE), Int32(layout.STATUS_OK), code)
+        if old == Int32(layout.STATUS_OK):
+            C.st_volatile_u32(C.status_word(status, layout.STATUS_ROW), t)
+            C.st_volatile_u32(C.status_word(status, layout.STATUS_EPOCH), ep)
+            C.st_volatile_u32(C.status_word(status, layout.STATUS_RANK), q)
 
     @cute.jit
     def ll_key(self, ll_base: Int64, q: Int32, j: Int32, ep: Int32, wait: cutlass.Constexpr,
                status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
         """Key j of rank q's round-1 list; ll_base = this row's LL row of rank
         0 (rank q's is ll_base + q * max_rows * row bytes, passed in)."""  # fmt: skip
-        w = self.ll_half(ll_base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8),
-                         ep, wait, status, t, q, timeout_ns)  # fmt: skip
+        w = self.ll_half(C.ll_word_addr(ll_base, j), ep, wait, status, t, q, timeout_ns)
         mj = Int32(self.n) + (j >> Int32(5))
-        m = self.ll_half(ll_base + Int64(mj >> Int32(1)) * Int64(16) + Int64(mj & Int32(1)) * Int64(8),
-                         ep, wait, status, t, q, timeout_ns)  # fmt: skip
+        m = self.ll_half(C.ll_word_addr(ll_base, mj), ep, wait, status, t, q, timeout_ns)
         return self.make_key(w, m, j, q)
 
     @cute.jit
@@ -258,7 +242,7 @@ class Merge:
             j = v - seg[q]
             s = seg[17 + q]
             if s >= Int32(0):
-                base = resc0 + Int64(s) * Int64(self.rw_k * 4)
+                base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
                 w = C.ld_volatile_u32(base + Int64(j) * Int64(4))
                 m = C.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
                 key = self.make_key(w, m, j, q)
@@ -457,7 +441,7 @@ class Merge:
 
     @cute.jit
     def ll_word_addr(self, base: Int64, j: Int32) -> Int64:
-        return base + Int64(j >> Int32(1)) * Int64(16) + Int64(j & Int32(1)) * Int64(8)
+        return C.ll_word_addr(base, j)
 
     @cute.jit
     def pair_addr(self, i: cutlass.Constexpr, v: Int32, ll0: Int64, ll_stride: Int64, lane,
@@ -529,7 +513,7 @@ class Merge:
                         w0 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp), ep, True, status,
                                           t, q, timeout_ns)  # fmt: skip
                     if Int32(Uint32(d1[k] >> Uint64(32))) != ep:
-                        w1 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp) + Int64(8), ep,
+                        w1 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp) + Int64(layout.LL_HALF_BYTES), ep,
                                           True, status, t, q, timeout_ns)  # fmt: skip
                     m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (lane >> Int32(4)))
                     words[2 * i] = w0
@@ -556,7 +540,7 @@ class Merge:
                 q, j = self.owner(v, True, seg)
                 s = seg[17 + q]
                 if s >= Int32(0):
-                    base = resc0 + Int64(s) * Int64(self.rw_k * 4)
+                    base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
                     d = C.ld_volatile_u64(base + Int64(j) * Int64(4))
                     w0 = Uint32(d & Uint64(0xFFFFFFFF))
                     w1 = Uint32(d >> Uint64(32))
@@ -941,7 +925,7 @@ class Merge:
         sm = MergeSmem(self.rw_k)
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         W = self.world
-        status = state + Int64(max_rows) * Int64(8)
+        status = C.state_status(state, max_rows)
         timeout_ns = Int64(timeout_us) * Int64(1000)
         ll_stride = Int64(max_rows) * Int64(self.ll_row_bytes)  # next source rank
         keys = cute.make_rmem_tensor((1,), Uint64)  # (the old register path is not used)
@@ -963,19 +947,21 @@ class Merge:
         # epochs are loaded one row ahead.  Only this CTA touches its rows' epochs.
         epn = Int32(0)
         if t < rows:
-            epn = C.ld_u32(state + Int64(t) * Int64(4))
+            epn = C.ld_u32(C.state_epoch(state, max_rows, t))
         # A failed or closed exchange (status set before this launch) does no exchange
         # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
-        if C.ld_volatile_u32(status) != Uint32(0):
+        if C.ld_volatile_u32(status) != Uint32(layout.STATUS_OK):
             refused = Int32(1)
             while t < rows:
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
                 t = t + Int32(nblk)
         while t < rows:
             ep = epn + Int32(1)
-            seq = C.ld_u32(state + (Int64(max_rows) + Int64(t)) * Int64(4))
+            seq = C.ld_u32(C.state_seq(state, max_rows, t))
+            # LL row [parity, 0, t] (layout.ll_row_offset, factored: ll_stride steps the source)
             ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)
-            resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rw_k * 4)
+            # rescue row [t, 0] (layout.rescue_row_offset with slot 0)
+            resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rescue_row_bytes)
             req = C.ld_u32(req_id + Int64(t) * Int64(4))
             req_ok = Int32(0)
             bt_row = block_table
@@ -1027,7 +1013,7 @@ class Merge:
                     mask = mask | Int32(1 << q)
             nsat = Int32(cute.arch.popc(Uint32(mask)))
             if nsat > Int32(self.slots):
-                mask = Int32(0)  # impossible (SPEC §6.4); keeps the slots in bounds
+                mask = Int32(0)  # impossible (docs/DESIGN.md §6.4); keeps the slots in bounds
             if mask != Int32(0):
                 self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
                             rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
@@ -1035,12 +1021,12 @@ class Merge:
                             bt_row, req_ok, bt_cols, block_size, keys, words, hb,
                             slot1 + Int32(1))  # fmt: skip
                 if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
-                    C.st_u32(state + (Int64(max_rows) + Int64(t)) * Int64(4), seq + Int32(1))
+                    C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
             if saturated != Int64(0):
                 if tid == Int32(0):
                     C.st_u32(saturated + Int64(t) * Int64(4), mask)
             if t + Int32(nblk) < rows:
-                epn = C.ld_u32(state + Int64(t + Int32(nblk)) * Int64(4))
+                epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
             # ---- every word of the row was read; the producer grid is done
             C.pdl_wait()
             # A failure anywhere in the grid (status set) voids this row: waits that gave
@@ -1060,7 +1046,7 @@ class Merge:
             if f != Int32(0):
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
             if tid == Int32(0):
-                C.st_u32(state + Int64(t) * Int64(4), ep)
+                C.st_u32(C.state_epoch(state, max_rows, t), ep)
             t = t + Int32(nblk)
             rowi = rowi + Int32(1)
         if refused == Int32(0):
@@ -1099,9 +1085,8 @@ class Merge:
             for i in cutlass.range(tid, Int32(2) * max_rows, C.TB, unroll=1):
                 par = i // max_rows
                 r = i - par * max_rows
-                bad = C.ld_u32(state + Int64(r) * Int64(4)) ^ Int32(-(2**31))
-                off = ((Int64(par) * Int64(self.world) + Int64(rank)) * Int64(max_rows) + Int64(r)) * Int64(
-                    self.ll_row_bytes)
+                bad = C.ld_u32(C.state_epoch(state, max_rows, r)) ^ Int32(-(2**31))
+                off = C.ll_row_offset(par, rank, r, self.world, max_rows, self.ll_row_bytes)
                 C.st_ll_v4(base + off, Int32(0), bad, Int32(0))
 
     @cute.jit
@@ -1138,7 +1123,7 @@ class Merge:
             S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
                          sel, tid, lane, warp, Int32(1), Int32(0), False, False)  # fmt: skip
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
-            off = rescue_off + (Int64(t) * Int64(self.slots) + Int64(s)) * Int64(self.rw_k * 4)
+            off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
             for p in cutlass.range(W, unroll=1):
                 dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
                 for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
@@ -1148,13 +1133,13 @@ class Merge:
             if tid == Int32(0):
                 # bar.sync orders the CTA's stores before this fence (cumulativity)
                 C.fence_sys()
-                foff = flags_off + (Int64(rank) * Int64(max_rows) + Int64(t)) * Int64(4)
+                foff = flags_off + C.flag_offset(rank, t, max_rows)
                 for p in cutlass.range(W, unroll=1):
                     C.st_release_sys(C.ld_u64(peers + Int64(p) * Int64(8)) + foff, flag_val)
         # Every rank: acquire the saturated ranks' flags (one lane per rank).
         if tid < Int32(W):
             if ((mask >> tid) & Int32(1)) != Int32(0):
-                addr = local + flags_off + (Int64(tid) * Int64(max_rows) + Int64(t)) * Int64(4)
+                addr = local + flags_off + C.flag_offset(tid, t, max_rows)
                 self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
                               timeout_ns)  # fmt: skip
         if tid == Int32(0):
@@ -1195,9 +1180,5 @@ class Merge:
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)  # fmt: skip
 
     def compile(self, arch: str = "sm_90a"):
-        z64, z32 = Int64(0), Int32(1)
-        return cute.compile(
-            self.entry, z64, z64, z64, z64, z64, z64, z64, z64, z64, z64, z64,
-            z32, z32, z32, z32, z32, Int32(0), z32, z64, z64, z32,
-            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin",
-        )  # fmt: skip
+        return cute.compile(self.entry, *ABI.dummies(Int64, Int32),
+                            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin")  # fmt: skip

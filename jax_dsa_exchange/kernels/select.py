@@ -1,4 +1,4 @@
-"""Exact local top-n of one bf16 row (SPEC §4 on one rank), split over the CTAs
+"""Exact local top-n of one bf16 row (docs/DESIGN.md §4 on one rank), split over the CTAs
 of a thread-block cluster; the producer's select and the merge's rescue select.
 
 No JAX import.  The row's valid prefix ``[0, end)`` is cut into ``C`` slices of
@@ -6,7 +6,7 @@ No JAX import.  The row's valid prefix ``[0, end)`` is cut into ``C`` slices of
 does the whole row, as the merge's rescue does).  Per CTA:
 
 1. **pass 1** reads its slice from HBM once (16-byte loads, several in flight),
-   turns every bf16 into ``ord16`` (SPEC §5; 0 = NaN / past the end), keeps the
+   turns every bf16 into ``ord16`` (docs/DESIGN.md §5; 0 = NaN / past the end), keeps the
    ord16 in shared memory when the slice fits (``cached``; the producer always
    fits: ``S <= SLICE_MAX``) and histograms the high ``B1`` bits;
 2. one **cluster barrier**; every CTA sums the C histograms through distributed
@@ -21,7 +21,7 @@ does the whole row, as the merge's rescue does).  Per CTA:
    this one, how many ``> v`` / ``== v`` precede its slice;
 5. **compaction** in index order (thread-contiguous tokens, one packed
    ``gt << 16 | eq`` block scan per chunk) writes each kept token's packed word
-   (SPEC §5) straight to its final position in the row buffer of the cluster's
+   (docs/DESIGN.md §5) straight to its final position in the row buffer of the cluster's
    CTA 0 (a DSMEM store) and bit 16 of l into the mask words (DSMEM ``red.or``);
 6. one **cluster barrier**: CTA 0's row buffer is the packed row, ascending l,
    empty words zero.
@@ -207,7 +207,7 @@ def smem_addr(t: cute.Tensor, *, loc=None, ip=None) -> Int32:
 
 @cute.jit
 def ord16_pair(w: Int32) -> Int32:
-    """Two bf16 (low half first) -> their ord16 (SPEC §5), packed the same way,
+    """Two bf16 (low half first) -> their ord16 (docs/DESIGN.md §5), packed the same way,
     without branches: x ^ 0x8000 for a clear sign, ~x for a set one, then -0
     (which lands on 0x7FFF) -> 0x8000 and NaN (outside [0x007F, 0xFF80]) -> 0."""
     u = Uint32(w)
@@ -316,7 +316,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
                cached: cutlass.Constexpr):
     """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
-    row (SPEC §5, ascending l, empty words zero) in the ``row`` buffer of the
+    row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
     cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
     the cluster's size and this CTA's rank in it (1 / 0 when not clustered).
     Ends with a cluster barrier: CTA 0's row is complete, and nothing in this

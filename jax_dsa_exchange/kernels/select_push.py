@@ -1,12 +1,8 @@
-"""Producer kernel (SPEC §6.1): local top-N of each row, pushed as NCCL-LL
+"""Producer kernel (docs/DESIGN.md §6.1): local top-N of each row, pushed as NCCL-LL
 16-byte stores into every rank's symmetric buffer.
 
-ABI (all plain Int64 addresses / Int32 scalars, in this order: PARAMS)::
-
-    logits: i64 (bf16 [rows, cols] row-major), row_ends: i64 (int32 [rows]),
-    rows: i32, cols: i32, epoch: i64 (int32 [max_rows], this rank's),
-    peers: i64 (int64 [W] device table of every rank's buffer base),
-    rank: i32, max_rows: i32
+ABI: ``abi.SELECT_PUSH`` (kernels/abi.py, the one declaration; ``kernel`` and
+``entry`` spell it out and tests/test_kernels_compile.py checks them against it).
 
 Launch: grid (rows * C, 1, 1) in clusters of (C, 1, 1), C =
 ``layout.producer_cluster(rows, cols)`` (1 <= C <= 8); block (TB,).  Cluster b
@@ -22,13 +18,11 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from .. import layout
+from . import abi
 from . import common as C
 from . import select as S
 
-PARAMS = [
-    ("logits", "i64"), ("row_ends", "i64"), ("rows", "i32"), ("cols", "i32"),
-    ("epoch", "i64"), ("peers", "i64"), ("rank", "i32"), ("max_rows", "i32"),
-]  # fmt: skip
+ABI = abi.SELECT_PUSH
 
 
 def smem_bytes(n: int) -> int:
@@ -85,8 +79,8 @@ class SelectPush:
         # memory round trip, and a chain of them (peer by peer) cost microseconds.
         if tid < Int32(self.world):
             psm[tid] = Int64(C.ld_u64(peers + Int64(tid) * Int64(8)))
-        status = C.ld_volatile_u32(epoch + Int64(max_rows) * Int64(8))
-        e = C.ld_u32(epoch + Int64(t) * Int64(4)) + Int32(1)
+        status = C.ld_volatile_u32(C.state_status(epoch, max_rows))
+        e = C.ld_u32(C.state_epoch(epoch, max_rows, t)) + Int32(1)
         end = row_end(row_ends, t, cols)
         S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(),
                      tid, lane, warp, csize, me, True, True)  # fmt: skip
@@ -94,13 +88,12 @@ class SelectPush:
         # failed or closed exchange (status word set) pushes nothing (layout.py); every
         # CTA ran the select, so no cluster barrier was skipped.
         if me == Int32(0):
-            if status == Uint32(0):
-                off = (((Int64(e & Int32(1)) * Int64(self.world) + Int64(rank)) * Int64(max_rows)
-                        + Int64(t)) * Int64(self.ll_row_bytes))  # fmt: skip
+            if status == Uint32(layout.STATUS_OK):
+                off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
                 for p in cutlass.range_constexpr(self.world):
                     dst = psm[p] + off
                     for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
-                        C.st_ll_v4(dst + Int64(i) * Int64(16), row[2 * i], e, row[2 * i + 1])
+                        C.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e, row[2 * i + 1])
         if cutlass.const_expr(not S.EARLY_TRIGGER):
             C.pdl_launch_dependents()
 
@@ -114,8 +107,5 @@ class SelectPush:
         )
 
     def compile(self, arch: str = "sm_90a"):
-        z64, z32 = Int64(0), Int32(1)
-        return cute.compile(
-            self.entry, z64, z64, z32, z32, z64, z64, Int32(0), z32,
-            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin",
-        )  # fmt: skip
+        return cute.compile(self.entry, *ABI.dummies(Int64, Int32),
+                            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin")  # fmt: skip

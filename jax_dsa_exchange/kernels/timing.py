@@ -34,10 +34,10 @@ def copy_bandwidth(cp, nbytes=2 << 30, reps=10):
 
 class KernelTimer:
     """Device time of rank 0's select+push and merge, W ranks simulated in one process
-    (kernels.sim), CUDA events, inputs rotating over several sets."""
+    (testing.sim), CUDA events, inputs rotating over several sets."""
 
     def __init__(self, cp, world, topk, n, max_rows):
-        from .sim import Sim
+        from ..testing.sim import Sim
 
         self.cp = cp
         self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world)

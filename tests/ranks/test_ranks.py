@@ -5,7 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from jax_dsa_exchange import cases, distributed, reference
+from jax_dsa_exchange import distributed, reference
+from jax_dsa_exchange.testing import cases
 
 
 def test_xla_path_matches_the_oracle_on_this_rank():

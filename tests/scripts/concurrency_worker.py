@@ -22,7 +22,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_dsa_exchange import cases, reference  # noqa: E402
+from jax_dsa_exchange import reference  # noqa: E402
+from jax_dsa_exchange.testing import cases  # noqa: E402
 from jax_dsa_exchange.op import jit, topk_exchange_merge  # noqa: E402
 from jax_dsa_exchange.exchange import Exchange  # noqa: E402
 

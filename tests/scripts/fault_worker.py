@@ -5,7 +5,7 @@
 ``--mode rows``: rank F calls step 1 with half the rows (another jitted program), then
 goes on with all of them.
 
-What must hold (SPEC §6.7, issue 6), checked here on every rank:
+What must hold (docs/DESIGN.md §6.7, issue 6), checked here on every rank:
 
 * every rank other than F: its call of step 1 comes back (after about the timeout)
   and its call of step 2 raises, naming rank F, a row and an epoch;
@@ -29,7 +29,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_dsa_exchange import cases, reference  # noqa: E402
+from jax_dsa_exchange import reference  # noqa: E402
+from jax_dsa_exchange.testing import cases  # noqa: E402
 from jax_dsa_exchange.exchange import Exchange  # noqa: E402
 from jax_dsa_exchange.op import jit, topk_exchange_merge  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Shared test inputs: random and adversarial merge cases (SPEC §4, §6.4).
+"""Shared test inputs: random and adversarial merge cases (docs/DESIGN.md §4, §6.4).
 
 A :class:`Case` is a full set of per-rank inputs for one call of the merge, so
 the NumPy reference, the XLA path and the GPU kernels can all be run on it and
@@ -17,7 +17,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from . import layout
+from .. import layout
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -176,7 +176,7 @@ def random_case(rng, *, world, topk, local_topk, rows, cols, block_size=16,
 
 def saturating_case(rng, world, topk, local_topk, num_saturated, *, rows=8, cols=None,
                     block_size=16, full_others=None, name=None) -> Case:
-    """Every row has exactly ``num_saturated`` saturated ranks (SPEC §6.4).
+    """Every row has exactly ``num_saturated`` saturated ranks (docs/DESIGN.md §6.4).
 
     Per row, s random ranks get scores above everything else and at least N
     valid tokens: their top-N keys are the best s*N < K keys of round 1, so T is

@@ -6,7 +6,7 @@ local state (layout.StateLayout); one device int64[W] peers table holds all
 ranks' buffer addresses (same-device pointers play the NVLink peers).  A call
 launches, per rank on its own stream, select_push then merge; the W merges
 run concurrently, so a rescue can complete.  The merge grid is sized so the
-W grids are co-resident (SPEC §6.7).
+W grids are co-resident (docs/DESIGN.md §6.7).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import time
 import numpy as np
 
 from .. import layout
-from .cache import load_kernels
+from ..kernels import abi
+from ..kernels.cache import load_kernels
 
 POISON = -123456789  # outputs are filled with this before every call
 
@@ -44,6 +45,12 @@ class _LaunchConfig(ctypes.Structure):
 _LIBCUDA = None
 
 
+def _typed(params, values):
+    """``values`` (launch order) as NumPy scalars of the metadata's (name, type) pairs."""
+    assert len(params) == len(values), (params, values)
+    return tuple((np.int64 if t == "i64" else np.int32)(v) for (_, t), v in zip(params, values))
+
+
 def launch_cluster(fn, grid, block, smem, stream, params, values, cluster):
     """Launch CuPy function ``fn`` with a (cluster, 1, 1) cluster; ``params`` are the
     kernel metadata's (name, "i64" | "i32") pairs, ``values`` their values."""
@@ -51,8 +58,8 @@ def launch_cluster(fn, grid, block, smem, stream, params, values, cluster):
     if _LIBCUDA is None:
         _LIBCUDA = ctypes.CDLL("libcuda.so.1")
         _LIBCUDA.cuLaunchKernelEx.restype = ctypes.c_int
+    assert len(params) == len(values), (params, values)
     args = [(ctypes.c_int64 if t == "i64" else ctypes.c_int32)(int(v)) for (_, t), v in zip(params, values)]
-    assert len(args) == len(params) == len(values)
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
     attr = _LaunchAttr()
     attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -144,28 +151,29 @@ class Sim:
     def launch_rank(self, q, d, rows, cols, block_size, *, want_ids=True, want_sat=True,
                     timeout_us=2_000_000, grid=None, producer=True, merge=True,
                     cluster=None):  # fmt: skip
-        i64, i32 = np.int64, np.int32
         sp, mg = self.images["select_push"], self.images["merge"]
         with self.streams[q]:
             if producer:
                 c = cluster or layout.producer_cluster(rows, cols)
-                launch_cluster(
-                    self.fns["select_push"], rows * c, sp.block, sp.smem, self.streams[q], sp.params,
-                    (d["logits"].data.ptr, d["row_ends"].data.ptr, rows, cols,
-                     self.states[q].data.ptr, self.peers.data.ptr, q, self.max_rows), c)  # fmt: skip
+                values = abi.SELECT_PUSH.pack(dict(
+                    logits=d["logits"].data.ptr, row_ends=d["row_ends"].data.ptr, rows=rows, cols=cols,
+                    epoch=self.states[q].data.ptr, peers=self.peers.data.ptr, rank=q,
+                    max_rows=self.max_rows))  # fmt: skip
+                launch_cluster(self.fns["select_push"], rows * c, sp.block, sp.smem, self.streams[q],
+                               sp.params, values, c)  # fmt: skip
             if merge:
                 bt = d["bt"]
-                self.fns["merge"](
-                    (grid or self.merge_grid(rows),), (mg.block,),
-                    (i64(self.peers.data.ptr), i64(self.bufs[q].data.ptr),
-                     i64(self.states[q].data.ptr), i64(d["logits"].data.ptr),
-                     i64(d["row_ends"].data.ptr), i64(d["req_id"].data.ptr), i64(bt.data.ptr),
-                     i64(d["kv"].data.ptr), i64(d["counts"].data.ptr),
-                     i64(d["ids"].data.ptr if want_ids else 0),
-                     i64(d["sat"].data.ptr if want_sat else 0),
-                     i32(rows), i32(cols), i32(bt.shape[0]), i32(bt.shape[1]), i32(block_size),
-                     i32(q), i32(self.max_rows), i64(self.lay.rescue_off), i64(self.lay.flags_off),
-                     i32(timeout_us)), shared_mem=mg.smem)  # fmt: skip
+                values = abi.MERGE.pack(dict(
+                    peers=self.peers.data.ptr, local=self.bufs[q].data.ptr, state=self.states[q].data.ptr,
+                    logits=d["logits"].data.ptr, row_ends=d["row_ends"].data.ptr,
+                    req_id=d["req_id"].data.ptr, block_table=bt.data.ptr, kv_rows=d["kv"].data.ptr,
+                    counts=d["counts"].data.ptr, ids=d["ids"].data.ptr if want_ids else 0,
+                    saturated=d["sat"].data.ptr if want_sat else 0, rows=rows, cols=cols,
+                    bt_rows=bt.shape[0], bt_cols=bt.shape[1], block_size=block_size, rank=q,
+                    max_rows=self.max_rows, rescue_off=self.lay.rescue_off, flags_off=self.lay.flags_off,
+                    timeout_us=timeout_us))  # fmt: skip
+                self.fns["merge"]((grid or self.merge_grid(rows),), (mg.block,), _typed(mg.params, values),
+                                  shared_mem=mg.smem)  # fmt: skip
 
     def call(self, case, *, want_ids=True, want_sat=True, delay_rank=None, delay_s=0.0,
              skip_rank=None, skip_merge_rank=None, short_rank=None, short_rows=0,

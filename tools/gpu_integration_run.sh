@@ -30,7 +30,8 @@ rc=0
 for step in ${STEPS:-ops demo}; do
   echo "=== $step $(date +%T)"
   case $step in
-    kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py 2>&1 | tee "$OUT/kernels.log" | tail -15 || rc=1 ;;
+    kernels) timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py tests/test_select_gpu.py 2>&1 | tee "$OUT/kernels.log" | tail -15 || rc=1 ;;
+    memcheck_select) timeout ${MEMCHECK_TIMEOUT:-200} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_select_gpu.py -k "${MEMCHECK_K:-random or rescue or mixed or exchange_bit_identical_for_every_split and 8}" 2>&1 | tee "$OUT/memcheck_select.log" | grep -E "ERROR SUMMARY|passed|failed|Invalid" | tail -8 || rc=1 ;;
     ops) timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/test_op_gpu.py -k "${OPS_K:-not long_run}" 2>&1 | tee "$OUT/ops.log" | grep -E "step|RANK|MISMATCH|PROBLEM|RAISED|passed|failed|Error|error|closed" | tail -60 || rc=1 ;;
     long) JAX_DSA_EXCHANGE_LONG_STEPS=${LONG_STEPS:-1000} timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE -s tests/test_op_gpu.py -k long_run 2>&1 | tee "$OUT/long.log" | grep -E "step|RANK|MISMATCH|calls|passed|failed|rror" | tail -30 || rc=1 ;;
     sanitizer)

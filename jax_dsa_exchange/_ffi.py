@@ -169,6 +169,13 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def library_path() -> str | None:
+    """The file the launcher library was loaded from, None when it was not (the GPU-machine
+    scripts copy it: tools/gpu_integration_run.sh --build)."""
+    lib = library()
+    return None if lib is None else lib._name
+
+
 def found_unusable() -> bool:
     """True when a library file was found but could not be loaded or is too new for this jax."""
     library()

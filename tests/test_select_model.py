@@ -1,0 +1,125 @@
+"""A NumPy model of the producer's split select (kernels/select.py, `select_row`),
+step by step as the kernel computes it: C slices, the 11-bit histograms summed over
+the cluster, the boundary bin, the 5-bit histograms inside it, the boundary score and
+need_eq, what precedes each slice, and every kept token's position.  Checked on CPU
+against reference.pack_local_topk for every cluster size the launcher can choose, on
+the shared kinds of hard rows.  (The GPU tests compare the kernel's bytes with the same
+reference: tests/test_select_gpu.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_dsa_exchange import layout, reference
+from jax_dsa_exchange.testing import cases
+
+B1, NB1, NB2 = 11, 2048, 32
+
+
+def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np.ndarray:
+    """The packed row (layout.row_words(n) uint32 words) select_row builds in CTA 0."""
+    end = int(np.clip(row_end, 0, min(bits.size, layout.MAX_LOCAL_LEN)))
+    o = reference.ord16(bits[:end]).astype(np.int64)  # 0 = NaN
+    S = -(-(-(-end // csize)) // 8) * 8
+    starts = [min(c * S, end) for c in range(csize)]
+    slices = [o[s:min(s + S, end)] for s in starts]
+    # pass 1: per-CTA histograms of the high 11 bits, summed over the cluster
+    h1 = np.array([np.bincount(x[x != 0] >> (16 - B1), minlength=NB1) for x in slices])
+    g1 = h1.sum(0)
+    total = int(g1.sum())
+    gt_before = np.zeros(csize, np.int64)
+    eq_before = np.zeros(csize, np.int64)
+    gt_own = np.zeros(csize, np.int64)
+    eq_own = np.zeros(csize, np.int64)
+    if total > n:
+        from_top = np.cumsum(g1[::-1])
+        i = int(np.searchsorted(from_top, n))  # first bin (from the top) reaching n
+        b1 = NB1 - 1 - i
+        above1 = int(from_top[i] - g1[b1])
+        own_above1 = h1[:, b1 + 1:].sum(1)
+        # pass 2: the low 5 bits inside b1
+        h2 = np.array([np.bincount(x[(x >> (16 - B1)) == b1] & (NB2 - 1), minlength=NB2)
+                       for x in slices])  # fmt: skip
+        g2 = h2.sum(0)
+        need2 = n - above1
+        top2 = np.cumsum(g2[::-1])
+        k = int(np.searchsorted(top2, need2))
+        lowv = NB2 - 1 - k
+        above2 = int(top2[k] - g2[lowv])
+        v = (b1 << (16 - B1)) | lowv
+        need_eq = n - above1 - above2
+        per_gt = own_above1 + h2[:, lowv + 1:].sum(1)
+        per_eq = h2[:, lowv]
+        for c in range(csize):
+            gt_before[c], eq_before[c] = per_gt[:c].sum(), per_eq[:c].sum()
+        gt_own[:], eq_own[:] = per_gt, per_eq
+    else:
+        v, need_eq = 0, 0
+        per = h1.sum(1)
+        for c in range(csize):
+            gt_before[c] = per[:c].sum()
+        gt_own[:] = per
+    # compaction: every CTA in index order, straight to the final positions
+    row = np.zeros(layout.row_words(n), np.uint32)
+    for c, (s0, x) in enumerate(zip(starts, slices)):
+        gt_b, eq_b = int(gt_before[c]), int(eq_before[c])
+        for i, oi in enumerate(x.tolist()):
+            pos = -1
+            if oi > v:
+                pos = gt_b + min(eq_b, need_eq)
+                gt_b += 1
+            if oi == v and v != 0:
+                if eq_b < need_eq:
+                    pos = gt_b + eq_b
+                eq_b += 1
+            if pos >= 0:
+                assert pos < n, (pos, n)
+                lu = s0 + i
+                row[pos] = (oi << 16) | (0xFFFF - (lu & 0xFFFF))
+                if lu >> 16:
+                    row[n + pos // 32] |= np.uint32(1 << (pos % 32))
+        assert gt_b - gt_before[c] == gt_own[c]  # the counts the kernel published
+        assert eq_b - eq_before[c] == eq_own[c]
+    return row
+
+
+def _rows(kind, rng, L):
+    if kind == "random":
+        return cases.random_logits(rng, 3, L)
+    if kind == "ties":
+        return cases.random_logits(rng, 3, L, distinct_values=3)
+    if kind == "equal":
+        return np.full((3, L), -1.5, cases.BF16)
+    x = cases.random_logits(rng, 3, L).view(np.uint16).copy()
+    specials = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x0000, 0x8000, 0x7F80, 0xFF80], np.uint16)
+    m = rng.random(x.shape) < 0.3
+    x[m] = rng.choice(specials, int(m.sum()))
+    return x.view(cases.BF16)
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials"])
+@pytest.mark.parametrize("n", [32, 512])
+def test_split_select_model_is_the_local_topk(kind, n):
+    rng = np.random.default_rng(hash((kind, n)) % 2**32)
+    for L in (n - 1, 3 * n + 5, 4099, 70001):
+        logits = _rows(kind, rng, L)
+        ends = [0, 1, n - 1, n, n + 1, L // 2 + 3, L, L + 9, -4]
+        for t, end in enumerate(ends):
+            bits = logits[t % 3].view(np.uint16)
+            want = reference.pack_local_topk(bits, end, n)
+            for csize in range(1, layout.PRODUCER_CLUSTER_MAX + 1):
+                got = split_select_model(bits, end, n, csize)
+                assert np.array_equal(got, want), (kind, n, L, end, csize)
+
+
+def test_model_covers_bit_16_of_l():
+    """Rows longer than 2^16 keep bit 16 of l in the mask words, whatever the split."""
+    rng = np.random.default_rng(3)
+    L = layout.MAX_LOCAL_LEN
+    bits = cases.random_logits(rng, 1, L)[0].view(np.uint16).copy()
+    bits[-40:] = 0x7F00  # the largest finite scores sit past 2^16
+    want = reference.pack_local_topk(bits, L, 64)
+    assert want[64:66].any()
+    for csize in (1, 3, 8):
+        assert np.array_equal(split_select_model(bits, L, 64, csize), want)

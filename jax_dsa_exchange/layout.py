@@ -66,7 +66,7 @@ STATE_EPOCH_ROWS, STATE_SEQ_ROWS, STATE_STATUS_ROWS = 0, 1, 2
 # ("split"), and a CI test compares the two.  Measured on an H200 (NOTES.md): the
 # fixed cost of a CTA dominates below a few thousand tokens, and one CTA per SM
 # beats more, smaller slices once R fills the SMs.
-PRODUCER_SLICE_MAX = 16384  # ord16 pairs in shared memory: 32 KB per CTA
+PRODUCER_SLICE_MAX = 16384  # tokens (their ord16) kept in shared memory: 32 KB per CTA
 PRODUCER_CLUSTER_MAX = 8  # the portable cluster size limit
 PRODUCER_MIN_SLICE = 4096  # no slice shorter than this (unless the row is)
 PRODUCER_FILL_CTAS = 132  # split only while the grid keeps within this many CTAs

@@ -11,7 +11,8 @@ Both custom calls have ``has_side_effect=True`` (XLA never removes, merges or
 duplicates them) and are chained by an XLA token, so merge always follows its
 select_push (adjacent on the stream, which lets merge start early through PDL).
 Both results are tuples holding a token (XLA's GPU dynamic-slice fusion skips such
-calls in the XLA sources read: ``IsCustomCall`` in ``DynamicSliceFusionRewriter``).
+calls in the XLA sources read, ``IsCustomCall`` in ``DynamicSliceFusionRewriter``, but
+not in jax 0.11.2's XLA: see below).
 
 **XLA's GPU dynamic-slice fusion, jax 0.11.2 (H200, this session):** the pass still
 matched the calls when their operands were slices (a ``lax.scan`` over stacked layers,
@@ -316,8 +317,9 @@ def _chain_set(ctx, token) -> None:
 
 def _cuda_lowering(ctx, logits, row_ends, req_id, block_table, *, exchange_id, topk, block_size, with_ids,
                    with_saturated, ordered):
-    # Both custom calls return a TUPLE holding a token: XLA's GPU dynamic-slice fusion
-    # skips such calls (module docstring).  The token chain is also the order:
+    # Both custom calls return a TUPLE holding a token (newer XLA's dynamic-slice fusion
+    # skips such calls; jax 0.11.2's does not: compiler_options(), module docstring).
+    # The token chain is also the order:
     # (previous call's merge | effect token ->) select_push -> merge (-> next call).
     _check_per_device(ctx)
     threaded = ordered == "effect" and EFFECT in ctx.tokens_in.effects()

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Diagnostic kept for the record (NOTES.md): a W=2 run with a data dependence between
+# Diagnostic of the second session, kept for the record (README "Where the pieces are"): a W=2 run with a data dependence between
 # layers, and a W=1 run with the optimized HLO and thunk sequence dumped to $OUT/dump.tgz
 # (that dump showed the merge custom call duplicated by the dynamic-slice fusion).
 cd "$(dirname "$0")/.."

@@ -7,8 +7,9 @@ does the whole row, as the merge's rescue does).  Per CTA:
 
 1. **pass 1** reads its slice from HBM once (16-byte loads, several in flight),
    turns every bf16 into ``ord16`` (docs/DESIGN.md §5; 0 = NaN / past the end), keeps the
-   ord16 in shared memory when the slice fits (``cached``; the producer always
-   fits: ``S <= SLICE_MAX``) and histograms the high ``B1`` bits;
+   ord16 in shared memory when the slice fits (``cached`` and ``S <= SLICE_MAX``;
+   a longer slice, e.g. C = 2 at R = 64, L = 128K, is re-read in each later pass)
+   and histograms the high ``B1`` bits;
 2. one **cluster barrier**; every CTA sums the C histograms through distributed
    shared memory (4 contiguous bins per thread: one 16-byte DSMEM load per CTA)
    and one block scan finds the boundary bin ``b1`` (the bin of the n-th score),
@@ -322,8 +323,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     Ends with a cluster barrier: CTA 0's row is complete, and nothing in this
     CTA's shared memory is read by another CTA after it.  ``cached``: keep the
     slice on chip when it has at most SLICE_MAX tokens (ceil(end / csize) rounded
-    up to 8; the launcher's split guarantees it); a longer slice (a forced small
-    cluster) is re-read from global memory in every pass instead."""
+    up to 8); a longer slice (the split keeps C small once R fills the SMs) is
+    re-read from global memory (mostly L2) in every pass instead."""
     cache, hist1, hist2, gsum2, pub, scal, wt, row = parts
     cache_a = smem_addr(cache)
     h1_a = smem_addr(hist1)

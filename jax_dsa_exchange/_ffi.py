@@ -218,18 +218,19 @@ def cuda_graph_mode() -> str:
     """Which handlers XLA may record into CUDA graphs (``JAX_DSA_EXCHANGE_CUDA_GRAPHS``,
     read once, at registration):
 
-    * ``checked`` (default): the merge may be recorded, select_push never is, so its
-      handler (and the status check: a failed exchange raises on the next call) runs on
-      every call; XLA splits its graphs around it.
-    * ``on`` (also ``1``): both custom calls.  Graph replays skip the handlers, so the
-      status check runs only when XLA calls them: call ``Exchange.check()`` between steps.
+    * ``on`` (default; also ``1``): both custom calls.  Graph replays skip the handlers, so
+      the host learns of a failure from the pinned status copy the merge leaves after every
+      call (a copy recorded into the graph too): ``op.jit`` polls it before each dispatch
+      (``Exchange.poll``), ``Exchange.check()`` reads the device words; the kernels
+      themselves refuse any work once the status is set, so a replay never waits or writes
+      to a peer after a failure or a close.
+    * ``checked``: the merge may be recorded, select_push never is, so its handler (and its
+      status check: a failed exchange raises on the next call, whatever jit compiled it)
+      runs on every call; XLA splits its graphs around it, which costs 4.5-5.8 us per call
+      in issue #13's serving loop (H200).
     * ``off`` (also ``0``): neither; XLA calls both handlers on every execution.
-
-    The modes cost the same within the noise of ``python -m jax_dsa_exchange.bench`` (H200,
-    W = 8 under MPS, N = 512, L = 32K: 90 / 94 / 97 us per layer at R = 1 and 270 / 261 /
-    258 us at R = 64 for on / checked / off), so the checked mode is the default.
     """
-    v = os.environ.get("JAX_DSA_EXCHANGE_CUDA_GRAPHS", "checked").strip().lower()
+    v = os.environ.get("JAX_DSA_EXCHANGE_CUDA_GRAPHS", "on").strip().lower()
     v = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}.get(v, v)
     if v not in GRAPH_MODES:
         raise ValueError(f"JAX_DSA_EXCHANGE_CUDA_GRAPHS={v!r} must be one of {GRAPH_MODES}")

@@ -46,7 +46,10 @@ DEFAULT_TIMEOUT_US = 5_000_000  # a kernel wait gives up after 5 s (docs/DESIGN.
 _ids = itertools.count(1)
 _ids_lock = threading.Lock()
 _live: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
-_retired_states: list = []  # state words of closed exchanges, kept for graph replays
+# State words and pinned status copies of closed exchanges, kept for the process's life:
+# a CUDA-graph replay of a program that called one still runs its kernels (they see
+# STATUS_CLOSED and do nothing) and its status copy into the pinned words.
+_retired_states: list = []
 
 
 def _next_id() -> int:
@@ -100,11 +103,12 @@ class Exchange:
         self._buffer = _DeviceMemory(ordinal, self.layout.nbytes)
         self._state = _DeviceMemory(ordinal, self.state_layout.words * 4)
         self._peers_table = _DeviceMemory(ordinal, 8 * world)
-        # Pinned host copy of the status words, refreshed by the FFI launcher after each
-        # merge and read when the next call starts: an earlier failure fails that call.
-        # the launcher's host copy of the reported status words (layout.STATUS_REPORT_WORDS)
+        # Pinned host copy of the reported status words (layout.STATUS_REPORT_WORDS), copied
+        # on the stream after every merge (also inside CUDA graphs) and read without a sync
+        # by poll() (op.jit, before each dispatch) and by the launcher's handlers.
         self._host_status = _cupy().cuda.alloc_pinned_memory(4 * layout.STATUS_REPORT_WORDS)
-        np.frombuffer(self._host_status, np.int32, layout.STATUS_REPORT_WORDS)[:] = 0
+        self._host_view = np.frombuffer(self._host_status, np.int32, layout.STATUS_REPORT_WORDS)
+        self._host_view[:] = 0
         self._ipc_opened: list[int] = []  # peer pointers this process must close
         self._rdv: Rendezvous | None = None
         self._registered = False
@@ -291,15 +295,33 @@ class Exchange:
         if getattr(self, "_freed", False):
             raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed")
         st = self.read_state()["status"]
-        code, row, epoch, peer = (int(st[i]) for i in (layout.STATUS_CODE, layout.STATUS_ROW,
-                                                        layout.STATUS_EPOCH, layout.STATUS_RANK))
-        if code != layout.STATUS_OK:
-            what = {layout.STATUS_TIMEOUT_ROUND1: "its candidates",
-                    layout.STATUS_TIMEOUT_RESCUE: "its rescue list"}.get(code, f"status {code}")
-            self.closed = True  # refuse further calls: the ranks' epochs no longer agree
-            raise RuntimeError(
-                f"exchange {self.id} rank {self.rank}: rank {peer} did not deliver {what} for "
-                f"row {row} at epoch {epoch} within {self.timeout_us} us; recreate the exchange")
+        self._raise_for(*(int(st[i]) for i in (layout.STATUS_CODE, layout.STATUS_ROW,
+                                               layout.STATUS_EPOCH, layout.STATUS_RANK)))
+
+    def poll(self) -> None:
+        """Raise if an earlier call of this exchange failed or it is closed, from the pinned
+        host copy of the status words (no synchronization: the copy lags the device by the
+        calls still in flight).  ``op.jit`` runs this before every dispatch of a program
+        that calls the exchange, so a failure raises on the next step also when XLA replays
+        the calls from a CUDA graph without calling the launcher's handlers."""
+        if self.closed:
+            raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed; recreate it")
+        v = self._host_view
+        if v[layout.STATUS_CODE] != layout.STATUS_OK:
+            self._raise_for(*(int(v[i]) for i in (layout.STATUS_CODE, layout.STATUS_ROW,
+                                                  layout.STATUS_EPOCH, layout.STATUS_RANK)))
+
+    def _raise_for(self, code: int, row: int, epoch: int, peer: int) -> None:
+        if code == layout.STATUS_OK:
+            return
+        if code == layout.STATUS_CLOSED:
+            raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed; recreate it")
+        what = {layout.STATUS_TIMEOUT_ROUND1: "its candidates",
+                layout.STATUS_TIMEOUT_RESCUE: "its rescue list"}.get(code, f"status {code}")
+        self.closed = True  # refuse further calls: the ranks' epochs no longer agree
+        raise RuntimeError(
+            f"exchange {self.id} rank {self.rank}: rank {peer} did not deliver {what} for "
+            f"row {row} at epoch {epoch} within {self.timeout_us} us; recreate the exchange")
 
     # -- teardown ---------------------------------------------------------------------
 
@@ -330,7 +352,7 @@ class Exchange:
                 cp.cuda.runtime.memcpy(self._state.ptr + 4 * (self.state_layout.status_off + layout.STATUS_CODE),
                                        closed.ctypes.data, 4, cp.cuda.runtime.memcpyHostToDevice)
                 cp.cuda.runtime.deviceSynchronize()
-                _retired_states.append(self._state)
+                _retired_states.append((self._state, self._host_status))
                 self._state = None
             except Exception:
                 pass

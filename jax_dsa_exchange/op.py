@@ -80,6 +80,7 @@ touches no freed memory (see ffi/README.md and layout.py).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import weakref
@@ -132,11 +133,59 @@ def compiler_options() -> dict:
 
 
 def jit(fun=None, **kwargs):
-    """``jax.jit`` with :func:`compiler_options` merged in (``kwargs`` win); also a decorator."""
+    """``jax.jit`` with :func:`compiler_options` merged in (``kwargs`` win); also a decorator.
+
+    The result also checks, before every dispatch, each exchange its programs call
+    (``Exchange.poll``: the pinned host copy of the status words, no synchronization), so
+    a peer's failure raises on the next step even when XLA replays the calls from a CUDA
+    graph without calling the launcher (the default graph mode, ``_ffi.cuda_graph_mode``).
+    Which exchanges: those whose calls were traced through this function.  Everything
+    else (``lower``, ``trace``, ``eval_shape``, ...) is the ``jax.jit`` object's."""
     if fun is None:
         return functools.partial(jit, **kwargs)
     opts = dict(compiler_options(), **(kwargs.pop("compiler_options", None) or {}))
-    return jax.jit(fun, compiler_options=opts or None, **kwargs)
+    return _PollingJit(jax.jit(fun, compiler_options=opts or None, **kwargs))
+
+
+# The exchanges a traced op.jit function calls: topk_exchange_merge adds its exchange to
+# the sets of every op.jit call being traced (an inner op.jit is compiled into the outer
+# program, so the outer one polls its exchanges too).
+_polled_exchanges: contextvars.ContextVar = contextvars.ContextVar("dsa_polled_exchanges", default=())
+
+
+def _note_exchange(exchange) -> None:
+    if not callable(getattr(exchange, "poll", None)):
+        return
+    for seen in _polled_exchanges.get():
+        try:
+            seen.add(exchange)
+        except TypeError:  # an object without weak references: nothing to poll later
+            return
+
+
+class _PollingJit:
+    """What :func:`jit` returns: the ``jax.jit`` object, plus a host status check of the
+    exchanges its programs call before each call (about a microsecond per step)."""
+
+    def __init__(self, jitted):
+        self._jitted = jitted
+        self._exchanges: "weakref.WeakSet" = weakref.WeakSet()
+        functools.update_wrapper(self, jitted, updated=())
+
+    def __call__(self, *args, **kwargs):
+        for ex in list(self._exchanges):
+            ex.poll()
+        token = _polled_exchanges.set(_polled_exchanges.get() + (self._exchanges,))
+        try:
+            return self._jitted(*args, **kwargs)
+        finally:
+            _polled_exchanges.reset(token)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+    def __get__(self, obj, objtype=None):  # as a method decorator, like jax.jit
+        return self if obj is None else functools.partial(self, obj)
 
 
 class DsaExchangeEffect(core.Effect):
@@ -468,6 +517,7 @@ def topk_exchange_merge(
     if not (ordered is True or ordered is False or ordered == "effect"):
         raise TypeError(f"ordered must be True, False or 'effect', got {ordered!r}")
     _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_ids, with_saturated, path)
+    _note_exchange(exchange)
     with_ids, with_saturated, block_size = bool(with_ids), bool(with_saturated), int(block_size)
     if not _use_ffi(path):
         if axis_name is None:

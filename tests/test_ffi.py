@@ -240,7 +240,7 @@ def test_load_kernel_cubin_ptx_fallback_and_register(tmp_path):
 
 
 
-@pytest.mark.parametrize("value,mode", [(None, "checked"), ("1", "on"), ("on", "on"), ("0", "off"),
+@pytest.mark.parametrize("value,mode", [(None, "on"), ("1", "on"), ("on", "on"), ("0", "off"),
                                         ("off", "off"), ("checked", "checked"), ("CHECKED", "checked")])
 def test_cuda_graph_mode_from_the_environment(monkeypatch, value, mode):
     from jax_dsa_exchange import _ffi

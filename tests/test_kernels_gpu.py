@@ -64,6 +64,8 @@ def check(case, got, *, want_ids=True, want_sat=True, what=""):
 def _run_check(sim, case, **kw):
     got = sim.call(case, **kw)
     check(case, got, want_ids=kw.get("want_ids", True), want_sat=kw.get("want_sat", True))
+    for q, g in enumerate(got):  # a healthy call leaves the host copy of the status alone
+        assert (g["host_status"] == 0).all(), (q, g["host_status"])
     return got
 
 
@@ -146,6 +148,8 @@ def test_missing_rank_times_out():
         st = got[q]["status"]
         assert st[0] == layout.STATUS_TIMEOUT_ROUND1, (q, st)
         assert 0 <= st[1] < case.rows and st[2] == 1 and st[3] == missing, (q, st)
+        # the merge reported the same words to the pinned host copy (Exchange.poll reads it)
+        np.testing.assert_array_equal(got[q]["host_status"], st[:layout.STATUS_REPORT_WORDS])
 
 
 def test_a_late_rank_after_a_timeout_times_out_too():
@@ -212,6 +216,7 @@ def test_missing_rescue_times_out():
         st = got[q]["status"]
         assert st[0] == layout.STATUS_TIMEOUT_RESCUE, (q, st)
         assert st[3] == victim and st[2] == 1, (q, st)
+        np.testing.assert_array_equal(got[q]["host_status"], st[:layout.STATUS_REPORT_WORDS])
         assert (int(ref[0].saturated[st[1]]) >> victim) & 1, (q, st)
 
 
@@ -244,6 +249,7 @@ def test_failed_or_closed_exchange_refuses_calls():
     got = sim2.call(case, timeout_us=10_000_000)
     for q in range(world):
         assert (got[q]["counts"] == 0).all() and (sim2.bufs[q].get() == 0).all(), q
+        assert got[q]["host_status"][layout.STATUS_CODE] == layout.STATUS_CLOSED, q  # reported
 
 
 @pytest.mark.parametrize("start", [2**31 - 3, 2**32 - 3])

@@ -720,3 +720,68 @@ def test_calls_in_two_bodies_of_one_program_warn():
         cuda_text(lambda *a: (_op(ordered="effect")(*a).counts,
                               lax.scan(lambda c, _: (c + _op(ordered="effect")(*a).counts, None),
                                        jnp.zeros((R,), jnp.int32), None, length=2)[0]), *ARGS)
+
+
+POLL_SCRIPT = textwrap.dedent(
+    """
+    import weakref, jax, jax.numpy as jnp
+    from jax.interpreters import mlir
+    from jax_dsa_exchange import op
+    from jax_dsa_exchange._jax_private import full_like_aval
+    from jax_dsa_exchange.op import topk_exchange_merge, topk_exchange_merge_p
+
+    def fake_cpu(ctx, *args, ordered, **kw):  # the kernels' avals, no work
+        return [full_like_aval(ctx, 0, a) for a in ctx.avals_out]
+
+    mlir.register_lowering(topk_exchange_merge_p, fake_cpu, platform="cpu", cacheable=False)
+
+    class Ex:
+        world, rank, topk, local_topk, max_rows, closed = 1, 0, 64, 32, 16, False
+        def __init__(self, id):
+            self.id, self.polls, self.failure = id, 0, None
+        def poll(self):
+            self.polls += 1
+            if self.failure:
+                raise RuntimeError(self.failure)
+
+    R, L = 4, 256
+    args = (jnp.zeros((R, L), jnp.bfloat16), jnp.full((R,), L, jnp.int32), jnp.zeros((R,), jnp.int32),
+            jnp.zeros((2, 8), jnp.int32))
+    a, b, c = Ex(1), Ex(2), Ex(3)
+    merge = lambda ex, x: topk_exchange_merge(ex, *x, block_size=4, path="ffi").counts
+
+    @op.jit
+    def step(*x):
+        return merge(a, x) + jax.lax.scan(lambda s, _: (s + merge(b, x), None), 0 * x[1], None, length=2)[0]
+
+    inner = jax.jit(lambda *x: merge(c, x))  # (compiler_options only on the top-level jit)
+    outer = op.jit(lambda *x: inner(*x) + 1)
+    plain = op.jit(lambda *x: x[1] + 1)
+    for _ in range(3):
+        step(*args); outer(*args); plain(*args)
+    # polled before each dispatch but the first (nothing to poll before the first trace)
+    print("POLLS", a.polls, b.polls, c.polls)
+    print("ATTRS", callable(step.lower), callable(step.trace), step.__wrapped__ is not None)
+    b.failure = "exchange 2 rank 0: rank 1 did not deliver its candidates"
+    try:
+        step(*args)
+        print("NO RAISE")
+    except RuntimeError as e:
+        print("RAISED", e)
+    plain(*args); outer(*args)
+    print("OTHERS OK")
+    """
+)
+
+
+def test_op_jit_polls_the_exchanges_its_programs_call():
+    """op.jit checks, before each dispatch, every exchange its traced programs call (a scan
+    body's, an inner jax.jit's too) through Exchange.poll, and raises its error; programs
+    without the op poll nothing (CPU stand-in lowering, as in the test above)."""
+    r = subprocess.run([sys.executable, "-c", POLL_SCRIPT], capture_output=True, text=True, cwd=REPO,
+                       env=dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu"), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "POLLS 2 2 2" in r.stdout, r.stdout
+    assert "ATTRS True True True" in r.stdout, r.stdout
+    assert "RAISED exchange 2 rank 0: rank 1 did not deliver its candidates" in r.stdout, r.stdout
+    assert "OTHERS OK" in r.stdout, r.stdout

@@ -71,13 +71,14 @@ def test_decode_loop_with_dynamic_slice_fusion_forced_on(world, topk, local_topk
 
 @requires_gpu_stack
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,graphs", [("exit", "off"), ("skip", "checked"), ("rows", "checked")])
+@pytest.mark.parametrize("mode,graphs", [("exit", "off"), ("skip", "checked"), ("skip", "on"), ("rows", "on")])
 def test_a_peer_that_does_not_arrive_fails_every_rank_in_python(mode, graphs):
     """W = 3 processes; rank 1 exits before step 1 / skips step 1's call and comes back
     after the timeout / calls step 1 with half the rows.  Every other rank's step 2 raises
     naming rank 1, a row and the epoch; rank 1 (when alive) never gets a wrong answer and
     raises later naming a peer; every row of every call is right or empty (fault_worker).
-    The graph modes "off"/"checked" keep the per-call status check (_ffi.cuda_graph_mode)."""
+    "off"/"checked": the launcher's per-call status check raises; "on" (the default): the
+    calls replay from CUDA graphs and op.jit's poll of the pinned status copy raises."""
     r = _launch(3, "fault_worker.py", "--mode", mode, "--timeout-us", "500000", timeout=200,
                 graphs=graphs, grace=60)
     alive = 2 if mode == "exit" else 3

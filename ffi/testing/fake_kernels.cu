@@ -36,7 +36,7 @@ extern "C" __global__ void fake_merge(int64_t peers, int64_t local, int64_t stat
                                       int64_t req_id, int64_t block_table, int64_t kv_rows, int64_t counts,
                                       int64_t ids, int64_t saturated, int rows, int cols, int bt_rows, int bt_cols,
                                       int block_size, int rank, int max_rows, int64_t rescue_off, int64_t flags_off,
-                                      int timeout_us) {
+                                      int timeout_us, int64_t host_status) {
   extern __shared__ int smem[];
   asm volatile("griddepcontrol.wait;" ::: "memory");
   const int* buf = reinterpret_cast<const int*>(local);

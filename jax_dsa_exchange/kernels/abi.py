@@ -80,10 +80,12 @@ SELECT_PUSH = KernelABI("select_push", _params(
     "logits:i64 row_ends:i64 rows:i32 cols:i32 epoch:i64 peers:i64 rank:i32:0 max_rows:i32"))
 
 # kernels/merge.py (docs/DESIGN.md §6.2-§6.7).  ids / saturated: 0 = not wanted;
-# rescue_off / flags_off: byte offsets in the symmetric buffer (layout.BufferLayout).
+# rescue_off / flags_off: byte offsets in the symmetric buffer (layout.BufferLayout);
+# host_status: pinned host words [code, row, epoch, rank] the kernel fills when this
+# exchange's status is set (0 = none): the host reads them without a sync.
 MERGE = KernelABI("merge", _params(
     "peers:i64 local:i64 state:i64 logits:i64 row_ends:i64 req_id:i64 block_table:i64 "
     "kv_rows:i64 counts:i64 ids:i64 saturated:i64 rows:i32 cols:i32 bt_rows:i32 bt_cols:i32 "
-    "block_size:i32 rank:i32:0 max_rows:i32 rescue_off:i64 flags_off:i64 timeout_us:i32"))
+    "block_size:i32 rank:i32:0 max_rows:i32 rescue_off:i64 flags_off:i64 timeout_us:i32 host_status:i64"))
 
 KERNELS = {k.kernel: k for k in (SELECT_PUSH, MERGE)}

@@ -915,7 +915,7 @@ class Merge:
                req_id: Int64, block_table: Int64, kv_rows: Int64, counts: Int64, ids: Int64,
                saturated: Int64, rows: Int32, cols: Int32, bt_rows: Int32, bt_cols: Int32,
                block_size: Int32, rank: Int32, max_rows: Int32, rescue_off: Int64,
-               flags_off: Int64, timeout_us: Int32):  # fmt: skip
+               flags_off: Int64, timeout_us: Int32, host_status: Int64):  # fmt: skip
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         nblk, _, _ = cute.arch.grid_dim()
@@ -1049,6 +1049,7 @@ class Merge:
                 C.st_u32(C.state_epoch(state, max_rows, t), ep)
             t = t + Int32(nblk)
             rowi = rowi + Int32(1)
+        report = refused
         if refused == Int32(0):
             # This call failed here or elsewhere in the grid: withdraw this rank's pushed
             # rows from every peer (both parities), so a peer that arrives late times out
@@ -1062,6 +1063,26 @@ class Merge:
                 fe = self.failed(status, sm_seg, tid)
             if fe != Int32(0):
                 self.withdraw(peers, state, rank, max_rows, tid)
+            report = fe
+        # The host's copy of a set status (pinned words that op.jit's poll and the
+        # launcher's handlers read without a sync): written by a refused launch or a CTA
+        # that saw this launch fail; a healthy launch writes nothing (the copy starts at
+        # 0 and a status never clears).
+        if host_status != Int64(0):
+            if report != Int32(0):
+                if tid == Int32(0):
+                    self.report(status, host_status)
+
+    @cute.jit
+    def report(self, status: Int64, host_status: Int64):
+        """Copy the status words [code, row, epoch, rank] to the host, the code last (a
+        reader that sees the code sees the rest)."""
+        for i in cutlass.range_constexpr(layout.STATUS_REPORT_WORDS):
+            if cutlass.const_expr(i != layout.STATUS_CODE):
+                C.st_volatile_u32(host_status + Int64(4 * i), Int32(C.ld_volatile_u32(C.status_word(status, i))))
+        C.fence_sys()
+        C.st_volatile_u32(host_status + Int64(4 * layout.STATUS_CODE),
+                          Int32(C.ld_volatile_u32(C.status_word(status, layout.STATUS_CODE))))
 
     @cute.jit
     def failed(self, status: Int64, sm_seg: cute.Tensor, tid: Int32) -> Int32:
@@ -1173,10 +1194,10 @@ class Merge:
               req_id: Int64, block_table: Int64, kv_rows: Int64, counts: Int64, ids: Int64,
               saturated: Int64, rows: Int32, cols: Int32, bt_rows: Int32, bt_cols: Int32,
               block_size: Int32, rank: Int32, max_rows: Int32, rescue_off: Int64,
-              flags_off: Int64, timeout_us: Int32):  # fmt: skip
+              flags_off: Int64, timeout_us: Int32, host_status: Int64):  # fmt: skip
         self.kernel(peers, local, state, logits, row_ends, req_id, block_table, kv_rows, counts,
                     ids, saturated, rows, cols, bt_rows, bt_cols, block_size, rank, max_rows,
-                    rescue_off, flags_off, timeout_us).launch(
+                    rescue_off, flags_off, timeout_us, host_status).launch(
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)  # fmt: skip
 
     def compile(self, arch: str = "sm_90a"):

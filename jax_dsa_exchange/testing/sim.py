@@ -117,6 +117,10 @@ class Sim:
         self.states = [cp.zeros(self.st.words, cp.int32) for _ in range(world)]
         self.peers = cp.asarray(np.array([b.data.ptr for b in self.bufs], np.int64))
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(world)]
+        # the pinned host copies of each rank's status words (the merge fills them on a failure)
+        self._host_status = [cp.cuda.alloc_pinned_memory(4 * layout.STATUS_REPORT_WORDS) for _ in range(world)]
+        for h in self._host_status:
+            np.frombuffer(h, np.int32, layout.STATUS_REPORT_WORDS)[:] = 0
         self.cta_budget = cta_budget
         cp.cuda.Device().synchronize()
 
@@ -126,6 +130,10 @@ class Sim:
     def status(self, q):
         s = self.states[q].get()
         return s[self.st.status_off:self.st.status_off + layout.STATUS_WORDS].copy()
+
+    def host_status(self, q):
+        """The pinned host copy of rank q's reported status words (read after a sync)."""
+        return np.frombuffer(self._host_status[q], np.int32, layout.STATUS_REPORT_WORDS).copy()
 
     def epochs(self, q):
         return self.states[q].get()[: self.max_rows].copy()
@@ -171,7 +179,7 @@ class Sim:
                     saturated=d["sat"].data.ptr if want_sat else 0, rows=rows, cols=cols,
                     bt_rows=bt.shape[0], bt_cols=bt.shape[1], block_size=block_size, rank=q,
                     max_rows=self.max_rows, rescue_off=self.lay.rescue_off, flags_off=self.lay.flags_off,
-                    timeout_us=timeout_us))  # fmt: skip
+                    timeout_us=timeout_us, host_status=self._host_status[q].ptr))  # fmt: skip
                 self.fns["merge"]((grid or self.merge_grid(rows),), (mg.block,), _typed(mg.params, values),
                                   shared_mem=mg.smem)  # fmt: skip
 
@@ -219,5 +227,5 @@ class Sim:
         for q in range(self.world):
             d = dev[q]
             out.append(dict(kv_rows=d["kv"].get(), counts=d["counts"].get(), ids=d["ids"].get(),
-                            saturated=d["sat"].get(), status=self.status(q)))  # fmt: skip
+                            saturated=d["sat"].get(), status=self.status(q), host_status=self.host_status(q)))  # fmt: skip
         return out

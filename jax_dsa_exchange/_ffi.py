@@ -219,8 +219,8 @@ def cuda_graph_mode() -> str:
     read once, at registration):
 
     * ``on`` (default; also ``1``): both custom calls.  Graph replays skip the handlers, so
-      the host learns of a failure from the pinned status copy the merge leaves after every
-      call (a copy recorded into the graph too): ``op.jit`` polls it before each dispatch
+      the host learns of a failure from the pinned status copy the merge kernel writes when
+      the status is set (graphs or not): ``op.jit`` polls it before each dispatch
       (``Exchange.poll``), ``Exchange.check()`` reads the device words; the kernels
       themselves refuse any work once the status is set, so a replay never waits or writes
       to a peer after a failure or a close.
@@ -345,10 +345,11 @@ def register_exchange(
     ``peers``: device address of an int64[world] table of every rank's symmetric
     buffer base; ``local``: this rank's buffer base; ``state``: this rank's int32
     state (epoch at byte 0).  Both kernels must have been loaded on ``device``.
-    ``host_status``: address of 4 * layout.STATUS_REPORT_WORDS bytes of pinned host memory (0 = none): after each
-    merge the handler copies the state's status words there (async, on XLA's stream),
-    and every call first reads them, so a failure of an earlier call (a peer that did
-    not arrive) fails the next call with a Python error naming row, epoch and rank.
+    ``host_status``: address of 4 * layout.STATUS_REPORT_WORDS bytes of pinned host memory (0 = none): the
+    merge kernel writes the state's status words there when the status is set, and every
+    handler call first reads them, so a failure of an earlier call (a peer that did not
+    arrive) fails the next call with a Python error naming row, epoch and rank; it must
+    stay allocated as long as a CUDA graph may replay the calls (Exchange keeps it).
     """
     lib = _require()
     rc = lib.dsa_register_exchange(

@@ -48,7 +48,7 @@ _ids_lock = threading.Lock()
 _live: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
 # State words and pinned status copies of closed exchanges, kept for the process's life:
 # a CUDA-graph replay of a program that called one still runs its kernels (they see
-# STATUS_CLOSED and do nothing) and its status copy into the pinned words.
+# STATUS_CLOSED, do nothing but report it into the pinned words).
 _retired_states: list = []
 
 
@@ -103,9 +103,9 @@ class Exchange:
         self._buffer = _DeviceMemory(ordinal, self.layout.nbytes)
         self._state = _DeviceMemory(ordinal, self.state_layout.words * 4)
         self._peers_table = _DeviceMemory(ordinal, 8 * world)
-        # Pinned host copy of the reported status words (layout.STATUS_REPORT_WORDS), copied
-        # on the stream after every merge (also inside CUDA graphs) and read without a sync
-        # by poll() (op.jit, before each dispatch) and by the launcher's handlers.
+        # Pinned host copy of the reported status words (layout.STATUS_REPORT_WORDS), written
+        # by the merge kernel when the status is set (also from CUDA-graph replays) and read
+        # without a sync by poll() (op.jit, before each dispatch) and the launcher's handlers.
         self._host_status = _cupy().cuda.alloc_pinned_memory(4 * layout.STATUS_REPORT_WORDS)
         self._host_view = np.frombuffer(self._host_status, np.int32, layout.STATUS_REPORT_WORDS)
         self._host_view[:] = 0

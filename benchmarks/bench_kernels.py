@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jax_dsa_exchange import layout  # noqa: E402
 from jax_dsa_exchange.baselines import jax_topk_time, topk64_times, torch_topk_time  # noqa: E402
-from jax_dsa_exchange.kernels.timing import KernelTimer as Bench, _events, copy_bandwidth  # noqa: E402
+from jax_dsa_exchange.kernels.timing import KernelClock, KernelTimer as Bench, _events, copy_bandwidth, firsts_of_groups  # noqa: E402,E501
 
 
 def time_merge(b, R, L, rescue, iters=12, warm=3, seed=0):
@@ -43,8 +43,11 @@ def time_merge(b, R, L, rescue, iters=12, warm=3, seed=0):
     already pushed: every producer first, then rank 0's merge (grid min(R, 64)), then
     the other ranks' merges after it (so they do not take SMs from it; with the forced
     rescue only rank 0 is saturated, so its merge waits for no other rank).  R = 0
-    times an empty launch of the merge (the launch and event floor)."""
+    times an empty launch of the merge (the launch and event floor).  Also sets
+    ``b.last_kernel_us``: the median of the merge kernel's own duration (CUPTI, KernelClock;
+    nan without PyTorch)."""
     cp, sim, W = b.cp, b.sim, b.world
+    clock = KernelClock()
     Rd = max(R, 1)
     nsets = 2 if Rd * L * W * 2 > (1 << 29) else 4
     sets = b.inputs(Rd, L, nsets, rescue, seed)
@@ -52,6 +55,8 @@ def time_merge(b, R, L, rescue, iters=12, warm=3, seed=0):
     tm = []
     for it in range(warm + iters):
         d = sets[it % nsets]
+        if it == warm:
+            clock.__enter__()
         if R:
             for q in range(W):
                 sim.launch_rank(q, d[q], R, L, 64, merge=False)
@@ -69,6 +74,10 @@ def time_merge(b, R, L, rescue, iters=12, warm=3, seed=0):
         cp.cuda.Device().synchronize()
         if it >= warm:
             tm.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+    clock.__exit__(None, None, None)
+    # rank 0's merge ran (and was waited for) before the other ranks' merges of its iteration
+    ks = firsts_of_groups(clock.starts_and_durations("kernelsmerge"), W if R else 1)
+    b.last_kernel_us = statistics.median(ks) if len(ks) == iters else float("nan")
     for q in range(W):
         st = sim.status(q)
         assert st[0] == 0, f"rank {q} status {st}"
@@ -92,19 +101,22 @@ def merge_only(cp, a):
                 b.spacer.fill(i)
             cp.cuda.Device().synchronize()
         floor = time_merge(b, 0, L, False, iters=a.iters)
-        print(f"merge launch floor (R=0, empty launch): {floor:.2f}us", flush=True)
+        kfloor = b.last_kernel_us
+        print(f"merge launch floor (R=0, empty launch): {floor:.2f}us (kernel {kfloor:.2f}us)", flush=True)
         for R in a.rows:
             tm = time_merge(b, R, L, False, iters=a.iters)
-            tr = float("nan")
+            km = b.last_kernel_us
+            tr = kr = float("nan")
             sat = float("nan")
             if not a.no_rescue:
                 tr = time_merge(b, R, L, True, iters=6, warm=2)
+                kr = b.last_kernel_us
                 sat = b.last_sat_rows
             tk = {"jax": None, "torch": None} if a.no_jax else topk64_times(R, a.world * n, a.topk)
-            res.append([n, R, tm, tr, sat, tk["jax"], tk["torch"], None, floor])
-            print(f"merge W={a.world} N={n} R={R} L={L}: {tm:.2f}us, forced rescue {tr:.2f}us "
-                  f"(rescued rows {sat}), top-k int64 [R,W*N] jax {tk['jax']} torch {tk['torch']}",
-                  flush=True)  # fmt: skip
+            res.append([n, R, tm, tr, sat, tk["jax"], tk["torch"], None, floor, kfloor, km, kr])
+            print(f"merge W={a.world} N={n} R={R} L={L}: {tm:.2f}us (kernel {km:.2f}us), forced rescue "
+                  f"{tr:.2f}us (kernel {kr:.2f}us, rescued rows {sat}), top-k int64 [R,W*N] jax {tk['jax']} "
+                  f"torch {tk['torch']}", flush=True)  # fmt: skip
         del b
     if not a.no_rescue:
         try:
@@ -116,13 +128,15 @@ def merge_only(cp, a):
         except FileNotFoundError as e:
             print(f"no N=K build for the local top-K time: {e}", flush=True)
     f = lambda v: "-" if v is None or v != v else f"{v:8.2f}"  # noqa: E731
-    print(f"\nmerge alone, W={a.world} K={a.topk} L={L}; us, median (CUDA events / graph replay); "
-          f"localK = select+push with N=K (the rescue's local top-K + push)")
-    print(f"{'N':>5} {'R':>4} | {'floor':>8} {'merge':>8} | {'+rescue':>8} {'localK':>8} {'resc-lK':>8} | "
-          f"{'jax tk64':>8} {'torch tk64':>10}")  # fmt: skip
-    for n, R, tm, tr, sat, tj, tt, tk, fl in res:
+    print(f"\nmerge alone, W={a.world} K={a.topk} L={L}; us, median (CUDA events / graph replay; "
+          f"'kernel' = the kernel's own duration, CUPTI); localK = select+push with N=K (the rescue's "
+          f"local top-K + push)")
+    print(f"{'N':>5} {'R':>4} | {'floor':>8} {'merge':>8} {'kernel':>8} | {'+rescue':>8} {'kernel':>8} "
+          f"{'localK':>8} {'resc-lK':>8} | {'jax tk64':>8} {'torch tk64':>10}")  # fmt: skip
+    for n, R, tm, tr, sat, tj, tt, tk, fl, kfl, km, kr in res:
         d = None if tk is None or tr != tr else tr - tk
-        print(f"{n:>5} {R:>4} | {f(fl)} {f(tm)} | {f(tr)} {f(tk)} {f(d)} | {f(tj)} {f(tt):>10}")
+        print(f"{n:>5} {R:>4} | {f(fl)} {f(tm)} {f(km)} | {f(tr)} {f(kr)} {f(tk)} {f(d)} | {f(tj)} "
+              f"{f(tt):>10}")
     return res
 
 
@@ -146,16 +160,20 @@ def probe(cp, world, topk, n, reps=20):
                     sim.launch_rank(0, d, 1, L, 64, merge=False, cluster=c)
                 g = s0.end_capture()
                 ts = []
-                for _ in range(5):
-                    e0, e1 = _events(cp)
-                    e0.record(s0)
-                    g.launch(s0)
-                    e1.record(s0)
-                    s0.synchronize()
-                    ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps)
+                clock = KernelClock()
+                with clock:
+                    for _ in range(5):
+                        e0, e1 = _events(cp)
+                        e0.record(s0)
+                        g.launch(s0)
+                        e1.record(s0)
+                        s0.synchronize()
+                        ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps)
                 t = statistics.median(ts)
-                print(f"probe N={n} R=1 L={L} end={end} C={c}: {t:.2f}us per launch (back to back)",
-                      flush=True)  # fmt: skip
+                ks = [d for _, d in clock.starts_and_durations("kernelsselect_push")]
+                k = statistics.median(ks) if ks else float("nan")
+                print(f"probe N={n} R=1 L={L} end={end} C={c}: {t:.2f}us per launch (back to back), "
+                      f"kernel {k:.2f}us (CUPTI)", flush=True)  # fmt: skip
     del b
 
 
@@ -248,6 +266,7 @@ def main(argv=None):
         for R in a.rows:
             for L in a.cols:
                 tp, tm = b.run(R, L, rescue=False, iters=a.iters, warm=min(3, a.iters))
+                kp = b.last_producer_kernel_us
                 sat0 = b.last_sat_rows
                 tr, sat1 = float("nan"), float("nan")
                 if not a.no_rescue:
@@ -267,8 +286,8 @@ def main(argv=None):
                                          else topk64_times(R, a.world * n, a.topk))  # fmt: skip
                 jm, tmk = base_cache[key64]["jax"], base_cache[key64]["torch"]
                 rows.append((n, R, L, tp, floor, goal, tl, jl, tm, tr, tmk, jm, sat0, sat1,
-                             layout.producer_cluster(R, L)))  # fmt: skip
-                print(f"N={n} R={R} L={L}: select+push {tp:.1f}us (floor {floor:.2f}us, goal "
+                             layout.producer_cluster(R, L), kp))  # fmt: skip
+                print(f"N={n} R={R} L={L}: select+push {tp:.1f}us (kernel {kp:.1f}us) (floor {floor:.2f}us, goal "
                       f"{goal:.1f}us, C={layout.producer_cluster(R, L)}) torch.topk[R,L] {tl} "
                       f"jax top_k[R,L] {jl}; merge {tm:.1f}us (rescued rows {sat0:.2f}) "
                       f"rescue-merge {tr:.1f}us torch.topk[R,W*N] {tmk} jax [R,W*N] {jm}",
@@ -279,10 +298,10 @@ def main(argv=None):
           f"{bw / 1e12:.2f} TB/s; floor = max(one read of [R,L] bf16, one write of the pushed LL "
           f"rows); goal = max(6, 3 x floor); baselines: top-N of [R,L] bf16, top-K of random "
           f"int64 keys [R,W*N]")  # fmt: skip
-    print(f"{'N':>5} {'R':>4} {'L':>7} {'C':>2} | {'sel+push':>8} {'floor':>6} {'goal':>6} {'met':>3} "
+    print(f"{'N':>5} {'R':>4} {'L':>7} {'C':>2} | {'sel+push':>8} {'kernel':>7} {'floor':>6} {'goal':>6} {'met':>3} "
           f"{'torch':>8} {'jax':>8} | {'merge':>8} {'+rescue':>8} {'torch':>8} {'jax':>8} {'sat':>4}")  # fmt: skip
-    for n, R, L, tp, fl, goal, tl, jl, tm, tr, tmk, jm, s0, s1, c in rows:
-        print(f"{n:>5} {R:>4} {L:>7} {c:>2} | {tp:8.1f} {fl:6.2f} {goal:6.1f} {'yes' if tp <= goal else 'no':>3} "
+    for n, R, L, tp, fl, goal, tl, jl, tm, tr, tmk, jm, s0, s1, c, kp in rows:
+        print(f"{n:>5} {R:>4} {L:>7} {c:>2} | {tp:8.1f} {kp:7.1f} {fl:6.2f} {goal:6.1f} {'yes' if tp <= goal else 'no':>3} "
               f"{f(tl)} {f(jl)} | {tm:8.1f} {tr:8.1f} {f(tmk)} {f(jm)} {s1:4.2f}")  # fmt: skip
 
 

@@ -72,14 +72,19 @@ class KernelTimer:
     def run(self, R, L, rescue, iters=12, warm=3, seed=0, cluster=None, merge=True):
         """Median select+push and merge times (us) of rank 0; ``cluster`` forces
         select_push's CTAs per row (None: the launcher's policy); ``merge=False``
-        times the producer only (the merge time is then nan)."""
+        times the producer only (the merge time is then nan).  Also sets
+        ``last_producer_kernel_us``: the median of rank 0's select_push kernel's own duration
+        (CUPTI, :class:`KernelClock`; nan without PyTorch)."""
         cp, sim, W = self.cp, self.sim, self.world
+        clock = KernelClock()
         nsets = 2 if R * L * W * 2 > (1 << 29) else 4
         sets = self.inputs(R, L, nsets, rescue, seed)
         s0 = sim.streams[0]
         tp, tm = [], []
         for it in range(warm + iters):
             d = sets[it % nsets]
+            if it == warm:
+                clock.__enter__()
             for q in range(1, W):  # the other producers first: rank 0's runs alone
                 sim.launch_rank(q, d[q], R, L, 64, merge=False, cluster=cluster)
             cp.cuda.Device().synchronize()
@@ -108,6 +113,10 @@ class KernelTimer:
             if it >= warm:
                 tp.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
                 tm.append(cp.cuda.get_elapsed_time(e2, e3) * 1e3)
+        clock.__exit__(None, None, None)
+        # per iteration the other ranks' producers ran first, then rank 0's alone
+        ks = [d for i, (_, d) in enumerate(clock.starts_and_durations("kernelsselect_push")) if i % W == W - 1]
+        self.last_producer_kernel_us = statistics.median(ks) if len(ks) == iters else float("nan")
         if not merge:
             del sets
             return statistics.median(tp), float("nan")
@@ -117,3 +126,59 @@ class KernelTimer:
         self.last_sat_rows = float((sat != 0).mean())
         del sets
         return statistics.median(tp), statistics.median(tm)
+
+
+class KernelClock:
+    """Kernel execution times (start, duration) from CUPTI through ``torch.profiler``, where
+    PyTorch with CUDA is importable (it records every kernel of the process, CuPy's too).
+
+    CUDA events around one launch also count the launch itself (a few us for a single
+    kernel after a busy stream); these are the kernels' own times on the device.  Use::
+
+        clock = KernelClock()
+        with clock:
+            ...launches...
+        clock.starts_and_durations("kernelsmerge")  # [(start_us, duration_us)] by start
+
+    ``available`` is False (and the lists empty) without PyTorch or CUDA."""
+
+    def __init__(self):
+        try:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            self.available = bool(torch.cuda.is_available())
+        except Exception:  # noqa: BLE001 - no PyTorch (or a broken one): no clock
+            self.available = False
+        self._prof, self._events = None, []
+        if self.available:
+            self._make = lambda: profile(activities=[ProfilerActivity.CUDA])
+
+    def __enter__(self):
+        if self.available:
+            self._prof = self._make()
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._prof is None:
+            return False
+        self._prof.__exit__(*exc)
+        self._events = []
+        for e in self._prof.events():
+            tr = getattr(e, "time_range", None)
+            if str(getattr(e, "device_type", "")).endswith("CUDA") and tr is not None:
+                self._events.append((tr.start, tr.elapsed_us(), e.name))
+        self._events.sort()
+        self._prof = None
+        return False
+
+    def starts_and_durations(self, name_part: str) -> list:
+        return [(t, d) for t, d, n in self._events if name_part in n]
+
+
+def firsts_of_groups(events, group: int) -> list:
+    """Durations of the first kernel of each run of ``group`` kernels in start order (e.g.
+    rank 0's merge, launched and finished before the other ranks' merges of the same
+    iteration)."""
+    return [d for i, (_, d) in enumerate(events) if i % group == 0]

@@ -12,7 +12,8 @@ interleaved, the whole list twice (the second round in reverse order) for the no
 
 * probe (as ``bench_kernels.py --probe``): a CUDA graph of ``--reps`` launches back to back
   at R = 1, median of 5 replays, per launch: rows of 0 tokens, 8K and 128K, C = 1 and 8;
-* bench rows: R x L = 1 x 8K, 1 x 128K, 64 x 128K, 256 x 128K with the launcher's C,
+* bench rows: R x L = 1 x 8K, 1 x 128K, 64 x 128K, 256 x 128K with the launcher's C (and
+  64 x 128K with C = 4: cached slices with cache=32768),
   median CUDA-event time (a spacer memset first so no host gap is timed), 2 input sets.
 
 ``--dry-run`` (no GPU, no CuPy): resolve every variant's cubins and print their tags.
@@ -37,8 +38,10 @@ from jax_dsa_exchange.kernels import cache  # noqa: E402
 TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"  # = kernels/select.TUNE_ENV (select.py needs the CuTe DSL)
 PROBES = [(8192, 0, 1), (8192, 0, 8), (8192, 8192, 1), (8192, 8192, 8), (131072, 131072, 1),
           (131072, 131072, 8)]  # (L, row end, C)  # fmt: skip
-ROWS = [(1, 8192), (1, 131072), (64, 131072), (256, 131072)]  # (R, L), the launcher's C
+ROWS = [(1, 8192, None), (1, 131072, None), (64, 131072, None), (64, 131072, 4),
+        (256, 131072, None)]  # (R, L, C): None = the launcher's C
 DEFAULT_VARIANTS = ["default=", "relax=relax=1", "wt2=wt2=1", "w0=w0=1", "fast=relax=1,wt2=1,w0=1",
+                    "cache32k=cache=32768", "cache64k=cache=65536",
                     "skip-hist1=skip=hist1", "skip-pass2=skip=pass2", "skip-dsmem=skip=dsmem",
                     "skip-compact=skip=compact", "skip-push=skip=push",
                     "bare=skip=hist1+pass2+dsmem+compact+push"]  # fmt: skip
@@ -46,7 +49,7 @@ DEFAULT_VARIANTS = ["default=", "relax=relax=1", "wt2=wt2=1", "w0=w0=1", "fast=r
 
 def columns():
     return [f"p{L // 1024 if end else 0}kC{c}" for L, end, c in PROBES] + [
-        f"R{R}L{L // 1024}k" for R, L in ROWS]  # fmt: skip
+        f"R{R}L{L // 1024}k" + (f"C{c}" if c else "") for R, L, c in ROWS]  # fmt: skip
 
 
 def read_tests(path):
@@ -65,7 +68,7 @@ def print_table(variants, info, cols, res, tests, W, K, N, reps, rounds):
     print(f"\nselect_push variants, W={W} K={K} N={N}; us per launch (p*: CUDA graph of {reps} "
           f"back to back, R=1, row of 0/8K/128K tokens, forced C; R*: CUDA events, policy C); mean "
           f"of {rounds} rounds; spread = max |r1-r2|/mean; skip-*/bare = TIMING ONLY (wrong outputs)")
-    print(f"{'variant':<13} {'tests':<7} {'regs':>4} {'occ':>3} " + " ".join(f"{c:>8}" for c in cols)
+    print(f"{'variant':<13} {'tests':<7} {'regs':>4} {'occ':>3} " + " ".join(f"{c:>{max(8, len(c))}}" for c in cols)
           + f" {'spread':>6}")  # fmt: skip
     for name, tune in variants:
         r = res[name]
@@ -74,7 +77,7 @@ def print_table(variants, info, cols, res, tests, W, K, N, reps, rounds):
         st = tests.get(name, "n/a" if "skip=" in tunes[name] else "-")
         i = info[name]
         print(f"{name:<13} {st:<7} {str(i['regs'])[:4]:>4} {str(i['ctas_per_sm'])[:3]:>3} "
-              + " ".join(f"{m:8.2f}" for m in means) + f" {100 * spread:5.1f}%")  # fmt: skip
+              + " ".join(f"{m:{max(8, len(c))}.2f}" for m, c in zip(means, cols)) + f" {100 * spread:5.1f}%")  # fmt: skip
 
 
 def parse_variants(specs):
@@ -118,7 +121,15 @@ def main(argv=None):
     ap.add_argument("--tests", default=None, help="file of 'NAME STATUS' lines (the exactness runs)")
     ap.add_argument("--json", default=None, help="write every number here")
     ap.add_argument("--dry-run", action="store_true", help="resolve the cubins only (no GPU)")
+    ap.add_argument("--table", default=None, help="only print the table of this --json file "
+                    "(with the --tests statuses)")
     a = ap.parse_args(argv)
+    if a.table:
+        with open(a.table) as f:
+            j = json.load(f)
+        print_table(list(j["variants"].items()), j["info"], j["cols"], j["results"],
+                    read_tests(a.tests), j["W"], j["K"], j["N"], j["reps"], j["rounds"])
+        return 0
     variants = parse_variants(a.variants)
     imgs = {}
     for name, tune in variants:
@@ -140,7 +151,7 @@ def main(argv=None):
     from jax_dsa_exchange.testing.sim import Sim, _load_function
 
     W, K, N = a.world, a.topk, a.n
-    sim = with_tune("", Sim, W, K, N, max(r for r, _ in ROWS))
+    sim = with_tune("", Sim, W, K, N, max(r for r, _, _ in ROWS))
     s0 = sim.streams[0]
     tmp = tempfile.TemporaryDirectory()
     fns, info, mods = {}, {}, []
@@ -201,7 +212,7 @@ def main(argv=None):
             ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / a.reps)
         return statistics.median(ts)
 
-    def bench(name, R, L, sets):
+    def bench(name, R, L, c, sets):
         use(name)
         tm = []
         warm = 3
@@ -211,7 +222,7 @@ def main(argv=None):
             with s0:
                 spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
                 e0.record(s0)
-                sim.launch_rank(0, d, R, L, 64, merge=False)
+                sim.launch_rank(0, d, R, L, 64, merge=False, cluster=c)
                 e1.record(s0)
             s0.synchronize()
             if it >= warm:
@@ -230,11 +241,11 @@ def main(argv=None):
             print(f"round {rnd} {col}: " + " ".join(f"{nm}={res[nm][col][-1]:.2f}" for nm in order),
                   flush=True)  # fmt: skip
             del d
-        for (R, L), col in zip(ROWS, cols[len(PROBES):]):
+        for (R, L, c), col in zip(ROWS, cols[len(PROBES):]):
             sets = logits(R, L, 2, seed=2)
             for name in names:
-                res[name][col].append(bench(name, R, L, sets))
-            print(f"round {rnd} {col} (C={layout.producer_cluster(R, L)}): "
+                res[name][col].append(bench(name, R, L, c, sets))
+            print(f"round {rnd} {col} (C={c or layout.producer_cluster(R, L)}): "
                   + " ".join(f"{nm}={res[nm][col][-1]:.2f}" for nm in order), flush=True)  # fmt: skip
             del sets
     for q in range(W):
@@ -244,7 +255,8 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(variants=dict(variants), info=info, cols=cols, results=res, tests=tests,
-                           probes=PROBES, rows=ROWS), f, indent=1, default=str)  # fmt: skip
+                           probes=PROBES, rows=ROWS, W=W, K=K, N=N, reps=a.reps,
+                           rounds=a.rounds), f, indent=1, default=str)  # fmt: skip
     print_table(variants, info, cols, res, tests, W, K, N, a.reps, a.rounds)
     return 0
 

@@ -44,7 +44,7 @@ DEFAULT_VARIANTS = ["default=", "relax=relax=1", "wt2=wt2=1", "w0=w0=1", "fast=r
                     "cache32k=cache=32768", "cache64k=cache=65536",
                     "skip-hist1=skip=hist1", "skip-pass2=skip=pass2", "skip-dsmem=skip=dsmem",
                     "skip-compact=skip=compact", "skip-push=skip=push",
-                    "bare=skip=hist1+pass2+dsmem+compact+push"]  # fmt: skip
+                    "bare=skip=hist1+pass2+dsmem+compact+push", "floor=skip=select+push"]  # fmt: skip
 
 
 def columns():

@@ -77,6 +77,7 @@ SKIPPABLE = {
     "dsmem": "no distributed-shared loads: every CTA uses its own histograms as the cluster's",
     "compact": "no compaction (the row stays zero)",
     "push": "select_push pushes nothing",
+    "select": "select_push skips select_row (with push: the launch + first loads floor)",
 }
 SKIP = frozenset()
 # tokens per CTA kept on chip (ord16 pairs); "cache=32768" / "cache=65536": a variant that

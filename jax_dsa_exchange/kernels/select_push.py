@@ -82,8 +82,11 @@ class SelectPush:
         status = C.ld_volatile_u32(C.state_status(epoch, max_rows))
         e = C.ld_u32(C.state_epoch(epoch, max_rows, t)) + Int32(1)
         end = row_end(row_ends, t, cols)
-        S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(),
-                     tid, lane, warp, csize, me, True, True)  # fmt: skip
+        if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
+            S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw,
+                         sm.parts(), tid, lane, warp, csize, me, True, True)  # fmt: skip
+        else:
+            cute.arch.sync_threads()  # psm is read by other threads of the CTA
         # CTA 0 holds the packed row (select_row's barriers also published psm).  A
         # failed or closed exchange (status word set) pushes nothing (layout.py); every
         # CTA ran the select, so no cluster barrier was skipped.

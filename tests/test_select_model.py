@@ -151,3 +151,14 @@ def test_model_covers_bit_16_of_l():
     assert want[64:66].any()
     for csize in (1, 3, 8):
         assert np.array_equal(split_select_model(bits, L, 64, csize), want)
+
+
+def test_model_clusters_of_16():
+    """The same steps with 16 CTAs (select.py's non-portable ``cmax=16`` variant)."""
+    rng = np.random.default_rng(16)
+    for kind in ("random", "ties", "specials"):
+        logits = _rows(kind, rng, 70001)
+        for t, end in enumerate((70001, 517, 40000)):
+            bits = logits[t].view(np.uint16)
+            want = reference.pack_local_topk(bits, end, 512)
+            assert np.array_equal(split_select_model(bits, end, 512, 16), want), (kind, end)

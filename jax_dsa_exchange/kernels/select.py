@@ -83,6 +83,9 @@ SKIP = frozenset()
 # tokens per CTA kept on chip (ord16 pairs); "cache=32768" / "cache=65536": a variant that
 # keeps longer slices (64 / 128 KB of shared memory: 2 / 1 CTAs per SM)
 SLICE_MAX = layout.PRODUCER_SLICE_MAX
+# CTAs per cluster the kernel can sum over; "cmax=16": clusters of 16 (non-portable: the
+# launch needs CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED; the policy stays <= 8)
+CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = (x.strip() for x in _kv.split("="))
     if _k == "skip":
@@ -92,10 +95,11 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                              f"known: {sorted(SKIPPABLE)}")
         continue
     globals()[{"u1": "U1", "vpt": "VPT", "early": "EARLY_TRIGGER", "relax": "RELAX",
-               "wt2": "WT2", "w0": "W0", "cache": "SLICE_MAX"}[_k]] = int(_v)  # fmt: skip
+               "wt2": "WT2", "w0": "W0", "cache": "SLICE_MAX",
+               "cmax": "CLUSTER_MAX"}[_k]] = int(_v)  # fmt: skip
 EXACT = not SKIP  # False: a timing-only build (wrong outputs)
 assert SLICE_MAX % 8 == 0 and 0 < SLICE_MAX <= 98304, SLICE_MAX
-CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
+assert CLUSTER_MAX in (layout.PRODUCER_CLUSTER_MAX, 16) and CLUSTER_MAX <= NWARPS, CLUSTER_MAX
 
 assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
 

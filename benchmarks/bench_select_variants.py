@@ -239,6 +239,16 @@ def main(argv=None):
     cols = columns()
     res = {name: {col: [] for col in cols} for name, _ in variants}
     order = [name for name, _ in variants]
+
+    def save():  # after every column: a timed-out run still leaves its numbers (and --table)
+        if a.json:
+            done = {nm: {c: v for c, v in r.items() if v} for nm, r in res.items()}
+            with open(a.json + ".tmp", "w") as f:
+                json.dump(dict(variants=dict(variants), info=info,
+                               cols=[c for c in cols if all(done[nm].get(c) for nm in done)],
+                               results=done, probes=PROBES, rows=ROWS, W=W, K=K, N=N, reps=a.reps,
+                               rounds=a.rounds), f, indent=1, default=str)  # fmt: skip
+            os.replace(a.json + ".tmp", a.json)
     for rnd in range(a.rounds):
         names = order if rnd % 2 == 0 else order[::-1]
         for (L, end, c), col in zip(PROBES, cols):
@@ -255,6 +265,7 @@ def main(argv=None):
             print(f"round {rnd} {col}: " + " ".join(f"{nm}={res[nm][col][-1]:.2f}" for nm in order),
                   flush=True)  # fmt: skip
             del d
+            save()
         for (R, L, c), col in zip(ROWS, cols[len(PROBES):]):
             sets = logits(R, L, 2, seed=2)
             for name in names:
@@ -262,15 +273,12 @@ def main(argv=None):
             print(f"round {rnd} {col} (C={c or layout.producer_cluster(R, L)}): "
                   + " ".join(f"{nm}={res[nm][col][-1]:.2f}" for nm in order), flush=True)  # fmt: skip
             del sets
+            save()
     for q in range(W):
         st = sim.status(q)
         assert st[0] == 0, f"rank {q} status {st}"
+    save()
     tests = read_tests(a.tests)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(variants=dict(variants), info=info, cols=cols, results=res, tests=tests,
-                           probes=PROBES, rows=ROWS, W=W, K=K, N=N, reps=a.reps,
-                           rounds=a.rounds), f, indent=1, default=str)  # fmt: skip
     print_table(variants, info, cols, res, tests, W, K, N, a.reps, a.rounds)
     return 0
 

@@ -154,3 +154,35 @@ def test_layout_constants_used_by_kernels():
     # two producer CTAs per SM fit; the merge stays small
     assert select_push.SelectPush(8, 4096).smem <= SMEM_OPT_IN_MAX // 2 and m.smem <= 64 * 1024
     assert select_push.SelectPush(8, 512).smem <= 48 * 1024
+
+
+def test_select_tune_variants(tmp_path):
+    """The exact speed-up knobs (select.RELAX / WT2 / W0) and a timing-only skip build
+    compile (fresh processes: select.py reads JAX_DSA_EXCHANGE_SELECT_TUNE at import); RELAX
+    keeps arrive.release only for barrier 3 of a multi-CTA cluster; an unknown stage fails."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; from jax_dsa_exchange.kernels import cache, select; "
+            "imgs = cache.compile_images('sm_90a', 2, 256, 64); "
+            "sys.stdout.write(imgs['select_push'][0].ptx)")  # fmt: skip
+
+    def ptx(tune):
+        env = dict(os.environ, JAX_DSA_EXCHANGE_SELECT_TUNE=tune, PYTHONPATH=root)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=root)  # fmt: skip
+        return r
+
+    r = ptx("relax=1,wt2=1,w0=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    sp = r.stdout
+    assert sp.count("fence.release.sync_restrict::shared::cta.cluster") == 3
+    assert sp.count("barrier.cluster.arrive.relaxed.aligned") == 3
+    assert sp.count("barrier.cluster.arrive.release.aligned") == 1
+    r = ptx("skip=pass2+push")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "st.volatile.global.v4.u32" not in r.stdout  # no push
+    r = ptx("skip=nothing")
+    assert r.returncode != 0 and "unknown stage" in r.stderr

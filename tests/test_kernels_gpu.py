@@ -34,7 +34,12 @@ _SIMS: dict = {}
 
 
 def sim_for(world, topk, n, max_rows=64):
+    from jax_dsa_exchange.kernels import cache
     from jax_dsa_exchange.testing.sim import Sim
+
+    if not cache.tune_exact():
+        pytest.fail("JAX_DSA_EXCHANGE_SELECT_TUNE selects a timing-only build (skip=...): "
+                    "its outputs are wrong by design")  # fmt: skip
 
     key = (world, topk, n)
     if key not in _SIMS or _SIMS[key].max_rows < max_rows:

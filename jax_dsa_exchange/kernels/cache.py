@@ -98,6 +98,14 @@ def source_hash(files=SOURCE_FILES) -> str:
     return h.hexdigest()
 
 
+def tune_exact() -> bool:
+    """False when ``JAX_DSA_EXCHANGE_SELECT_TUNE`` selects a timing-only build (``skip=...``:
+    select.SKIP leaves a stage out, the outputs are wrong); the GPU tests refuse those."""
+    tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")
+    return not any(kv.split("=")[0].strip() == "skip" and kv.split("=", 1)[1].strip()
+                   for kv in tune.split(",") if "=" in kv)  # fmt: skip
+
+
 def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str) -> str:
     return f"{arch}-w{world}-k{topk}-n{local_topk}-{shash[:16]}"
 

@@ -82,18 +82,23 @@ class SelectPush:
         status = C.ld_volatile_u32(C.state_status(epoch, max_rows))
         e = C.ld_u32(C.state_epoch(epoch, max_rows, t)) + Int32(1)
         end = row_end(row_ends, t, cols)
-        S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(),
-                     tid, lane, warp, csize, me, True, True)  # fmt: skip
+        if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
+            S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw,
+                         sm.parts(), tid, lane, warp, csize, me, True, True)  # fmt: skip
+        else:
+            cute.arch.sync_threads()  # psm is read by other threads of the CTA
         # CTA 0 holds the packed row (select_row's barriers also published psm).  A
         # failed or closed exchange (status word set) pushes nothing (layout.py); every
         # CTA ran the select, so no cluster barrier was skipped.
-        if me == Int32(0):
-            if status == Uint32(layout.STATUS_OK):
-                off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
-                for p in cutlass.range_constexpr(self.world):
-                    dst = psm[p] + off
-                    for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
-                        C.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e, row[2 * i + 1])
+        if cutlass.const_expr("push" not in S.SKIP):  # skip=push: timing only
+            if me == Int32(0):
+                if status == Uint32(layout.STATUS_OK):
+                    off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
+                    for p in cutlass.range_constexpr(self.world):
+                        dst = psm[p] + off
+                        for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
+                            C.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e,
+                                       row[2 * i + 1])  # fmt: skip
         if cutlass.const_expr(not S.EARLY_TRIGGER):
             C.pdl_launch_dependents()
 

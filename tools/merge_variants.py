@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 
-ALL = "fused=1,eqwarp=1,flags=1,peers=1,r2batch=1"
+ALL = "fused=1,eqwarp=1,flags=1,peers=1,r2batch=1,own2=1"
 # (name, env string, kind): kind "exact" (tested + timed), "norm" (timing only, normal path:
 # timed without rescue), "resc" (timing only, rescue path: timed with the forced rescue)
 VARIANTS = [
@@ -46,6 +46,7 @@ VARIANTS = [
     ("flags", "flags=1", "exact"),
     ("peers", "peers=1", "exact"),
     ("r2batch", "r2batch=1", "exact"),
+    ("own2", "own2=1", "exact"),
     ("noload", "noload=1", "norm"),
     ("nobt", "nobt=1", "norm"),
     ("nosel", "nosel=1", "norm"),

@@ -77,10 +77,12 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #   peers    rescue push: peer bases loaded once by lane p and shuffled (no dependent
 #            ld peers[p] per peer per thread)
 #   r2batch  round 2: every rescue / LL load of the thread issued before any is decoded
+#   own2     round 2: (segment q, index j) of each pair computed once (registers), not W - 1
+#            shared loads of the segment table in each of the ~8 per-pair loops
 TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TUNE = dict.fromkeys(
     ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence", "rnoflag",
-     "rnowait", "rnor2", "fused", "eqwarp", "flags", "peers", "r2batch"), 0)
+     "rnowait", "rnor2", "fused", "eqwarp", "flags", "peers", "r2batch", "own2"), 0)
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
                "rnoflag", "rnowait", "rnor2")
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
@@ -489,6 +491,21 @@ class Merge:
         return q, j
 
     @cute.jit
+    def owner_p(self, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
+                round2: cutlass.Constexpr, seg: cute.Tensor, qj: cute.Tensor):
+        """owner() of pair group ip of this lane; ``own2`` in round 2: from qj[ip]
+        (q << 16 | j, computed once by load_r2_fast), not W - 1 shared loads per call."""
+        q = Int32(0)
+        j = Int32(0)
+        if cutlass.const_expr(round2 and TUNE["own2"]):
+            x = qj[ip]
+            q = x >> Int32(16)
+            j = x & Int32(0xFFFF)
+        else:
+            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+        return q, j
+
+    @cute.jit
     def ll_word_addr(self, base: Int64, j: Int32) -> Int64:
         return C.ll_word_addr(base, j)
 
@@ -590,17 +607,17 @@ class Merge:
 
     @cute.jit
     def load_r2_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
-                     ll0: Int64, ll_stride: Int64, resc0: Int64):
+                     ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
         """Round-2 words into registers: segment q is rank q's K-list (rescue slot
         seg[17 + q] >= 0, plain words) or its round-1 LL list (tags already checked)."""
         if cutlass.const_expr(TUNE["r2batch"]):
-            self.load_r2_batched(words, hb, lane, warp, seg, ll0, ll_stride, resc0)
+            self.load_r2_batched(words, hb, lane, warp, seg, ll0, ll_stride, resc0, qj)
         else:
-            self.load_r2_plain(words, hb, lane, warp, seg, ll0, ll_stride, resc0)
+            self.load_r2_plain(words, hb, lane, warp, seg, ll0, ll_stride, resc0, qj)
 
     @cute.jit
     def load_r2_batched(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
-                        ll0: Int64, ll_stride: Int64, resc0: Int64):
+                        ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
         """load_r2_fast with every word / mask load of the thread issued first (into words
         and mm), the mask bits decoded after (no wait on a load before the next is issued)."""
         kp = self.kp2
@@ -611,8 +628,12 @@ class Merge:
             words[2 * i] = Uint32(0)
             words[2 * i + 1] = Uint32(0)
             mm[i] = Uint32(0)
+            if cutlass.const_expr(TUNE["own2"]):
+                qj[i] = Int32(0)
             if v < nk:
                 q, j = self.owner(v, True, seg)
+                if cutlass.const_expr(TUNE["own2"]):
+                    qj[i] = (q << Int32(16)) | j
                 s = seg[17 + q]
                 if s >= Int32(0):
                     base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
@@ -631,7 +652,7 @@ class Merge:
         for i in cutlass.range_constexpr(kp // 2):
             v = self.pair_pos(i, kp, lane, warp)
             if v < nk:
-                q, j = self.owner(v, True, seg)
+                q, j = self.owner_p(i, kp, lane, warp, True, seg, qj)
                 sh = Uint32(j & Int32(31))
                 m = mm[i]
                 hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
@@ -640,7 +661,7 @@ class Merge:
 
     @cute.jit
     def load_r2_plain(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
-                      ll0: Int64, ll_stride: Int64, resc0: Int64):
+                      ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
         kp = self.kp2
         nk = seg[self.world]
         hbits = Uint32(0)
@@ -649,8 +670,12 @@ class Merge:
             w0 = Uint32(0)
             w1 = Uint32(0)
             m = Uint32(0)
+            if cutlass.const_expr(TUNE["own2"]):
+                qj[i] = Int32(0)
             if v < nk:
                 q, j = self.owner(v, True, seg)
+                if cutlass.const_expr(TUNE["own2"]):
+                    qj[i] = (q << Int32(16)) | j
                 s = seg[17 + q]
                 if s >= Int32(0):
                     base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
@@ -729,10 +754,11 @@ class Merge:
 
     @cute.jit
     def pair_counts(self, selm: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
-                    round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32):
+                    round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32,
+                    qj: cute.Tensor):
         """Selected keys (own << 16 | all) of pair group ip of this warp: (of the lanes
         below this one, of the whole warp (warp-uniform)), from four ballots."""
-        q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
         s0 = ((selm >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
         s1 = ((selm >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
         own = q == rank
@@ -834,7 +860,7 @@ class Merge:
     @cute.jit
     def tie_break(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr,
                   round2: cutlass.Constexpr, vth: Int32, m: Int32, need: Int32, slot: Int32,
-                  sm: MergeSmem, tid, lane, warp) -> Int32:
+                  sm: MergeSmem, tid, lane, warp, qj: cute.Tensor) -> Int32:
         """gT: the need-th smallest g among the m keys of score vth (their order in the
         selection: smaller g first)."""
         fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
@@ -859,7 +885,7 @@ class Merge:
                         q = Int32(0)
                         j = Int32(0)
                         if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
                         for h in cutlass.range_constexpr(2):
                             if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
                                 eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
@@ -880,7 +906,7 @@ class Merge:
                         q = Int32(0)
                         j = Int32(0)
                         if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
                         for h in cutlass.range_constexpr(2):
                             if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
                                 u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
@@ -902,7 +928,7 @@ class Merge:
                    ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32, ids: Int64,
                    kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
                    block_size: Int32, keys: cute.Tensor, btp: cute.Tensor,
-                   pre_bt: cutlass.Constexpr) -> Uint64:
+                   pre_bt: cutlass.Constexpr, qj: cute.Tensor) -> Uint64:
         """Exact top-K of the words in registers and the outputs; returns T (the K-th
         key, 0 if fewer than K).  Round 1 also leaves pref[q] = selected keys before
         rank q's list (pref[W] = all).  ``pre_bt``: 1: btp[i] holds the block-table
@@ -963,7 +989,7 @@ class Merge:
                             s0 = Int32(words[2 * ip] >> Uint32(16))
                             s1 = Int32(words[2 * ip + 1] >> Uint32(16))
                             if (s0 != Int32(0) and (s0 >> Int32(6)) == b) or (s1 != Int32(0) and (s1 >> Int32(6)) == b):
-                                q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                                q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
                             for h in cutlass.range_constexpr(2):
                                 sv = Int32(words[2 * ip + h] >> Uint32(16))
                                 if sv != Int32(0) and (sv >> Int32(6)) == b:
@@ -988,7 +1014,7 @@ class Merge:
                     above = above + sc[4]
                     m = sc[5]
                     gT = self.tie_break(words, hbits, kp, round2, vth, m, Int32(K) - above, slot, sm, tid,
-                                        lane, warp)  # fmt: skip
+                                        lane, warp, qj)  # fmt: skip
                 T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
         else:
             # ---- stats: count, max and min score over the nonzero words
@@ -1052,7 +1078,7 @@ class Merge:
                     above = above + sc[4]
                     m = sc[5]
                 need = Int32(K) - above
-                gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp)
+                gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp, qj)
                 T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
         # ---- outputs: selection = s > vth or (s == vth and g <= gT)
         # Round 1: the status word, read once every wait of the row is over (barriers
@@ -1077,7 +1103,7 @@ class Merge:
                     q = Int32(0)
                     j = Int32(0)
                     if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                        q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
                     for h in cutlass.range_constexpr(2):
                         i = 2 * ip + h
                         sv = Int32(words[i] >> Uint32(16))
@@ -1089,7 +1115,7 @@ class Merge:
             lt = cute.arch.lanemask_lt()
             run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
             for ip in cutlass.range_constexpr(kp // 2):
-                _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt)
+                _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
                 run = run + c2
             if lane == Int32(0):
                 wt[warp] = run
@@ -1114,13 +1140,13 @@ class Merge:
                         blks[k] = btp[b0 * 2 + k]
                     elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
                         if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
-                            q, j = self.owner(self.pair_pos((b0 * 2 + k) // 2, kp, lane, warp), round2, seg)
+                            q, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
                             if q == rank:
                                 blks[k] = sm.buf[j + Int32(k % 2)]
                     elif cutlass.const_expr(b0 * 2 + k < kp):
                         i = b0 * 2 + k
                         if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
-                            q, j = self.owner(self.pair_pos(i // 2, kp, lane, warp), round2, seg)
+                            q, j = self.owner_p(i // 2, kp, lane, warp, round2, seg, qj)
                             if q == rank and req_ok != Int32(0):
                                 lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
                                 if lidx // block_size < bt_cols:
@@ -1129,8 +1155,8 @@ class Merge:
                     ip = b0 + kk
                     if cutlass.const_expr(ip < kp // 2):
                         v = self.pair_pos(ip, kp, lane, warp)
-                        q, j = self.owner(v, round2, seg)
-                        c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt)
+                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
+                        c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
                         e = wbase + c1
                         wbase = wbase + c2
                         pos = e & Int32(0xFFFF)
@@ -1259,7 +1285,7 @@ class Merge:
                 T = self.fast_round(words, hb, False, slot1, sm, tid, lane, warp, ll0, ll_stride, resc0,
                                     ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row,
                                     req_ok, bt_cols, block_size, keys, btp,
-                                    1 if self.pre_bt else 2)  # fmt: skip
+                                    1 if self.pre_bt else 2, hb)  # fmt: skip
             else:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
@@ -1461,10 +1487,11 @@ class Merge:
         if cutlass.const_expr(TUNE["rnor2"]):
             pass  # timing only: no round 2 (the outputs stay round 1's)
         elif cutlass.const_expr(self.fast2):
-            self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0)
+            qj = cute.make_rmem_tensor((self.kp2 // 2 if TUNE["own2"] else 1,), Int32)
+            self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0, qj)
             self.fast_round(words, hb, True, slot2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
                             status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
-                            bt_cols, block_size, keys, hb, 0)  # fmt: skip
+                            bt_cols, block_size, keys, hb, 0, qj)  # fmt: skip
         else:
             T2 = self.radix_select(keys, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
                                    status, t, timeout_ns)  # fmt: skip

@@ -7,7 +7,7 @@
 #          default also N=K=2048; packed into .cubins/merge_variants.tar.xz (~3 MB; 80 MB loose)
 #   run there (GPU, carry .cubins):  OUT=dir bash tools/gpu_merge_variants.sh
 #       -> 1. exact variants: the merge GPU test subset (tests/test_kernels_gpu.py functions,
-#             tools/merge_variants.py test_list) with each variant's env   (<= 150 s)
+#             tools/merge_variants.py test_list) with each variant's env, a process each   (<= 140 s)
 #          2. every variant timed like bench_kernels.py --merge-only (default twice)  (<= 70 s)
 #          3. the table (last)
 #       (step 0: the archive is unpacked into $CUB, default /tmp/merge_variants_cubins)
@@ -29,7 +29,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader 2>&1 
 nvidia-smi --query-gpu=timestamp,clocks.sm --format=csv,noheader -lms 200 > "$OUT/clocks.csv" 2>&1 &
 SMI=$!
 rc=0
-timeout -k 5 ${TEST_TIMEOUT:-150} python3 tools/merge_variants.py --tests --per-variant-s 40 \
+timeout -k 5 ${TEST_TIMEOUT:-140} python3 tools/merge_variants.py --tests --per-variant-s 40 \
   --out-json "$OUT" > "$OUT/tests.log" 2>&1 || rc=$?
 echo "tests rc=$rc ($(grep -c ': ok' "$OUT/tests.log") ok, $(grep -c ': FAIL' "$OUT/tests.log") failed)"
 # the bench resumes after a crash (a variant that killed its CUDA context is marked, skipped)

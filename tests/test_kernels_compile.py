@@ -122,6 +122,28 @@ def test_cache_key_follows_source(tmp_path):
     assert cache.config_tag("sm_90a", 8, 256, 64, h0) != cache.config_tag("sm_90a", 8, 256, 64, h1)
 
 
+def test_merge_tune_string_keys_the_cache(monkeypatch):
+    """JAX_DSA_EXCHANGE_MERGE_TUNE (merge variants) is mixed into the source hash like the
+    select's string, so variants' cubins coexist in one dir; an unknown knob is an error."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("JAX_DSA_EXCHANGE_MERGE_TUNE", raising=False)
+    monkeypatch.delenv("JAX_DSA_EXCHANGE_SELECT_TUNE", raising=False)
+    h0 = cache.source_hash()
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", "fused=1")
+    h1 = cache.source_hash()
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", "fused=1")
+    monkeypatch.delenv("JAX_DSA_EXCHANGE_MERGE_TUNE")
+    assert len({h0, h1, cache.source_hash()}) == 3
+    env = dict(os.environ, JAX_DSA_EXCHANGE_MERGE_TUNE="nosuchknob=1")
+    env.pop("JAX_DSA_EXCHANGE_SELECT_TUNE", None)
+    r = subprocess.run([sys.executable, "-c", "import jax_dsa_exchange.kernels.merge"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "unknown knob" in r.stderr
+
+
 def test_load_from_prebuilt_dir_and_clear_error(tmp_path, monkeypatch):
     w, k, n = CONFIGS[0]
     imgs = cache.compile_images("sm_90a", w, k, n)

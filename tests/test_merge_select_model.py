@@ -157,3 +157,91 @@ def test_model_small_bins_second_pass():
         want = np.zeros(n, bool)
         want[order] = True
         assert np.array_equal(sel, want)
+
+
+# ---------------------------------------------------------------- fused variant
+# merge.py with JAX_DSA_EXCHANGE_MERGE_TUNE=fused=1: no stats pass; one histogram of
+# s >> 6 (the total from its scan); the boundary bin's keys (<= EQ_MAX) are ranked at once
+# on c = (63 - (s & 63)) << G | g (smaller c = earlier in the selection); a bin with more
+# keys takes the second histogram of s & 63 and the unchanged tie-break on g.
+
+
+def model_select_fused(s, g, K, mmax=MMAX, G=17):
+    s = s.astype(np.int64)
+    g = g.astype(np.int64)
+    nz = s != 0
+    if int(nz.sum()) < K:
+        return nz, 0, -1, "all"
+    b = s >> 6
+    hist = np.bincount(b[nz], minlength=1024)
+    cum = 0
+    for bb in range(1023, -1, -1):
+        if cum + hist[bb] >= K:
+            break
+        cum += hist[bb]
+    above, mb, need = cum, int(hist[bb]), K - cum
+    inb = nz & (b == bb)
+    if mb <= mmax:
+        c = np.sort(((63 - (s[inb] & 63)) << G) | g[inb])
+        cT = int(c[need - 1])
+        v, gT, path = (bb << 6) | (63 - (cT >> G)), cT & ((1 << G) - 1), "fused"
+    else:
+        h2 = np.bincount(s[inb] & 63, minlength=64)
+        cum2 = above
+        for b2 in range(63, -1, -1):
+            if cum2 + h2[b2] >= K:
+                break
+            cum2 += h2[b2]
+        v = (bb << 6) | b2
+        eq = nz & (s == v)
+        gT = int(np.sort(g[eq])[K - cum2 - 1])  # the unchanged tie-break (rank / radix)
+        path = "fused-fallback"
+    sel = nz & ((s > v) | ((s == v) & (g <= gT)))
+    return sel, v, gT, path
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
+def test_fused_model_matches_reference(world):
+    rng = np.random.default_rng(70 + world)
+    K, N = 256, 64
+    allc = cases.adversarial_cases(rng, world=world, topk=K, local_topk=N, rows=8)
+    allc += cases.adversarial_cases(rng, world=world, topk=K, local_topk=K, rows=4)
+    allc.append(cases.random_case(rng, world=world, topk=K, local_topk=N, rows=8, cols=3000))
+    G = layout.gid_bits(world)
+    paths = set()
+    for case in allc:
+        n = case.local_topk
+        for i in range(case.rows):
+            words = _lists(case, i, n)
+            sg = [_decode(words[q], n, q, world) for q in range(world)]
+            s = np.concatenate([x[0] for x in sg])
+            g = np.concatenate([x[1] for x in sg])
+            lists = [reference.decode_keys(words[q], n, q, world) for q in range(world)]
+            _, T = reference.saturated_mask(lists, K, n)
+            for mmax in (MMAX, 4):
+                sel, v, gT, path = model_select_fused(s, g, K, mmax=mmax, G=G)
+                paths.add(path)
+                Tm = 0 if path == "all" else (v << G) | ((1 << G) - 1 - gT)
+                assert Tm == T, (case, i, mmax)
+                keys = np.concatenate(lists)
+                assert np.array_equal(sel, (keys != 0) & (keys >= np.uint64(T))), (case, i)
+    assert {"all", "fused", "fused-fallback"} <= paths, paths
+
+
+def test_fused_model_random():
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        n = int(rng.integers(1, 600))
+        s = rng.integers(0, 0x10000, n)
+        if rng.random() < 0.5:
+            s = rng.integers(0x3F00, 0x3F00 + int(rng.integers(1, 300)), n)
+        s[rng.random(n) < 0.2] = 0
+        s[rng.random(n) < 0.3] = s[0] or 5
+        g = rng.permutation(1 << 17)[:n]
+        K = int(rng.integers(1, n + 1))
+        sel, v, gT, path = model_select_fused(s, g, K, mmax=int(rng.choice([4, 32, 256])))
+        order = np.lexsort((g, -s))
+        order = order[s[order] != 0][:K]
+        want = np.zeros(n, bool)
+        want[order] = True
+        assert np.array_equal(sel, want), path

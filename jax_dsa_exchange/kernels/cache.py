@@ -91,6 +91,9 @@ def source_hash(files=SOURCE_FILES) -> str:
     tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")  # select.TUNE_ENV (variants)
     if tune:
         h.update(b"tune:" + tune.encode() + b"\0")
+    mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")  # merge.TUNE_ENV (variants)
+    if mtune:
+        h.update(b"mtune:" + mtune.encode() + b"\0")
     for f in files:
         h.update(pathlib.Path(f).name.encode() + b"\0")
         h.update(pathlib.Path(f).read_bytes())

@@ -28,6 +28,8 @@ Per row t (e = epoch[t] + 1):
 
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, Uint64
@@ -48,6 +50,55 @@ SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
 LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
 PRE_BT_MAX = 8  # round-1 block-table entries prefetched when kp1 <= this (registers)
 EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
+
+# Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
+# cache.source_hash() mixes the string into the cubins' tag (variants coexist in one dir).
+# Timing-only knobs (outputs WRONG; each leaves one stage out, never a store out of bounds):
+#   noload   round 1: synthetic words, no LL loads / tag checks (no rescue)
+#   nobt     no block-table loads (kv_rows use page 0's entry)
+#   nosel    no select: the first K positions are "selected" (no rescue)
+#   notie    no tie-break: no key at the boundary score is selected (no rescue)
+#   noout    no outputs (ballots, ids / kv_rows stores, padding; counts kept) (no rescue)
+#   rnosel   rescue: no local top-K select (the pushed K-list is whatever smem holds)
+#   rnopush  rescue: no K-list stores into the W ranks' rescue slots
+#   rnofence rescue: no fence.acq_rel.sys before the flags (flags still st.release.sys)
+#   rnoflag  rescue: no fence, no flag stores, no wait for the flags
+#   rnowait  rescue: flags stored, but no wait for the saturated ranks' flags
+#   rnor2    rescue: no round 2 (the outputs stay round 1's)
+# Exact candidate speed-ups (default off):
+#   fused    score histogram of s >> 6 without the stats pass (no count/min/max, one barrier
+#            less); the boundary bin's keys (<= EQ_MAX) ranked on (low 6 score bits, g) at once
+#            (no second score histogram, no separate tie-break); else the old second
+#            histogram + tie-break
+#   eqwarp   a tie-break of <= 32 keys ranked by every warp redundantly (no barrier after)
+#   flags    rescue release: lanes p < W of warp 0 each fence.acq_rel.sys + st.relaxed.sys the
+#            flag of peer p (one MEMBAR per warp, W stores in one instruction) instead of
+#            thread 0's fence + W dependent st.release.sys (each its own MEMBAR.SYS)
+#   peers    rescue push: peer bases loaded once by lane p and shuffled (no dependent
+#            ld peers[p] per peer per thread)
+#   r2batch  round 2: every rescue / LL load of the thread issued before any is decoded
+#   own2     round 2: (segment q, index j) of each pair computed once (registers), not W - 1
+#            shared loads of the segment table in each of the ~8 per-pair loops
+TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
+TUNE = dict.fromkeys(
+    ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence", "rnoflag",
+     "rnowait", "rnor2", "fused", "eqwarp", "flags", "peers", "r2batch", "own2"), 0)
+TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
+               "rnoflag", "rnowait", "rnor2")
+for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
+    _k, _v = _kv.split("=")
+    if _k.strip() not in TUNE:
+        raise ValueError(f"{TUNE_ENV}: unknown knob {_k.strip()!r} (known: {sorted(TUNE)})")
+    TUNE[_k.strip()] = int(_v)
+# a normal-path skip makes the saturation test meaningless: no rescue then
+NO_RESCUE = any(TUNE[k] for k in ("noload", "nosel", "notie", "noout"))
+
+
+@dsl_user_op
+def st_relaxed_sys(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
+    """A strong store at system scope (after a fence.acq_rel.sys: a release pattern)."""
+    C._asm(None, [Int64(addr), Int32(v)], "st.relaxed.sys.global.u32 [$0], $1;",
+           "l,r,~{memory}", loc, ip)  # fmt: skip
 
 
 @dsl_user_op
@@ -440,6 +491,21 @@ class Merge:
         return q, j
 
     @cute.jit
+    def owner_p(self, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
+                round2: cutlass.Constexpr, seg: cute.Tensor, qj: cute.Tensor):
+        """owner() of pair group ip of this lane; ``own2`` in round 2: from qj[ip]
+        (q << 16 | j, computed once by load_r2_fast), not W - 1 shared loads per call."""
+        q = Int32(0)
+        j = Int32(0)
+        if cutlass.const_expr(round2 and TUNE["own2"]):
+            x = qj[ip]
+            q = x >> Int32(16)
+            j = x & Int32(0xFFFF)
+        else:
+            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+        return q, j
+
+    @cute.jit
     def ll_word_addr(self, base: Int64, j: Int32) -> Int64:
         return C.ll_word_addr(base, j)
 
@@ -524,10 +590,78 @@ class Merge:
         hb[0] = hbits
 
     @cute.jit
+    def fake_r1(self, words: cute.Tensor, hb: cute.Tensor, lane, warp):
+        """Timing only (noload): synthetic round-1 words (hashed scores 0x3000..0x6FFF,
+        ascending l per list), no loads, no waits."""
+        kp = self.kp1
+        for i in cutlass.range_constexpr(kp // 2):
+            for h in cutlass.range_constexpr(2):
+                v = self.pair_pos(i, kp, lane, warp) + Int32(h)
+                w = Uint32(0)
+                if v < Int32(self.nk1):
+                    q, j = self.owner(v, False, None)
+                    sv = Uint32(0x3000) + ((Uint32(v) * Uint32(2654435761)) >> Uint32(18))
+                    w = (sv << Uint32(16)) | (Uint32(0xFFFF) - Uint32(j))
+                words[2 * i + h] = w
+        hb[0] = Uint32(0)
+
+    @cute.jit
     def load_r2_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
-                     ll0: Int64, ll_stride: Int64, resc0: Int64):
+                     ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
         """Round-2 words into registers: segment q is rank q's K-list (rescue slot
         seg[17 + q] >= 0, plain words) or its round-1 LL list (tags already checked)."""
+        if cutlass.const_expr(TUNE["r2batch"]):
+            self.load_r2_batched(words, hb, lane, warp, seg, ll0, ll_stride, resc0, qj)
+        else:
+            self.load_r2_plain(words, hb, lane, warp, seg, ll0, ll_stride, resc0, qj)
+
+    @cute.jit
+    def load_r2_batched(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
+                        ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
+        """load_r2_fast with every word / mask load of the thread issued first (into words
+        and mm), the mask bits decoded after (no wait on a load before the next is issued)."""
+        kp = self.kp2
+        nk = seg[self.world]
+        mm = cute.make_rmem_tensor((kp // 2,), Uint32)
+        for i in cutlass.range_constexpr(kp // 2):
+            v = self.pair_pos(i, kp, lane, warp)
+            words[2 * i] = Uint32(0)
+            words[2 * i + 1] = Uint32(0)
+            mm[i] = Uint32(0)
+            if cutlass.const_expr(TUNE["own2"]):
+                qj[i] = Int32(0)
+            if v < nk:
+                q, j = self.owner(v, True, seg)
+                if cutlass.const_expr(TUNE["own2"]):
+                    qj[i] = (q << Int32(16)) | j
+                s = seg[17 + q]
+                if s >= Int32(0):
+                    base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
+                    d = C.ld_volatile_u64(base + Int64(j) * Int64(4))
+                    words[2 * i] = Uint32(d & Uint64(0xFFFFFFFF))
+                    words[2 * i + 1] = Uint32(d >> Uint64(32))
+                    mm[i] = C.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
+                else:
+                    base = ll0 + Int64(q) * ll_stride
+                    a, c = ld_volatile_v2_u64(self.ll_word_addr(base, j))
+                    words[2 * i] = Uint32(a & Uint64(0xFFFFFFFF))
+                    words[2 * i + 1] = Uint32(c & Uint64(0xFFFFFFFF))
+                    mm[i] = Uint32(C.ld_volatile_u64(self.ll_word_addr(base, Int32(self.n) + (j >> Int32(5))))
+                                   & Uint64(0xFFFFFFFF))  # fmt: skip
+        hbits = Uint32(0)
+        for i in cutlass.range_constexpr(kp // 2):
+            v = self.pair_pos(i, kp, lane, warp)
+            if v < nk:
+                q, j = self.owner_p(i, kp, lane, warp, True, seg, qj)
+                sh = Uint32(j & Int32(31))
+                m = mm[i]
+                hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
+                    ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
+        hb[0] = hbits
+
+    @cute.jit
+    def load_r2_plain(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
+                      ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
         kp = self.kp2
         nk = seg[self.world]
         hbits = Uint32(0)
@@ -536,8 +670,12 @@ class Merge:
             w0 = Uint32(0)
             w1 = Uint32(0)
             m = Uint32(0)
+            if cutlass.const_expr(TUNE["own2"]):
+                qj[i] = Int32(0)
             if v < nk:
                 q, j = self.owner(v, True, seg)
+                if cutlass.const_expr(TUNE["own2"]):
+                    qj[i] = (q << Int32(16)) | j
                 s = seg[17 + q]
                 if s >= Int32(0):
                     base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
@@ -574,7 +712,7 @@ class Merge:
 
     @cute.jit
     def warp_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
-                      sc: cute.Tensor, slot: cutlass.Constexpr):
+                      sc: cute.Tensor, slot: cutlass.Constexpr, tot_slot: cutlass.Constexpr = -1):
         """One warp: bins scanned from the top, the bin holding the need-th element
         (need <= total) -> sc[slot] = bin, sc[slot + 1] = elements above it,
         sc[slot + 2] = its count.  Lane k sums the nb / 32 bins ranked k * per ..
@@ -585,6 +723,20 @@ class Merge:
         for u in cutlass.range_constexpr(per):
             s = s + hist[Int32(nb - 1 - u) - lane * Int32(per)]
         incl = self.warp_incl_scan(s, lane)
+        if cutlass.const_expr(tot_slot >= 0):
+            # sc[tot_slot] = the total; the bin only when need <= total
+            tot = cute.arch.shuffle_sync(incl, 31)
+            if lane == Int32(0):
+                sc[tot_slot] = tot
+            if tot >= need:
+                self.warp_find_bin_rest(hist, nb, need, lane, sc, slot, s, incl)
+        else:
+            self.warp_find_bin_rest(hist, nb, need, lane, sc, slot, s, incl)
+
+    @cute.jit
+    def warp_find_bin_rest(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
+                           sc: cute.Tensor, slot: cutlass.Constexpr, s: Int32, incl: Int32):
+        per = nb // 32
         excl = incl - s
         bal = Uint32(cute.arch.vote_ballot_sync(excl < need and incl >= need))
         c = Int32(cute.arch.popc((bal & (~bal + Uint32(1))) - Uint32(1)))  # lowest set lane
@@ -602,10 +754,11 @@ class Merge:
 
     @cute.jit
     def pair_counts(self, selm: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
-                    round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32):
+                    round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32,
+                    qj: cute.Tensor):
         """Selected keys (own << 16 | all) of pair group ip of this warp: (of the lanes
         below this one, of the whole warp (warp-uniform)), from four ballots."""
-        q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
         s0 = ((selm >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
         s1 = ((selm >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
         own = q == rank
@@ -662,90 +815,63 @@ class Merge:
                 buf[j + Int32(1)] = btv[2 * ip + 1]
 
     @cute.jit
-    def fast_round(self, words: cute.Tensor, hb: cute.Tensor, round2: cutlass.Constexpr, slot: Int32,
-                   sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
-                   ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32, ids: Int64,
-                   kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
-                   block_size: Int32, keys: cute.Tensor, btp: cute.Tensor,
-                   pre_bt: cutlass.Constexpr) -> Uint64:
-        """Exact top-K of the words in registers and the outputs; returns T (the K-th
-        key, 0 if fewer than K).  Round 1 also leaves pref[q] = selected keys before
-        rank q's list (pref[W] = all).  ``pre_bt``: 1: btp[i] holds the block-table
-        entry of own key i (prefetch_bt), 2: sm.buf[j] that of own list index j
-        (prefetch_bt_smem), 0: loaded here.  stats slot ``slot`` was reset before (and
-        fh / fh2 cleared here, before the first barrier)."""
+    def rank_eq(self, eqb: cute.Tensor, m: Int32, need: Int32, tid, lane, sc: cute.Tensor) -> Int32:
+        """The need-th smallest of the m distinct values eqb[0..m) (stored, barrier passed).
+        Block version: thread tid < m ranks eqb[tid], the winner writes sc[6], one barrier.
+        ``eqwarp`` and m <= 32: every warp ranks the m values itself (32 broadcast reads
+        per lane, a ballot, a shuffle), no barrier."""
+        res = Int32(0)
+        if cutlass.const_expr(TUNE["eqwarp"]):
+            if m <= Int32(32):
+                res = self.warp_rank(eqb, m, need, lane)
+            else:
+                res = self.block_rank(eqb, m, need, tid, sc)
+        else:
+            res = self.block_rank(eqb, m, need, tid, sc)
+        return res
+
+    @cute.jit
+    def block_rank(self, eqb: cute.Tensor, m: Int32, need: Int32, tid, sc: cute.Tensor) -> Int32:
+        if tid < m:
+            my = eqb[tid]
+            r = Int32(0)
+            for jj in cutlass.range(m, unroll=4):
+                if eqb[jj] < my:
+                    r = r + Int32(1)
+            if r == need - Int32(1):
+                sc[6] = my
+        cute.arch.sync_threads()
+        return sc[6]
+
+    @cute.jit
+    def warp_rank(self, eqb: cute.Tensor, m: Int32, need: Int32, lane) -> Int32:
+        my = Int32(0x7FFFFFFF)
+        if lane < m:
+            my = eqb[lane]
+        r = Int32(0)
+        for k in cutlass.range_constexpr(32):
+            x = eqb[k]
+            if Int32(k) < m and x < my:
+                r = r + Int32(1)
+        bal = Uint32(cute.arch.vote_ballot_sync(lane < m and r == need - Int32(1)))
+        c = Int32(cute.arch.popc((bal & (~bal + Uint32(1))) - Uint32(1)))  # lowest set lane
+        return cute.arch.shuffle_sync(my, c)
+
+    @cute.jit
+    def tie_break(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr,
+                  round2: cutlass.Constexpr, vth: Int32, m: Int32, need: Int32, slot: Int32,
+                  sm: MergeSmem, tid, lane, warp, qj: cute.Tensor) -> Int32:
+        """gT: the need-th smallest g among the m keys of score vth (their order in the
+        selection: smaller g first)."""
         fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
         fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
         seg = sm.seg
-        kp = self.kp2 if round2 else self.kp1
-        K = self.topk
         G = self.gbits
         gmax = Int32((1 << G) - 1)
-        hbits = hb[0]
-        # ---- stats: count, max and min score over the nonzero words
-        cnt = Int32(0)
-        mx = Int32(0)
-        mn = Int32(0xFFFF)
-        for i in cutlass.range_constexpr(kp):
-            sv = Int32(words[i] >> Uint32(16))
-            if sv != Int32(0):
-                cnt = cnt + Int32(1)
-                mx = cutlass.max(mx, sv)
-                mn = cutlass.min(mn, sv)
-        cnt = cute.arch.warp_redux_sync(cnt, "add")
-        mx = cute.arch.warp_redux_sync(mx, "max")
-        mn = cute.arch.warp_redux_sync(mn, "min")
-        if lane == Int32(0):
-            cute.arch.atomic_add(st.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
-            cute.arch.atomic_max(st.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
-            cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
-        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-            fh[tid + Int32(u * C.TB)] = Int32(0)
-        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-            fg[tid + Int32(u * C.TB)] = Int32(0)
-        if tid < Int32(SCORE_BINS2):
-            fh2[tid] = Int32(0)
-            fg2[tid] = Int32(0)
-            fg3[tid] = Int32(0)
-        cute.arch.sync_threads()
-        total = st[slot * Int32(4)]
-        lo = st[slot * Int32(4) + Int32(2)]
-        rng = st[slot * Int32(4) + Int32(1)] - lo
-        vth = Int32(0)  # boundary score
-        gT = Int32(-1)  # largest selected g at score vth
-        T = Uint64(0)
-        if total >= Int32(K):
-            shift = Int32(0)
-            while (rng >> shift) >= Int32(SCORE_BINS):
-                shift = shift + Int32(1)
-            for i in cutlass.range_constexpr(kp):
-                sv = Int32(words[i] >> Uint32(16))
-                if sv != Int32(0):
-                    cute.arch.atomic_add(fh.iterator + ((sv - lo) >> shift), Int32(1), sem="relaxed",
-                                         scope="cta")  # fmt: skip
-            cute.arch.sync_threads()
-            if warp == Int32(0):
-                self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0)
-            cute.arch.sync_threads()
-            b = sc[0]
-            above = sc[1]
-            m = sc[2]
-            vth = lo + (b << shift)
-            if shift > Int32(0):
-                low = (Int32(1) << shift) - Int32(1)
-                for i in cutlass.range_constexpr(kp):
-                    sv = Int32(words[i] >> Uint32(16))
-                    if sv != Int32(0) and ((sv - lo) >> shift) == b:
-                        cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
-                                             scope="cta")  # fmt: skip
-                cute.arch.sync_threads()
-                if warp == Int32(0):
-                    self.warp_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, sc, 3)
-                cute.arch.sync_threads()
-                vth = vth + sc[3]
-                above = above + sc[4]
-                m = sc[5]
-            need = Int32(K) - above
+        gT = Int32(-1)
+        if cutlass.const_expr(TUNE["notie"]):
+            gT = Int32(-1)  # timing only: no key at the boundary score selected
+        else:
             if m <= Int32(EQ_MAX):
                 # the g of every key at score vth into eqb, then each one's rank
                 c = Int32(0)
@@ -759,22 +885,13 @@ class Merge:
                         q = Int32(0)
                         j = Int32(0)
                         if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
                         for h in cutlass.range_constexpr(2):
                             if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
                                 eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
                                 pos = pos + Int32(1)
                 cute.arch.sync_threads()
-                if tid < m:
-                    my = eqb[tid]
-                    r = Int32(0)
-                    for jj in cutlass.range(m, unroll=4):
-                        if eqb[jj] < my:
-                            r = r + Int32(1)
-                    if r == need - Int32(1):
-                        sc[6] = my
-                cute.arch.sync_threads()
-                gT = sc[6]
+                gT = self.rank_eq(eqb, m, need, tid, lane, sc)
             else:
                 # many keys at the boundary score: the need-th smallest g among them by
                 # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
@@ -789,7 +906,7 @@ class Merge:
                         q = Int32(0)
                         j = Int32(0)
                         if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                            q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
+                            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
                         for h in cutlass.range_constexpr(2):
                             if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
                                 u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
@@ -803,7 +920,166 @@ class Merge:
                     uT = uT | (sc[8] << Int32(lo_))
                     nd = nd - sc[9]
                 gT = gmax - uT
-            T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
+        return gT
+
+    @cute.jit
+    def fast_round(self, words: cute.Tensor, hb: cute.Tensor, round2: cutlass.Constexpr, slot: Int32,
+                   sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
+                   ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32, ids: Int64,
+                   kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
+                   block_size: Int32, keys: cute.Tensor, btp: cute.Tensor,
+                   pre_bt: cutlass.Constexpr, qj: cute.Tensor) -> Uint64:
+        """Exact top-K of the words in registers and the outputs; returns T (the K-th
+        key, 0 if fewer than K).  Round 1 also leaves pref[q] = selected keys before
+        rank q's list (pref[W] = all).  ``pre_bt``: 1: btp[i] holds the block-table
+        entry of own key i (prefetch_bt), 2: sm.buf[j] that of own list index j
+        (prefetch_bt_smem), 0: loaded here.  stats slot ``slot`` was reset before (and
+        fh / fh2 cleared here, before the first barrier)."""
+        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
+        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
+        seg = sm.seg
+        kp = self.kp2 if round2 else self.kp1
+        K = self.topk
+        G = self.gbits
+        gmax = Int32((1 << G) - 1)
+        hbits = hb[0]
+        vth = Int32(0)  # boundary score
+        gT = Int32(-1)  # largest selected g at score vth
+        T = Uint64(0)
+        if cutlass.const_expr(TUNE["nosel"]):
+            T = Uint64(0)  # timing only: the selection is the first K positions (below)
+        elif cutlass.const_expr(TUNE["fused"]):
+            # ---- fused: one histogram of s >> 6 (no stats pass; the total from the scan)
+            for i in cutlass.range_constexpr(kp):
+                sv = Int32(words[i] >> Uint32(16))
+                if sv != Int32(0):
+                    cute.arch.atomic_add(fh.iterator + (sv >> Int32(6)), Int32(1), sem="relaxed", scope="cta")
+            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+                fg[tid + Int32(u * C.TB)] = Int32(0)
+            if tid < Int32(SCORE_BINS2):
+                fh2[tid] = Int32(0)
+                fg2[tid] = Int32(0)
+                fg3[tid] = Int32(0)
+            cute.arch.sync_threads()
+            if warp == Int32(0):
+                self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0, 10)
+            cute.arch.sync_threads()
+            total = sc[10]
+            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):  # fh is zero again for the next round
+                fh[tid + Int32(u * C.TB)] = Int32(0)
+            if total >= Int32(K):
+                b = sc[0]
+                above = sc[1]
+                mb = sc[2]
+                need = Int32(K) - above
+                if mb <= Int32(EQ_MAX):
+                    # every key of bin b as (63 - (s & 63)) << G | g (smaller = earlier in the
+                    # selection); the need-th smallest is the K-th key of the union
+                    c = Int32(0)
+                    for i in cutlass.range_constexpr(kp):
+                        sv = Int32(words[i] >> Uint32(16))
+                        if sv != Int32(0) and (sv >> Int32(6)) == b:
+                            c = c + Int32(1)
+                    if c != Int32(0):
+                        pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
+                                                   scope="cta")  # fmt: skip
+                        for ip in cutlass.range_constexpr(kp // 2):
+                            q = Int32(0)
+                            j = Int32(0)
+                            s0 = Int32(words[2 * ip] >> Uint32(16))
+                            s1 = Int32(words[2 * ip + 1] >> Uint32(16))
+                            if (s0 != Int32(0) and (s0 >> Int32(6)) == b) or (s1 != Int32(0) and (s1 >> Int32(6)) == b):
+                                q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
+                            for h in cutlass.range_constexpr(2):
+                                sv = Int32(words[2 * ip + h] >> Uint32(16))
+                                if sv != Int32(0) and (sv >> Int32(6)) == b:
+                                    eqb[pos] = ((Int32(63) - (sv & Int32(63))) << Int32(G)) | self.gid(
+                                        words[2 * ip + h], hbits, 2 * ip + h, q)
+                                    pos = pos + Int32(1)
+                    cute.arch.sync_threads()
+                    cT = self.rank_eq(eqb, mb, need, tid, lane, sc)
+                    vth = (b << Int32(6)) | (Int32(63) - (cT >> Int32(G)))
+                    gT = cT & gmax
+                else:
+                    for i in cutlass.range_constexpr(kp):
+                        sv = Int32(words[i] >> Uint32(16))
+                        if sv != Int32(0) and (sv >> Int32(6)) == b:
+                            cute.arch.atomic_add(fh2.iterator + (sv & Int32(63)), Int32(1), sem="relaxed",
+                                                 scope="cta")  # fmt: skip
+                    cute.arch.sync_threads()
+                    if warp == Int32(0):
+                        self.warp_find_bin(fh2, SCORE_BINS2, need, lane, sc, 3)
+                    cute.arch.sync_threads()
+                    vth = (b << Int32(6)) + sc[3]
+                    above = above + sc[4]
+                    m = sc[5]
+                    gT = self.tie_break(words, hbits, kp, round2, vth, m, Int32(K) - above, slot, sm, tid,
+                                        lane, warp, qj)  # fmt: skip
+                T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
+        else:
+            # ---- stats: count, max and min score over the nonzero words
+            cnt = Int32(0)
+            mx = Int32(0)
+            mn = Int32(0xFFFF)
+            for i in cutlass.range_constexpr(kp):
+                sv = Int32(words[i] >> Uint32(16))
+                if sv != Int32(0):
+                    cnt = cnt + Int32(1)
+                    mx = cutlass.max(mx, sv)
+                    mn = cutlass.min(mn, sv)
+            cnt = cute.arch.warp_redux_sync(cnt, "add")
+            mx = cute.arch.warp_redux_sync(mx, "max")
+            mn = cute.arch.warp_redux_sync(mn, "min")
+            if lane == Int32(0):
+                cute.arch.atomic_add(st.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
+                cute.arch.atomic_max(st.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
+                cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
+            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+                fh[tid + Int32(u * C.TB)] = Int32(0)
+            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+                fg[tid + Int32(u * C.TB)] = Int32(0)
+            if tid < Int32(SCORE_BINS2):
+                fh2[tid] = Int32(0)
+                fg2[tid] = Int32(0)
+                fg3[tid] = Int32(0)
+            cute.arch.sync_threads()
+            total = st[slot * Int32(4)]
+            lo = st[slot * Int32(4) + Int32(2)]
+            rng = st[slot * Int32(4) + Int32(1)] - lo
+            if total >= Int32(K):
+                shift = Int32(0)
+                while (rng >> shift) >= Int32(SCORE_BINS):
+                    shift = shift + Int32(1)
+                for i in cutlass.range_constexpr(kp):
+                    sv = Int32(words[i] >> Uint32(16))
+                    if sv != Int32(0):
+                        cute.arch.atomic_add(fh.iterator + ((sv - lo) >> shift), Int32(1), sem="relaxed",
+                                             scope="cta")  # fmt: skip
+                cute.arch.sync_threads()
+                if warp == Int32(0):
+                    self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0)
+                cute.arch.sync_threads()
+                b = sc[0]
+                above = sc[1]
+                m = sc[2]
+                vth = lo + (b << shift)
+                if shift > Int32(0):
+                    low = (Int32(1) << shift) - Int32(1)
+                    for i in cutlass.range_constexpr(kp):
+                        sv = Int32(words[i] >> Uint32(16))
+                        if sv != Int32(0) and ((sv - lo) >> shift) == b:
+                            cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
+                                                 scope="cta")  # fmt: skip
+                    cute.arch.sync_threads()
+                    if warp == Int32(0):
+                        self.warp_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, sc, 3)
+                    cute.arch.sync_threads()
+                    vth = vth + sc[3]
+                    above = above + sc[4]
+                    m = sc[5]
+                need = Int32(K) - above
+                gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp, qj)
+                T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
         # ---- outputs: selection = s > vth or (s == vth and g <= gT)
         # Round 1: the status word, read once every wait of the row is over (barriers
         # above), in flight during the outputs: sc[7] = 1 when a timeout was recorded
@@ -812,87 +1088,97 @@ class Merge:
         if cutlass.const_expr(not round2):
             if tid == Int32(0):
                 stw = C.ld_volatile_u32(status)
-        selm = Uint32(0)
-        for ip in cutlass.range_constexpr(kp // 2):
-            q = Int32(0)
-            j = Int32(0)
-            if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                q, j = self.owner(self.pair_pos(ip, kp, lane, warp), round2, seg)
-            for h in cutlass.range_constexpr(2):
-                i = 2 * ip + h
-                sv = Int32(words[i] >> Uint32(16))
-                if sv > vth:
-                    selm = selm | Uint32(1 << i)
-                elif sv == vth and sv != Int32(0):
-                    if self.gid(words[i], hbits, i, q) <= gT:
+        all_run = Int32(0)
+        own_run = Int32(0)
+        if cutlass.const_expr(not TUNE["noout"]):  # (noout: timing only)
+            selm = Uint32(0)
+            if cutlass.const_expr(TUNE["nosel"]):
+                q = Int32(0)
+                j = Int32(0)
+                for i in cutlass.range_constexpr(kp):  # timing only: positions < K
+                    if words[i] != Uint32(0) and self.pair_pos(i // 2, kp, lane, warp) + Int32(i % 2) < Int32(K):
                         selm = selm | Uint32(1 << i)
-        lt = cute.arch.lanemask_lt()
-        run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
-        for ip in cutlass.range_constexpr(kp // 2):
-            _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt)
-            run = run + c2
-        if lane == Int32(0):
-            wt[warp] = run
-        cute.arch.sync_threads()
-        wbase = Int32(0)
-        tot = Int32(0)
-        for w in cutlass.range_constexpr(C.NWARPS):
-            x = wt[w]
-            if Int32(w) < warp:
-                wbase = wbase + x
-            tot = tot + x
-        all_run = tot & Int32(0xFFFF)
-        own_run = tot >> Int32(16)
-        trow = Int64(t) * Int64(K)
-        blks = cute.make_rmem_tensor((8,), Int32)
-        for b0 in cutlass.range_constexpr(0, kp // 2, 4):
-            # block-table loads of this batch's own selected tokens first (in flight
-            # together), then the stores
-            for k in cutlass.range_constexpr(8):
-                blks[k] = Int32(0)
-                if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
-                    blks[k] = btp[b0 * 2 + k]
-                elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
-                    if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
-                        q, j = self.owner(self.pair_pos((b0 * 2 + k) // 2, kp, lane, warp), round2, seg)
-                        if q == rank:
-                            blks[k] = sm.buf[j + Int32(k % 2)]
-                elif cutlass.const_expr(b0 * 2 + k < kp):
-                    i = b0 * 2 + k
-                    if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
-                        q, j = self.owner(self.pair_pos(i // 2, kp, lane, warp), round2, seg)
-                        if q == rank and req_ok != Int32(0):
-                            lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
-                            if lidx // block_size < bt_cols:
-                                blks[k] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
-            for kk in cutlass.range_constexpr(4):
-                ip = b0 + kk
-                if cutlass.const_expr(ip < kp // 2):
-                    v = self.pair_pos(ip, kp, lane, warp)
-                    q, j = self.owner(v, round2, seg)
-                    c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt)
-                    e = wbase + c1
-                    wbase = wbase + c2
-                    pos = e & Int32(0xFFFF)
-                    kpos = e >> Int32(16)
-                    if cutlass.const_expr(not round2):
-                        if j == Int32(0) and v < Int32(self.nk1):
-                            pref[q] = pos
+            else:
+                for ip in cutlass.range_constexpr(kp // 2):
+                    q = Int32(0)
+                    j = Int32(0)
+                    if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
                     for h in cutlass.range_constexpr(2):
                         i = 2 * ip + h
-                        if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
-                            g = self.gid(words[i], hbits, i, q)
-                            if ids != Int64(0):
-                                C.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
-                            pos = pos + Int32(1)
+                        sv = Int32(words[i] >> Uint32(16))
+                        if sv > vth:
+                            selm = selm | Uint32(1 << i)
+                        elif sv == vth and sv != Int32(0):
+                            if self.gid(words[i], hbits, i, q) <= gT:
+                                selm = selm | Uint32(1 << i)
+            lt = cute.arch.lanemask_lt()
+            run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
+            for ip in cutlass.range_constexpr(kp // 2):
+                _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
+                run = run + c2
+            if lane == Int32(0):
+                wt[warp] = run
+            cute.arch.sync_threads()
+            wbase = Int32(0)
+            tot = Int32(0)
+            for w in cutlass.range_constexpr(C.NWARPS):
+                x = wt[w]
+                if Int32(w) < warp:
+                    wbase = wbase + x
+                tot = tot + x
+            all_run = tot & Int32(0xFFFF)
+            own_run = tot >> Int32(16)
+            trow = Int64(t) * Int64(K)
+            blks = cute.make_rmem_tensor((8,), Int32)
+            for b0 in cutlass.range_constexpr(0, kp // 2, 4):
+                # block-table loads of this batch's own selected tokens first (in flight
+                # together), then the stores
+                for k in cutlass.range_constexpr(8):
+                    blks[k] = Int32(0)
+                    if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
+                        blks[k] = btp[b0 * 2 + k]
+                    elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
+                        if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
+                            q, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
                             if q == rank:
-                                lidx = g // Int32(self.world)
-                                page = lidx // block_size
-                                slot_ = Int32(-1)
-                                if req_ok != Int32(0) and page < bt_cols:
-                                    slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                                C.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
-                                kpos = kpos + Int32(1)
+                                blks[k] = sm.buf[j + Int32(k % 2)]
+                    elif cutlass.const_expr(b0 * 2 + k < kp):
+                        i = b0 * 2 + k
+                        if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
+                            q, j = self.owner_p(i // 2, kp, lane, warp, round2, seg, qj)
+                            if q == rank and req_ok != Int32(0):
+                                lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
+                                if lidx // block_size < bt_cols:
+                                    blks[k] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+                for kk in cutlass.range_constexpr(4):
+                    ip = b0 + kk
+                    if cutlass.const_expr(ip < kp // 2):
+                        v = self.pair_pos(ip, kp, lane, warp)
+                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
+                        c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
+                        e = wbase + c1
+                        wbase = wbase + c2
+                        pos = e & Int32(0xFFFF)
+                        kpos = e >> Int32(16)
+                        if cutlass.const_expr(not round2):
+                            if j == Int32(0) and v < Int32(self.nk1):
+                                pref[q] = pos
+                        for h in cutlass.range_constexpr(2):
+                            i = 2 * ip + h
+                            if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
+                                g = self.gid(words[i], hbits, i, q)
+                                if ids != Int64(0):
+                                    C.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
+                                pos = pos + Int32(1)
+                                if q == rank:
+                                    lidx = g // Int32(self.world)
+                                    page = lidx // block_size
+                                    slot_ = Int32(-1)
+                                    if req_ok != Int32(0) and page < bt_cols:
+                                        slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
+                                    C.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
+                                    kpos = kpos + Int32(1)
         if tid == Int32(0):
             pref[self.world] = all_run
             C.st_u32(counts + Int64(t) * Int64(4), own_run)
@@ -900,11 +1186,13 @@ class Merge:
                 sc[7] = Int32(0)
                 if stw == Uint32(layout.STATUS_TIMEOUT_ROUND1) or stw == Uint32(layout.STATUS_TIMEOUT_RESCUE):
                     sc[7] = Int32(1)
-        for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
-            C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
-        if ids != Int64(0):
-            for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
-                C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+        if cutlass.const_expr(not TUNE["noout"]):
+            trow = Int64(t) * Int64(K)
+            for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
+                C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
+            if ids != Int64(0):
+                for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
+                    C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
         cute.arch.sync_threads()
         return T
 
@@ -937,6 +1225,9 @@ class Merge:
             sm_st[tid] = Int32(0)
             if (tid & Int32(3)) == Int32(2):
                 sm_st[tid] = Int32(0xFFFF)
+        if cutlass.const_expr(TUNE["fused"]):  # fused: each round clears fh for the next
+            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+                sm.fh[tid + Int32(u * C.TB)] = Int32(0)
         cute.arch.sync_threads()
         rowi = Int32(0)
         last_f = Int32(0)
@@ -979,8 +1270,14 @@ class Merge:
             # ---- round 1: wait for the W lists of epoch ep
             T = Uint64(0)
             if cutlass.const_expr(self.fast1):
-                self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
-                if cutlass.const_expr(self.pre_bt):
+                if cutlass.const_expr(TUNE["noload"]):
+                    self.fake_r1(words, hb, lane, warp)
+                else:
+                    self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
+                if cutlass.const_expr(TUNE["nobt"]):
+                    for i in cutlass.range_constexpr(self.kp1 if self.pre_bt else 1):
+                        btp[i] = Int32(0)
+                elif cutlass.const_expr(self.pre_bt):
                     self.prefetch_bt(words, hb, btp, lane, warp, rank, bt_row, req_ok, bt_cols, block_size)
                 else:
                     self.prefetch_bt_smem(words, hb, sm_buf, lane, warp, rank, bt_row, req_ok, bt_cols,
@@ -988,7 +1285,7 @@ class Merge:
                 T = self.fast_round(words, hb, False, slot1, sm, tid, lane, warp, ll0, ll_stride, resc0,
                                     ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row,
                                     req_ok, bt_cols, block_size, keys, btp,
-                                    1 if self.pre_bt else 2)  # fmt: skip
+                                    1 if self.pre_bt else 2, hb)  # fmt: skip
             else:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
@@ -1014,6 +1311,8 @@ class Merge:
             nsat = Int32(cute.arch.popc(Uint32(mask)))
             if nsat > Int32(self.slots):
                 mask = Int32(0)  # impossible (docs/DESIGN.md §6.4); keeps the slots in bounds
+            if cutlass.const_expr(NO_RESCUE):
+                mask = Int32(0)  # timing-only variants of the normal path
             if mask != Int32(0):
                 self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
                             rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
@@ -1141,28 +1440,57 @@ class Merge:
             # the kernel before the producer wrote: wait for the grid chain).
             C.pdl_wait()
             end = row_end(row_ends, t, cols)
-            S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
-                         sel, tid, lane, warp, Int32(1), Int32(0), False, False)  # fmt: skip
+            if cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
+                S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
+                             sel, tid, lane, warp, Int32(1), Int32(0), False, False)  # fmt: skip
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
             off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
-            for p in cutlass.range(W, unroll=1):
-                dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
-                for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                    C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
-                            sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
-            cute.arch.sync_threads()
-            if tid == Int32(0):
-                # bar.sync orders the CTA's stores before this fence (cumulativity)
-                C.fence_sys()
-                foff = flags_off + C.flag_offset(rank, t, max_rows)
+            if cutlass.const_expr(TUNE["rnopush"]):
+                pass  # timing only: the K-list is not stored
+            elif cutlass.const_expr(TUNE["peers"]):
+                # lane p holds rank p's base (W <= 16 <= 32); shuffled per peer
+                pb = Int64(0)
+                if lane < Int32(W):
+                    pb = C.ld_u64(peers + Int64(lane) * Int64(8))
                 for p in cutlass.range(W, unroll=1):
-                    C.st_release_sys(C.ld_u64(peers + Int64(p) * Int64(8)) + foff, flag_val)
+                    dst = cute.arch.shuffle_sync(pb, p) + off
+                    for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
+                        C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
+                                sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
+            else:
+                for p in cutlass.range(W, unroll=1):
+                    dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
+                    for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
+                        C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
+                                sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
+            cute.arch.sync_threads()
+            foff = flags_off + C.flag_offset(rank, t, max_rows)
+            if cutlass.const_expr(TUNE["rnoflag"]):
+                pass  # timing only: no fence, no flags (and no wait below)
+            elif cutlass.const_expr(TUNE["flags"]):
+                # lane p of warp 0: fence.acq_rel.sys then a strong (relaxed.sys) store of
+                # rank p's flag = a release pattern (PTX memory model); bar.sync above
+                # orders the CTA's stores before each lane's fence (cumulativity).  One
+                # MEMBAR for the warp, the W stores in one instruction.
+                if tid < Int32(W):
+                    pa = C.ld_u64(peers + Int64(tid) * Int64(8))
+                    if cutlass.const_expr(not TUNE["rnofence"]):
+                        C.fence_sys()
+                    st_relaxed_sys(pa + foff, flag_val)
+            else:
+                if tid == Int32(0):
+                    # bar.sync orders the CTA's stores before this fence (cumulativity)
+                    if cutlass.const_expr(not TUNE["rnofence"]):
+                        C.fence_sys()
+                    for p in cutlass.range(W, unroll=1):
+                        C.st_release_sys(C.ld_u64(peers + Int64(p) * Int64(8)) + foff, flag_val)
         # Every rank: acquire the saturated ranks' flags (one lane per rank).
-        if tid < Int32(W):
-            if ((mask >> tid) & Int32(1)) != Int32(0):
-                addr = local + flags_off + C.flag_offset(tid, t, max_rows)
-                self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
-                              timeout_ns)  # fmt: skip
+        if cutlass.const_expr(not (TUNE["rnoflag"] or TUNE["rnowait"])):
+            if tid < Int32(W):
+                if ((mask >> tid) & Int32(1)) != Int32(0):
+                    addr = local + flags_off + C.flag_offset(tid, t, max_rows)
+                    self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
+                                  timeout_ns)  # fmt: skip
         if tid == Int32(0):
             off = Int32(0)
             s = Int32(0)
@@ -1177,11 +1505,14 @@ class Merge:
                     off = off + Int32(self.n)
             sm_seg[W] = off
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.fast2):
-            self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0)
+        if cutlass.const_expr(TUNE["rnor2"]):
+            pass  # timing only: no round 2 (the outputs stay round 1's)
+        elif cutlass.const_expr(self.fast2):
+            qj = cute.make_rmem_tensor((self.kp2 // 2 if TUNE["own2"] else 1,), Int32)
+            self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0, qj)
             self.fast_round(words, hb, True, slot2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
                             status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
-                            bt_cols, block_size, keys, hb, 0)  # fmt: skip
+                            bt_cols, block_size, keys, hb, 0, qj)  # fmt: skip
         else:
             T2 = self.radix_select(keys, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
                                    status, t, timeout_ns)  # fmt: skip

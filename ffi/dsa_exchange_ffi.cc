@@ -136,10 +136,12 @@ struct ParamSpec {
   bool i64;  // else i32
 };
 
-enum SelectPushParam { kSpLogits, kSpRowEnds, kSpRows, kSpCols, kSpEpoch, kSpPeers, kSpRank, kSpMaxRows, kSpCount };
+enum SelectPushParam {
+  kSpLogits, kSpRowEnds, kSpRows, kSpCols, kSpEpoch, kSpPeers, kSpRank, kSpMaxRows, kSpCacheTokens, kSpCount
+};
 constexpr ParamSpec kSelectPushParams[kSpCount] = {
     {"logits", true}, {"row_ends", true}, {"rows", false}, {"cols", false},
-    {"epoch", true},  {"peers", true},    {"rank", false}, {"max_rows", false}};
+    {"epoch", true},  {"peers", true},    {"rank", false}, {"max_rows", false}, {"cache_tokens", false}};
 
 enum MergeParam {
   kMgPeers, kMgLocal, kMgState, kMgLogits, kMgRowEnds, kMgReqId, kMgBlockTable, kMgKvRows, kMgCounts, kMgIds,
@@ -215,6 +217,8 @@ std::string ParseParams(const std::string& kernel, const char* spec, int* slots,
   return "";
 }
 
+constexpr int kSplitWords = 6;
+
 struct Kernel {
   CUfunction fn = nullptr;
   int block = 0;      // threads per block (x)
@@ -224,14 +228,15 @@ struct Kernel {
   int nparams = 0;    // launch order: slot[i] indexes the launcher's param table
   int slot[kMaxParams] = {0};
   // select_push's row split (layout.producer_split(), from the kernel metadata):
-  // slice_max, cluster_max, min_slice, fill_ctas; cluster_max == 0: no cluster launch.
-  int split[4] = {0, 0, 0, 0};
+  // slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide; cluster_max == 0:
+  // no cluster launch.  smem is then the bytes with a cache of cache_max tokens.
+  int split[kSplitWords] = {0, 0, 0, 0, 0, 0};
 };
 
 // CTAs per row of a select_push launch: the same rule as layout.producer_cluster()
 // (a CI test compares the two): one per min_slice tokens, at most cluster_max, fewer
 // while the grid would exceed fill_ctas CTAs.
-int ProducerCluster(int rows, int cols, const int split[4]) {
+int ProducerCluster(int rows, int cols, const int split[kSplitWords]) {
   const int cluster_max = split[1], min_slice = split[2] < 1 ? 1 : split[2], fill = split[3];
   if (cluster_max < 1) return 1;
   long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
@@ -239,6 +244,21 @@ int ProducerCluster(int rows, int cols, const int split[4]) {
   if (c > cluster_max) c = cluster_max;
   while (c > 1 && static_cast<long long>(rows) * c > fill) --c;
   return c < 1 ? 1 : static_cast<int>(c);
+}
+
+// Tokens of a CTA's slice select_push may keep in shared memory (the kernel's
+// cache_tokens; its dynamic shared memory is sized for them): the same rule as
+// layout.producer_cache_tokens() (CI-compared).  S = the longest slice of this launch;
+// kept up to slice_max always, up to cache_wide while two CTAs still fit an SM, up to
+// cache_max while the grid keeps within fill_ctas CTAs (one CTA per SM).
+int ProducerCacheTokens(int rows, int cols, int c, const int split[kSplitWords]) {
+  const int slice_max = split[0], fill = split[3], cache_max = split[4], cache_wide = split[5];
+  long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
+  if (c < 1) c = 1;
+  long long s = ((length + c - 1) / c + 7) / 8 * 8;
+  if (s <= slice_max) return static_cast<int>(s);
+  if (s <= cache_max && (s <= cache_wide || static_cast<long long>(rows) * c <= fill)) return static_cast<int>(s);
+  return slice_max;
 }
 
 struct Record {
@@ -352,7 +372,8 @@ ffi::Error CheckStatus(const Record& rec, const char* target, int64_t exchange_i
 }
 
 ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stream, bool pdl,
-                  ParamValue* values, const char* target, int64_t exchange_id, int device, unsigned cluster = 0) {
+                  ParamValue* values, const char* target, int64_t exchange_id, int device, unsigned cluster = 0,
+                  int smem = -1) {
   void* params[kMaxParams];
   for (int i = 0; i < k.nparams; ++i) params[i] = &values[k.slot[i]];
   CUlaunchAttribute attrs[2];
@@ -374,7 +395,7 @@ ffi::Error Launch(const Driver* d, const Kernel& k, unsigned grid, CUstream stre
   cfg.gridDimY = cfg.gridDimZ = 1;
   cfg.blockDimX = static_cast<unsigned>(k.block);
   cfg.blockDimY = cfg.blockDimZ = 1;
-  cfg.sharedMemBytes = static_cast<unsigned>(k.smem);
+  cfg.sharedMemBytes = static_cast<unsigned>(smem < 0 ? k.smem : smem);
   cfg.hStream = stream;
   cfg.attrs = nattrs ? attrs : nullptr;
   cfg.numAttrs = nattrs;
@@ -427,8 +448,16 @@ ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, 
   v[kSpMaxRows].i32 = rec.max_rows;
   // One cluster of C CTAs per row (kernels/select_push.py); no split: one CTA per row.
   unsigned c = rec.select.split[1] > 0 ? static_cast<unsigned>(ProducerCluster(rows, cols, rec.select.split)) : 0;
+  // The slice cache and the shared memory for it: the kernel's smem holds cache_max tokens
+  // (2 bytes each, last in its layout); a launch gets what its cache_tokens need.
+  int cache = 0, smem = rec.select.smem;
+  if (rec.select.split[4] > 0) {
+    cache = ProducerCacheTokens(rows, cols, c ? static_cast<int>(c) : 1, rec.select.split);
+    smem -= 2 * (rec.select.split[4] - cache);
+  }
+  v[kSpCacheTokens].i32 = cache;
   return Launch(d, rec.select, static_cast<unsigned>(rows) * (c ? c : 1), stream, /*pdl=*/false, v, target,
-                exchange_id, device, c);
+                exchange_id, device, c, smem);
 }
 
 // ---------------------------------------------------------------------------
@@ -656,14 +685,16 @@ int dsa_load_kernel(const char* key, const char* kernel, const char* params, con
 // Sets the row split of a loaded select_push kernel (before dsa_register_exchange,
 // which copies the kernel).  All zero: no cluster launch.
 int dsa_set_kernel_split(const char* key, int device, int slice_max, int cluster_max, int min_slice,
-                         int fill_ctas) {
+                         int fill_ctas, int cache_max, int cache_wide) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto found = g_kernels.find({key, device});
   std::string where = std::string("kernel '") + key + "' on device " + std::to_string(device);
   if (found == g_kernels.end()) return Fail(where + " is not loaded");
-  if (slice_max < 0 || cluster_max < 0 || cluster_max > kProducerClusterMax || min_slice < 0 || fill_ctas < 0)
-    return Fail(where + ": bad split " + std::to_string(slice_max) + "/" + std::to_string(cluster_max));
-  int v[4] = {slice_max, cluster_max, min_slice, fill_ctas};
+  if (slice_max < 0 || cluster_max < 0 || cluster_max > kProducerClusterMax || min_slice < 0 || fill_ctas < 0 ||
+      cache_max < 0 || cache_wide < 0 || (cache_max > 0 && (cache_max < slice_max || 2 * cache_max > found->second.smem)))
+    return Fail(where + ": bad split " + std::to_string(slice_max) + "/" + std::to_string(cluster_max) + "/" +
+                std::to_string(cache_max) + " for smem " + std::to_string(found->second.smem));
+  int v[kSplitWords] = {slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide};
   std::memcpy(found->second.split, v, sizeof(v));
   return 0;
 }
@@ -671,8 +702,16 @@ int dsa_set_kernel_split(const char* key, int device, int slice_max, int cluster
 // The launcher's cluster size for [rows, cols] under a split (for the CI test that
 // compares it with layout.producer_cluster).
 int dsa_producer_cluster(int rows, int cols, int slice_max, int cluster_max, int min_slice, int fill_ctas) {
-  int v[4] = {slice_max, cluster_max, min_slice, fill_ctas};
+  int v[kSplitWords] = {slice_max, cluster_max, min_slice, fill_ctas, 0, 0};
   return ProducerCluster(rows, cols, v);
+}
+
+// The launcher's cache_tokens for [rows, cols] at cluster size c (CI: equal to
+// layout.producer_cache_tokens).
+int dsa_producer_cache_tokens(int rows, int cols, int c, int slice_max, int cluster_max, int min_slice,
+                              int fill_ctas, int cache_max, int cache_wide) {
+  int v[kSplitWords] = {slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide};
+  return ProducerCacheTokens(rows, cols, c, v);
 }
 
 int dsa_register_exchange(int64_t exchange_id, int device, int rank, int world, int topk, int local_topk,

@@ -86,9 +86,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_layout_constant.restype = i64
     lib.dsa_layout_constant.argtypes = [cp]
     lib.dsa_set_kernel_split.restype = i32
-    lib.dsa_set_kernel_split.argtypes = [cp, i32, i32, i32, i32, i32]
+    lib.dsa_set_kernel_split.argtypes = [cp, i32, i32, i32, i32, i32, i32, i32]
     lib.dsa_producer_cluster.restype = i32
     lib.dsa_producer_cluster.argtypes = [i32, i32, i32, i32, i32, i32]
+    lib.dsa_producer_cache_tokens.restype = i32
+    lib.dsa_producer_cache_tokens.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32, i32]
     lib.dsa_register_exchange.restype = i32
     lib.dsa_register_exchange.argtypes = [i64, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i32, i32, cp, cp,
                                           i64]
@@ -306,18 +308,27 @@ def layout_constants() -> dict:
 
 
 _SPLIT_KEYS = ("slice_max", "cluster_max", "min_slice", "fill_ctas")
+_CACHE_KEYS = ("cache_max", "cache_wide")  # (0: no slice cache beyond slice_max)
 
 
 def set_kernel_split(key: str, device: int, split: dict) -> None:
-    """Tells the launcher how select_push splits rows (the metadata's ``split``,
-    layout.producer_split()); call after load_kernel, before register_exchange."""
+    """Tells the launcher how select_push splits rows and caches slices (the metadata's
+    ``split``, layout.producer_split()); call after load_kernel, before register_exchange."""
     lib = _require()
-    _check(lib, lib.dsa_set_kernel_split(key.encode(), int(device), *(int(split[k]) for k in _SPLIT_KEYS)))
+    vals = [int(split[k]) for k in _SPLIT_KEYS] + [int(split.get(k, 0)) for k in _CACHE_KEYS]
+    _check(lib, lib.dsa_set_kernel_split(key.encode(), int(device), *vals))
 
 
 def producer_cluster(rows: int, cols: int, split: dict) -> int:
     """The launcher's CTAs per row for [rows, cols] (must equal layout.producer_cluster)."""
     return int(_require().dsa_producer_cluster(int(rows), int(cols), *(int(split[k]) for k in _SPLIT_KEYS)))
+
+
+def producer_cache_tokens(rows: int, cols: int, c: int, split: dict) -> int:
+    """The launcher's cache_tokens for [rows, cols] at cluster size c (must equal
+    layout.producer_cache_tokens)."""
+    vals = [int(split[k]) for k in _SPLIT_KEYS] + [int(split.get(k, 0)) for k in _CACHE_KEYS]
+    return int(_require().dsa_producer_cache_tokens(int(rows), int(cols), int(c), *vals))
 
 
 def register_exchange(

@@ -66,16 +66,40 @@ STATE_EPOCH_ROWS, STATE_SEQ_ROWS, STATE_STATUS_ROWS = 0, 1, 2
 # ("split"), and a CI test compares the two.  Measured on an H200 (NOTES.md): the
 # fixed cost of a CTA dominates below a few thousand tokens, and one CTA per SM
 # beats more, smaller slices once R fills the SMs.
-PRODUCER_SLICE_MAX = 16384  # tokens (their ord16) kept in shared memory: 32 KB per CTA
+PRODUCER_SLICE_MAX = 16384  # tokens (their ord16) always kept in shared memory: 32 KB per CTA
 PRODUCER_CLUSTER_MAX = 8  # the portable cluster size limit
 PRODUCER_MIN_SLICE = 4096  # no slice shorter than this (unless the row is)
 PRODUCER_FILL_CTAS = 132  # split only while the grid keeps within this many CTAs
+# Longer slices kept on chip too (the launch's dynamic shared memory sized for them,
+# producer_cache_tokens): up to PRODUCER_CACHE_WIDE tokens at any grid size (64 KB: two
+# 512-thread CTAs still fit an SM), up to PRODUCER_CACHE_MAX (128 KB: one CTA per SM)
+# while the grid keeps within fill_ctas CTAs.  H200, W=8 N=512, R=64 L=128K (C=2, 64K-token
+# slices): 48.7 us re-reading the slice in each pass, 38.6 us keeping it (2026-12-01).
+PRODUCER_CACHE_MAX = 65536
+PRODUCER_CACHE_WIDE = 32768
 
 
 def producer_split() -> dict:
     """The split policy's parameters, as the kernel metadata carries them."""
     return {"slice_max": PRODUCER_SLICE_MAX, "cluster_max": PRODUCER_CLUSTER_MAX,
-            "min_slice": PRODUCER_MIN_SLICE, "fill_ctas": PRODUCER_FILL_CTAS}  # fmt: skip
+            "min_slice": PRODUCER_MIN_SLICE, "fill_ctas": PRODUCER_FILL_CTAS,
+            "cache_max": PRODUCER_CACHE_MAX, "cache_wide": PRODUCER_CACHE_WIDE}  # fmt: skip
+
+
+def producer_cache_tokens(rows: int, cols: int, c: int, split: dict | None = None) -> int:
+    """Tokens of a CTA's slice select_push keeps in shared memory in a launch over
+    [rows, cols] with clusters of c (its ``cache_tokens``; the C++ launcher computes the
+    same, CI-compared, and sizes the launch's shared memory for it): S = the longest slice
+    of the launch, kept up to slice_max always, up to cache_wide at any grid size, up to
+    cache_max while rows * c <= fill_ctas; else slice_max (rows with slices that short)."""
+    sp = split or producer_split()
+    length = max(1, min(int(cols), MAX_LOCAL_LEN))
+    s = _round_up(-(-length // max(1, int(c))), 8)
+    if s <= sp["slice_max"]:
+        return s
+    if s <= sp["cache_max"] and (s <= sp["cache_wide"] or rows * c <= sp["fill_ctas"]):
+        return s
+    return sp["slice_max"]
 
 
 def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:

@@ -22,7 +22,8 @@ FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
 SYMBOLS = [
     "DsaSelectPush", "DsaMerge", "DsaSelectPushNoGraph", "DsaMergeNoGraph", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
-    "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_launcher_params", "dsa_layout_constant",
+    "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_producer_cache_tokens", "dsa_launcher_params",
+    "dsa_layout_constant",
 ]
 
 needs_lib = pytest.mark.skipif(not _ffi.available(), reason=f"FFI library not built: {_ffi.load_error()}")
@@ -192,6 +193,29 @@ def test_launcher_splits_rows_like_layout():
                 assert _ffi.producer_cluster(rows, c, split) == want, (rows, c, split)
                 assert 1 <= want <= split["cluster_max"]
                 assert want == 1 or rows * want <= split["fill_ctas"]
+
+
+@needs_lib
+def test_launcher_caches_slices_like_layout():
+    """The C++ launcher's cache_tokens (which sizes the launch's shared memory) equals
+    layout.producer_cache_tokens for every shape and cluster size; it always covers the
+    launch's longest slice or is slice_max, and never exceeds cache_max."""
+    base = layout.producer_split()
+    splits = [base, dict(base, cache_max=32768, cache_wide=16384), dict(base, cache_max=16384, cache_wide=16384)]
+    cols = [1, 7, 8, 100, 4096, 16383, 16384, 16385, 32768, 32769, 40000, 65536, 65537, 100000, 131072]
+    for split in splits:
+        for rows in (1, 2, 16, 64, 66, 132, 133, 256):
+            for c in cols:
+                for cl in (1, 2, 3, 8):
+                    want = layout.producer_cache_tokens(rows, c, cl, split)
+                    assert _ffi.producer_cache_tokens(rows, c, cl, split) == want, (rows, c, cl, split)
+                    longest = -(-(-(-min(c, layout.MAX_LOCAL_LEN) // cl)) // 8) * 8
+                    assert want == longest or want == split["slice_max"], (rows, c, cl, want)
+                    assert want <= split["cache_max"] and want % 8 == 0
+    # what the policy gives at the benchmark's shapes
+    assert layout.producer_cache_tokens(64, 131072, layout.producer_cluster(64, 131072)) == 65536
+    assert layout.producer_cache_tokens(256, 131072, layout.producer_cluster(256, 131072)) == 16384
+    assert layout.producer_cache_tokens(256, 32768, layout.producer_cluster(256, 32768)) == 32768
 
 
 # ----------------------------------------------------------------------------- GPU

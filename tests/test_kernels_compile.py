@@ -66,7 +66,10 @@ def test_ptx_protocol_instructions(images):
         assert not re.search(r"ld(\.volatile)?\.global\.v4\.u32", mg)
     cfg = images["merge"][0].config
     if layout.rescue_slots(cfg["topk"], cfg["local_topk"]) > 0:  # N == K: no rescue code
-        assert "ld.acquire.sys.global.u32" in mg and "st.release.sys.global.u32" in mg
+        # flags released by fence.acq_rel.sys + a strong store (st.relaxed.sys: the merge's
+        # "flags" default, one lane per peer; st.release.sys without it)
+        assert "ld.acquire.sys.global.u32" in mg
+        assert "st.relaxed.sys.global.u32" in mg or "st.release.sys.global.u32" in mg
         assert "fence.acq_rel.sys" in mg
         assert re.search(r"st\.global\.v4\.u32", mg)  # rescue rows, 16-byte stores
     assert "trap" not in mg  # a timeout is a status record, never a trap
@@ -173,9 +176,18 @@ def test_layout_constants_used_by_kernels():
     assert merge.EQ_MAX == 256  # tests/test_kernels_gpu.py EQ_MAX
     assert merge.Merge(8, 2048, 512).pre_bt and not merge.Merge(16, 2048, 1024).pre_bt
     assert merge.Merge(8, 2048, 512).fast2 and not merge.Merge(16, 2048, 1024).fast2
-    # two producer CTAs per SM fit; the merge stays small
-    assert select_push.SelectPush(8, 4096).smem <= SMEM_OPT_IN_MAX // 2 and m.smem <= 64 * 1024
-    assert select_push.SelectPush(8, 512).smem <= 48 * 1024
+    # the producer's smem holds a slice cache of CACHE_MAX tokens, last; a launch with the
+    # layout's cache_tokens needs 2 bytes less per token: two CTAs per SM fit with
+    # cache_wide tokens (any grid), one with cache_max; the merge stays small
+    from jax_dsa_exchange.kernels import select as S
+
+    assert S.CACHE_MAX == layout.PRODUCER_CACHE_MAX and select_push.split()["cache_max"] == S.CACHE_MAX
+    for n in (512, 4096):
+        full = select_push.SelectPush(8, n).smem
+        assert full <= SMEM_OPT_IN_MAX
+        assert full - 2 * (S.CACHE_MAX - layout.PRODUCER_CACHE_WIDE) <= SMEM_OPT_IN_MAX // 2
+    assert select_push.SelectPush(8, 512).smem - 2 * (S.CACHE_MAX - layout.PRODUCER_SLICE_MAX) <= 48 * 1024
+    assert m.smem <= 64 * 1024
 
 
 def test_select_tune_variants(tmp_path):

@@ -16,7 +16,7 @@
 #define FAKE_TOPK 64
 
 extern "C" __global__ void fake_select_push(int64_t logits, int64_t row_ends, int rows, int cols, int64_t epoch,
-                                            int64_t peers, int rank, int max_rows) {
+                                            int64_t peers, int rank, int max_rows, int cache_tokens) {
   int r = blockIdx.x;
   const int64_t* table = reinterpret_cast<const int64_t*>(peers);
   int* buf = reinterpret_cast<int*>(table[rank]);

@@ -75,9 +75,11 @@ def _params(spec: str) -> tuple:
 
 # kernels/select_push.py (docs/DESIGN.md §6.1).  Addresses: logits bf16 [rows, cols]
 # row-major, row_ends int32 [rows], epoch = this rank's state (layout.StateLayout),
-# peers int64 [W] device table of every rank's buffer base.
+# peers int64 [W] device table of every rank's buffer base; cache_tokens = layout.
+# producer_cache_tokens (the launch's dynamic shared memory holds that many ord16).
 SELECT_PUSH = KernelABI("select_push", _params(
-    "logits:i64 row_ends:i64 rows:i32 cols:i32 epoch:i64 peers:i64 rank:i32:0 max_rows:i32"))
+    "logits:i64 row_ends:i64 rows:i32 cols:i32 epoch:i64 peers:i64 rank:i32:0 max_rows:i32 "
+    "cache_tokens:i32:0"))
 
 # kernels/merge.py (docs/DESIGN.md §6.2-§6.7).  ids / saturated: 0 = not wanted;
 # rescue_off / flags_off: byte offsets in the symmetric buffer (layout.BufferLayout);

@@ -152,6 +152,12 @@ def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: in
     return _COMPILED[key]
 
 
+def _producer_split() -> dict:
+    from .select_push import split
+
+    return split()
+
+
 def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
     """Compile both kernels -> {name: (KernelImage, compile seconds)}."""
     layout.check_config(world, topk, local_topk)
@@ -171,7 +177,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
             params=ABIS[name].pairs(),
             config={"world": world, "topk": topk, "local_topk": local_topk},
             arch=arch, source_hash=shash,
-            split=layout.producer_split() if name == "select_push" else None,
+            split=_producer_split() if name == "select_push" else None,
         )  # fmt: skip
         out[name] = (img, secs)
     return out

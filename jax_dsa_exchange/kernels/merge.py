@@ -65,7 +65,7 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #   rnoflag  rescue: no fence, no flag stores, no wait for the flags
 #   rnowait  rescue: flags stored, but no wait for the saturated ranks' flags
 #   rnor2    rescue: no round 2 (the outputs stay round 1's)
-# Exact candidate speed-ups (default off):
+# Exact candidate speed-ups (default off unless set in TUNE.update below):
 #   fused    score histogram of s >> 6 without the stats pass (no count/min/max, one barrier
 #            less); the boundary bin's keys (<= EQ_MAX) ranked on (low 6 score bits, g) at once
 #            (no second score histogram, no separate tie-break); else the old second
@@ -83,6 +83,10 @@ TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TUNE = dict.fromkeys(
     ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence", "rnoflag",
      "rnowait", "rnor2", "fused", "eqwarp", "flags", "peers", "r2batch", "own2"), 0)
+# On by default since the variant run of 2026-12-01 (H200, W=8 N=512 K=2048, forced rescue:
+# flags -4.4..-5.3 us, own2 -5.7..-7.0 us at R <= 64, no change without a rescue; both exact
+# on the merge GPU test subset); "flags=0" / "own2=0" build the previous code.
+TUNE.update(flags=1, own2=1)
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
                "rnoflag", "rnowait", "rnor2")
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
@@ -1442,7 +1446,7 @@ class Merge:
             end = row_end(row_ends, t, cols)
             if cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
                 S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
-                             sel, tid, lane, warp, Int32(1), Int32(0), False, False)  # fmt: skip
+                             sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0))  # fmt: skip
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
             off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
             if cutlass.const_expr(TUNE["rnopush"]):

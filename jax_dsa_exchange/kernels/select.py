@@ -7,8 +7,9 @@ does the whole row, as the merge's rescue does).  Per CTA:
 
 1. **pass 1** reads its slice from HBM once (16-byte loads, several in flight),
    turns every bf16 into ``ord16`` (docs/DESIGN.md §5; 0 = NaN / past the end), keeps the
-   ord16 in shared memory when the slice fits (``cached`` and ``S <= SLICE_MAX``;
-   a longer slice, e.g. C = 2 at R = 64, L = 128K, is re-read in each later pass)
+   ord16 in shared memory when the slice fits (``cached`` and ``S <= cache_cap``, the
+   launch's ``layout.producer_cache_tokens``, at most CACHE_MAX; a longer slice, e.g.
+   C = 1 at R = 256, L = 128K, is re-read in each later pass)
    and histograms the high ``B1`` bits;
 2. one **cluster barrier**; every CTA sums the C histograms through distributed
    shared memory (4 contiguous bins per thread: one 16-byte DSMEM load per CTA)
@@ -80,9 +81,9 @@ SKIPPABLE = {
     "select": "select_push skips select_row (with push: the launch + first loads floor)",
 }
 SKIP = frozenset()
-# tokens per CTA kept on chip (ord16 pairs); "cache=32768" / "cache=65536": a variant that
-# keeps longer slices (64 / 128 KB of shared memory: 2 / 1 CTAs per SM)
-SLICE_MAX = layout.PRODUCER_SLICE_MAX
+# the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
+# dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
+CACHE_MAX = layout.PRODUCER_CACHE_MAX
 # CTAs per cluster the kernel can sum over; "cmax=16": clusters of 16 (non-portable: the
 # launch needs CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED; the policy stays <= 8)
 CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
@@ -95,18 +96,19 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                              f"known: {sorted(SKIPPABLE)}")
         continue
     globals()[{"u1": "U1", "vpt": "VPT", "early": "EARLY_TRIGGER", "relax": "RELAX",
-               "wt2": "WT2", "w0": "W0", "cache": "SLICE_MAX",
+               "wt2": "WT2", "w0": "W0", "cache": "CACHE_MAX",
                "cmax": "CLUSTER_MAX"}[_k]] = int(_v)  # fmt: skip
 EXACT = not SKIP  # False: a timing-only build (wrong outputs)
-assert SLICE_MAX % 8 == 0 and 0 < SLICE_MAX <= 98304, SLICE_MAX
+assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
 assert CLUSTER_MAX in (layout.PRODUCER_CLUSTER_MAX, 16) and CLUSTER_MAX <= NWARPS, CLUSTER_MAX
 
 assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
 
 
 def smem_words(rw: int, cached: bool) -> int:
-    """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts)."""
-    parts = [SLICE_MAX // 2 if cached else 4, NB1, NB2, NB2, 16, 32, 2 * NWARPS, rw]
+    """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts;
+    the cache last, so a launch with a smaller cache needs that much less)."""
+    parts = [NB1, NB2, NB2, 16, 32, 2 * NWARPS, rw, CACHE_MAX // 2 if cached else 4]
     return sum(-(-p // 4) * 4 for p in parts)
 
 
@@ -121,7 +123,6 @@ class SelectSmem:
         def arr(n):
             return smem.allocate_tensor(Int32, cute.make_layout((n,)), 16)
 
-        self.cache = arr(SLICE_MAX // 2 if cached else 4)  # ord16 pairs of the slice
         self.hist1 = arr(NB1)
         self.hist2 = arr(NB2)
         self.gsum2 = arr(NB2)  # the cluster's second-pass histogram
@@ -129,6 +130,8 @@ class SelectSmem:
         self.scal = arr(32)  # CTA-local scalars (see select_row)
         self.wt = arr(2 * NWARPS)  # warp totals of the pair scan
         self.row = arr(rw)  # the packed row (CTA 0's is the cluster's result)
+        # ord16 pairs of the slice, last: a launch's shared memory holds cache_tokens of them
+        self.cache = arr(CACHE_MAX // 2 if cached else 4)
 
     def parts(self):
         return (self.cache, self.hist1, self.hist2, self.gsum2, self.pub, self.scal, self.wt,
@@ -480,16 +483,16 @@ _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
 @cute.jit
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
-               cached: cutlass.Constexpr):
+               cached: cutlass.Constexpr, cache_cap: Int32):
     """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
     row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
     cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
     the cluster's size and this CTA's rank in it (1 / 0 when not clustered).
     Ends with a cluster barrier: CTA 0's row is complete, and nothing in this
     CTA's shared memory is read by another CTA after it.  ``cached``: keep the
-    slice on chip when it has at most SLICE_MAX tokens (ceil(end / csize) rounded
-    up to 8); a longer slice (the split keeps C small once R fills the SMs) is
-    re-read from global memory (mostly L2) in every pass instead."""
+    slice on chip when it has at most ``cache_cap`` tokens (ceil(end / csize) rounded
+    up to 8; the launch's shared memory holds cache_cap <= CACHE_MAX of them); a longer
+    slice is re-read from global memory (mostly L2) in every pass instead."""
     cache, hist1, hist2, gsum2, pub, scal, wt, row = parts
     cache_a = smem_addr(cache)
     h1_a = smem_addr(hist1)
@@ -504,7 +507,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     nvec = (s_len + Int32(7)) // Int32(8)
     keep = Int32(0)  # the slice stays in shared memory
     if cutlass.const_expr(cached):
-        if S <= Int32(SLICE_MAX):
+        if S <= cache_cap:
             keep = Int32(1)
     aligned = Int32(0)
     if (row_addr & Int64(15)) == Int64(0):

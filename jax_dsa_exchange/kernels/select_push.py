@@ -26,8 +26,15 @@ ABI = abi.SELECT_PUSH
 
 
 def smem_bytes(n: int) -> int:
-    """Dynamic shared memory of the CTA (SelectSmem, then the peers' addresses)."""
+    """Dynamic shared memory of the CTA with a cache of S.CACHE_MAX tokens (the peers'
+    addresses, then SelectSmem, its cache last); a launch with cache_tokens = c needs
+    2 * (S.CACHE_MAX - c) bytes less (the launcher sizes it so)."""
     return S.smem_bytes(layout.row_words(n), cached=True) + layout.MAX_WORLD * 8
+
+
+def split() -> dict:
+    """The metadata's split: layout.producer_split() with this build's cache capacity."""
+    return dict(layout.producer_split(), cache_max=S.CACHE_MAX)
 
 
 @cute.jit
@@ -55,7 +62,8 @@ class SelectPush:
 
     @cute.kernel
     def kernel(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
-               epoch: Int64, peers: Int64, rank: Int32, max_rows: Int32):  # fmt: skip
+               epoch: Int64, peers: Int64, rank: Int32, max_rows: Int32,
+               cache_tokens: Int32):  # fmt: skip
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
@@ -64,8 +72,8 @@ class SelectPush:
         csize = cute.arch.make_warp_uniform(cute.arch.cluster_size())
         me = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
-        sm = S.SelectSmem(smem, self.rw, True)
         psm = smem.allocate_tensor(Int64, cute.make_layout((layout.MAX_WORLD,)), 16)
+        sm = S.SelectSmem(smem, self.rw, True)  # (its slice cache last: see smem_bytes)
         row = sm.row
         # The logits and epochs come from earlier kernels (PDL-safe).
         C.pdl_wait()
@@ -84,7 +92,7 @@ class SelectPush:
         end = row_end(row_ends, t, cols)
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
             S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw,
-                         sm.parts(), tid, lane, warp, csize, me, True, True)  # fmt: skip
+                         sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens)  # fmt: skip
         else:
             cute.arch.sync_threads()  # psm is read by other threads of the CTA
         # CTA 0 holds the packed row (select_row's barriers also published psm).  A
@@ -104,10 +112,11 @@ class SelectPush:
 
     @cute.jit
     def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
-              epoch: Int64, peers: Int64, rank: Int32, max_rows: Int32):  # fmt: skip
+              epoch: Int64, peers: Int64, rank: Int32, max_rows: Int32,
+              cache_tokens: Int32):  # fmt: skip
         # Compile-time launch shape only; the real grid and cluster come from the
         # launcher (layout.producer_cluster).
-        self.kernel(logits, row_ends, rows, cols, epoch, peers, rank, max_rows).launch(
+        self.kernel(logits, row_ends, rows, cols, epoch, peers, rank, max_rows, cache_tokens).launch(
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem
         )
 

@@ -177,11 +177,15 @@ class Sim:
         with self.streams[q]:
             if producer:
                 c = cluster or layout.producer_cluster(rows, cols)
+                # the slice cache and the shared memory for it, as the C++ launcher sizes them
+                split = dict(layout.producer_split(), **(sp.split or {}))
+                cache = layout.producer_cache_tokens(rows, cols, c, split)
+                smem = sp.smem - 2 * (split["cache_max"] - cache)
                 values = abi.SELECT_PUSH.pack(dict(
                     logits=d["logits"].data.ptr, row_ends=d["row_ends"].data.ptr, rows=rows, cols=cols,
                     epoch=self.states[q].data.ptr, peers=self.peers.data.ptr, rank=q,
-                    max_rows=self.max_rows))  # fmt: skip
-                launch_cluster(self.fns["select_push"], rows * c, sp.block, sp.smem, self.streams[q],
+                    max_rows=self.max_rows, cache_tokens=cache))  # fmt: skip
+                launch_cluster(self.fns["select_push"], rows * c, sp.block, smem, self.streams[q],
                                sp.params, values, c)  # fmt: skip
             if merge:
                 bt = d["bt"]

@@ -89,7 +89,8 @@ def time_merge(b, R, L, rescue, iters=12, warm=3, seed=0):
 def merge_only(cp, a):
     """Merge alone (data already pushed) against top-k of 64-bit keys [R, W*N], and the
     forced rescue against the producer's local top-K of the same rows (select+push built
-    with N = K: local top-K of each row + its push)."""
+    with N = K: local top-K of each row + its push, on rank 0's rows of the forced rescue:
+    logits + 100, which in bf16 puts its top 2048 of 8192 into about a dozen codes)."""
     L = a.cols[0]
     res = []
     for n in a.n:
@@ -122,7 +123,9 @@ def merge_only(cp, a):
         try:
             bk = Bench(cp, a.world, a.topk, a.topk, max(a.rows))
             for r in res:
-                tp, _ = bk.run(r[1], L, rescue=False, iters=6, warm=2)
+                # the local top-K of the same rows the forced rescue selects from (rank 0's
+                # logits + 100, as in time_merge): issue #12 compares the rescue with it
+                tp, _ = bk.run(r[1], L, rescue=True, iters=6, warm=2, merge=False)
                 r[7] = tp
             del bk
         except FileNotFoundError as e:

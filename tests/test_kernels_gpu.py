@@ -437,3 +437,16 @@ def test_adversarial_large(world, n):
     for c in cases.adversarial_cases(rng, world=world, topk=2048, local_topk=n, rows=4,
                                      cols=3000, saturating_rows=2):
         _run_check(sim, c)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 24, 64, 100, 4096])
+def test_block_sizes_powers_of_two_and_not(block_size):
+    """kv_rows through the block table for page sizes that are powers of two (the merge
+    shifts) and that are not (it divides), a rescue included; bit-identical to the model."""
+    world = 4
+    sim = sim_for(world, SMALL_K, SMALL_N)
+    rng = np.random.default_rng(200 + block_size)
+    _run_check(sim, cases.random_case(rng, world=world, topk=SMALL_K, local_topk=SMALL_N, rows=8, cols=700,
+                                      block_size=block_size))
+    _run_check(sim, cases.saturating_case(rng, world, SMALL_K, SMALL_N, 1, rows=4, cols=500,
+                                          block_size=block_size))

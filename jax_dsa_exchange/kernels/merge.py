@@ -415,13 +415,25 @@ class Merge:
         return all_run + (tot & Int32(0xFFFF)), own_run + (tot >> Int32(16))
 
     @cute.jit
+    def page_of(self, lidx: Int32, block_size: Int32) -> Int32:
+        """lidx // block_size for lidx >= 0, block_size >= 1: a shift when block_size is a
+        power of two (the usual page sizes; the branch is uniform over the launch), since
+        a 32-bit division by a runtime value is a ~30-instruction sequence on every own key."""
+        p = Int32(0)
+        if (block_size & (block_size - Int32(1))) == Int32(0):
+            p = lidx >> Int32(cute.arch.popc(Uint32(block_size - Int32(1))))
+        else:
+            p = lidx // block_size
+        return p
+
+    @cute.jit
     def kv_slot(self, lidx: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
                 block_size: Int32) -> Int32:
         """block_table[req, l // B] * B + l % B; -1 if req or the page is out
         of range (never reads out of bounds)."""
         slot = Int32(-1)
         if req_ok != Int32(0):
-            page = lidx // block_size
+            page = self.page_of(lidx, block_size)
             if page < bt_cols:
                 blk = C.ld_u32(bt_row + Int64(page) * Int64(4))
                 slot = blk * block_size + (lidx - page * block_size)
@@ -791,8 +803,9 @@ class Merge:
                 btp[i] = Int32(0)
                 if q == rank and words[i] != Uint32(0) and req_ok != Int32(0):
                     lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
-                    if lidx // block_size < bt_cols:
-                        btp[i] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+                    page = self.page_of(lidx, block_size)
+                    if page < bt_cols:
+                        btp[i] = C.ld_u32(bt_row + Int64(page) * Int64(4))
 
     @cute.jit
     def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, lane, warp,
@@ -810,8 +823,9 @@ class Merge:
                 btv[i] = Int32(0)
                 if q == rank and words[i] != Uint32(0) and req_ok != Int32(0):
                     lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
-                    if lidx // block_size < bt_cols:
-                        btv[i] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+                    page = self.page_of(lidx, block_size)
+                    if page < bt_cols:
+                        btv[i] = C.ld_u32(bt_row + Int64(page) * Int64(4))
         for ip in cutlass.range_constexpr(kp // 2):
             q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
             if q == rank:
@@ -1153,8 +1167,9 @@ class Merge:
                             q, j = self.owner_p(i // 2, kp, lane, warp, round2, seg, qj)
                             if q == rank and req_ok != Int32(0):
                                 lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
-                                if lidx // block_size < bt_cols:
-                                    blks[k] = C.ld_u32(bt_row + Int64(lidx // block_size) * Int64(4))
+                                page = self.page_of(lidx, block_size)
+                                if page < bt_cols:
+                                    blks[k] = C.ld_u32(bt_row + Int64(page) * Int64(4))
                 for kk in cutlass.range_constexpr(4):
                     ip = b0 + kk
                     if cutlass.const_expr(ip < kp // 2):
@@ -1177,7 +1192,7 @@ class Merge:
                                 pos = pos + Int32(1)
                                 if q == rank:
                                     lidx = g // Int32(self.world)
-                                    page = lidx // block_size
+                                    page = self.page_of(lidx, block_size)
                                     slot_ = Int32(-1)
                                     if req_ok != Int32(0) and page < bt_cols:
                                         slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)

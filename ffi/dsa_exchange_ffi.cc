@@ -264,8 +264,8 @@ int ProducerCacheTokens(int rows, int cols, int c, const int split[kSplitWords])
 struct Record {
   int rank, world, topk, local_topk, max_rows, timeout_us, merge_grid;
   int64_t peers, local, state, rescue_off, flags_off;
-  // Pinned host copy of the state's status words, refreshed after every merge by an
-  // async copy on XLA's stream; read (no sync) when the next call starts (0 = none).
+  // Pinned host copy of the state's status words, written by the merge kernel when the
+  // status is set (its host_status parameter); read (no sync) when a call starts (0 = none).
   int64_t host_status;
   Kernel select, merge;  // copies: a CUfunction lives as long as the process
 };

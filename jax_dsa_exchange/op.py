@@ -139,8 +139,10 @@ def jit(fun=None, **kwargs):
     (``Exchange.poll``: the pinned host copy of the status words, no synchronization), so
     a peer's failure raises on the next step even when XLA replays the calls from a CUDA
     graph without calling the launcher (the default graph mode, ``_ffi.cuda_graph_mode``).
-    Which exchanges: those whose calls were traced through this function.  Everything
-    else (``lower``, ``trace``, ``eval_shape``, ...) is the ``jax.jit`` object's."""
+    Which exchanges: those whose calls were traced through this object (a second ``jit`` of
+    the same function that JAX serves from its trace cache learns none: keep one per step
+    function).  Everything else (``lower``, ``trace``, ``eval_shape``, ...) is the
+    ``jax.jit`` object's; a ``lower(...).compile()``d executable does not poll."""
     if fun is None:
         return functools.partial(jit, **kwargs)
     opts = dict(compiler_options(), **(kwargs.pop("compiler_options", None) or {}))

@@ -4,7 +4,7 @@
         --variants default= relax=relax=1 skip-pass2=skip=pass2 ...
 
 Each variant is a ``JAX_DSA_EXCHANGE_SELECT_TUNE`` string (kernels/select.py: ``relax``,
-``wt2``, ``w0``, ``u1``, ``vpt``, ``early``; ``skip=`` builds are TIMING ONLY, their outputs
+``cache``, ``u1``, ``vpt``, ``early``; ``skip=`` builds are TIMING ONLY, their outputs
 are wrong); its prebuilt cubin is found by the tag the string is mixed into
 (kernels/cache.py), so no CuTe DSL is needed here.  One Sim (buffers, peers) is shared; only
 rank 0's select_push runs (no merge), once per variant per measurement, the variants
@@ -37,12 +37,10 @@ from jax_dsa_exchange.kernels import cache  # noqa: E402
 
 TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"  # = kernels/select.TUNE_ENV (select.py needs the CuTe DSL)
 PROBES = [(8192, 0, 1), (8192, 0, 8), (8192, 8192, 1), (8192, 8192, 8), (131072, 131072, 1),
-          (131072, 131072, 8), (131072, 131072, 16)]  # (L, row end, C); C = 16: cmax=16 builds only  # fmt: skip
+          (131072, 131072, 8)]  # (L, row end, C)  # fmt: skip
 ROWS = [(1, 8192, None), (1, 131072, None), (64, 131072, None), (64, 131072, 4),
         (256, 131072, None)]  # (R, L, C): None = the launcher's C
-DEFAULT_VARIANTS = ["default=", "relax=relax=1", "wt2=wt2=1", "w0=w0=1", "fast=relax=1,wt2=1,w0=1",
-                    "cache32k=cache=32768", "cache64k=cache=65536", "c16=cmax=16",
-                    "c16fast=cmax=16,relax=1,wt2=1,w0=1",
+DEFAULT_VARIANTS = ["default=", "relax=relax=1", "cache32k=cache=32768", "cache64k=cache=65536",
                     "skip-hist1=skip=hist1", "skip-pass2=skip=pass2", "skip-dsmem=skip=dsmem",
                     "skip-compact=skip=compact", "skip-push=skip=push",
                     "bare=skip=hist1+pass2+dsmem+compact+push", "floor=skip=select+push"]  # fmt: skip
@@ -150,10 +148,7 @@ def main(argv=None):
     import cupy as cp
 
     from jax_dsa_exchange.kernels.timing import _events
-    from jax_dsa_exchange.testing.sim import Sim, _load_function, allow_nonportable_cluster
-
-    def big(name):  # a build whose kernel sums over clusters of 16 CTAs
-        return "cmax=16" in dict(variants)[name]
+    from jax_dsa_exchange.testing.sim import Sim, _load_function
 
     W, K, N = a.world, a.topk, a.n
     sim = with_tune("", Sim, W, K, N, max(r for r, _, _ in ROWS))
@@ -166,8 +161,6 @@ def main(argv=None):
         mod, fn, ext = _load_function(imgs[name], d)
         mods.append(mod)
         fns[name] = fn
-        if big(name):
-            allow_nonportable_cluster(fn)
         occ = None
         try:
             occ = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, 512, imgs[name].smem)
@@ -254,14 +247,7 @@ def main(argv=None):
         for (L, end, c), col in zip(PROBES, cols):
             d = logits(1, L, 1, seed=1)[0]
             for name in names:
-                t = float("nan")
-                if c <= layout.PRODUCER_CLUSTER_MAX or big(name):
-                    try:
-                        t = probe(name, L, end, c, d)
-                    except Exception as e:  # noqa: BLE001 - e.g. no GPC with 16 free SMs
-                        print(f"{name} {col}: {type(e).__name__}: {e}", flush=True)
-                        s0.synchronize()
-                res[name][col].append(t)
+                res[name][col].append(probe(name, L, end, c, d))
             print(f"round {rnd} {col}: " + " ".join(f"{nm}={res[nm][col][-1]:.2f}" for nm in order),
                   flush=True)  # fmt: skip
             del d

@@ -66,10 +66,10 @@ def test_ptx_protocol_instructions(images):
         assert not re.search(r"ld(\.volatile)?\.global\.v4\.u32", mg)
     cfg = images["merge"][0].config
     if layout.rescue_slots(cfg["topk"], cfg["local_topk"]) > 0:  # N == K: no rescue code
-        # flags released by fence.acq_rel.sys + a strong store (st.relaxed.sys: the merge's
-        # "flags" default, one lane per peer; st.release.sys without it)
+        # flags released by fence.acq_rel.sys + a strong store (st.relaxed.sys, one lane
+        # per peer)
         assert "ld.acquire.sys.global.u32" in mg
-        assert "st.relaxed.sys.global.u32" in mg or "st.release.sys.global.u32" in mg
+        assert "st.relaxed.sys.global.u32" in mg
         assert "fence.acq_rel.sys" in mg
         assert re.search(r"st\.global\.v4\.u32", mg)  # rescue rows, 16-byte stores
     assert "trap" not in mg  # a timeout is a status record, never a trap
@@ -135,9 +135,9 @@ def test_merge_tune_string_keys_the_cache(monkeypatch):
     monkeypatch.delenv("JAX_DSA_EXCHANGE_MERGE_TUNE", raising=False)
     monkeypatch.delenv("JAX_DSA_EXCHANGE_SELECT_TUNE", raising=False)
     h0 = cache.source_hash()
-    monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", "fused=1")
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", "rnor2=1")
     h1 = cache.source_hash()
-    monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", "fused=1")
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", "rnor2=1")
     monkeypatch.delenv("JAX_DSA_EXCHANGE_MERGE_TUNE")
     assert len({h0, h1, cache.source_hash()}) == 3
     env = dict(os.environ, JAX_DSA_EXCHANGE_MERGE_TUNE="nosuchknob=1")
@@ -191,7 +191,7 @@ def test_layout_constants_used_by_kernels():
 
 
 def test_select_tune_variants(tmp_path):
-    """The exact speed-up knobs (select.RELAX / WT2 / W0) and a timing-only skip build
+    """The exact speed-up knob (select.RELAX) and a timing-only skip build
     compile (fresh processes: select.py reads JAX_DSA_EXCHANGE_SELECT_TUNE at import); RELAX
     keeps arrive.release only for barrier 3 of a multi-CTA cluster; an unknown stage fails."""
     import os
@@ -209,7 +209,7 @@ def test_select_tune_variants(tmp_path):
                            timeout=300, cwd=root)  # fmt: skip
         return r
 
-    r = ptx("relax=1,wt2=1,w0=1")
+    r = ptx("relax=1")
     assert r.returncode == 0, r.stderr[-2000:]
     sp = r.stdout
     assert sp.count("fence.release.sync_restrict::shared::cta.cluster") == 3

@@ -54,9 +54,6 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np
         for c in range(csize):
             gt_before[c], eq_before[c] = per_gt[:c].sum(), per_eq[:c].sum()
         gt_own[:], eq_own[:] = per_gt, per_eq
-        for c in range(csize):  # the one-warp variant of this step (select.W0) agrees
-            assert boundary_warp_model(h2, own_above1, need2, c) == (
-                lowv, above2, gt_before[c], eq_before[c], gt_own[c], eq_own[c])
     else:
         v, need_eq = 0, 0
         per = h1.sum(1)
@@ -85,31 +82,6 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np
         assert gt_b - gt_before[c] == gt_own[c]  # the counts the kernel published
         assert eq_b - eq_before[c] == eq_own[c]
     return row
-
-
-def boundary_warp_model(h2, own_above1, need2, me):
-    """select.boundary_warp lane by lane (select.W0): lane k holds bin NB2-1-k of every
-    CTA's second histogram, lane r CTA r's count above b1; a warp scan, the ballot's
-    lowest lane f, then warp sums.  -> (lowv, above2, gt_before, eq_before, gt_own, eq_own)."""
-    csize = h2.shape[0]
-    lane = np.arange(32)
-    xr = h2[:, NB2 - 1 - lane]  # [r, lane]
-    ab = np.zeros(32, np.int64)
-    ab[:csize] = own_above1
-    c = xr.sum(0)
-    inc = np.cumsum(c)
-    bal = (c > 0) & (inc >= need2) & (inc - c < need2)
-    assert bal.sum() == 1
-    f = int(np.flatnonzero(bal)[0])
-    above2 = int(inc[f] - c[f])
-    r = np.arange(csize)[:, None]
-    g = np.where(lane < f, xr, 0)
-    e = np.where(lane == f, xr, 0)
-    gtb = int(g[r[:, 0] < me].sum() + ab[lane < me].sum())
-    eqb = int(e[r[:, 0] < me].sum())
-    gto = int(g[me].sum() + ab[me])
-    eqo = int(e[me].sum())
-    return NB2 - 1 - f, above2, gtb, eqb, gto, eqo
 
 
 def _rows(kind, rng, L):
@@ -151,14 +123,3 @@ def test_model_covers_bit_16_of_l():
     assert want[64:66].any()
     for csize in (1, 3, 8):
         assert np.array_equal(split_select_model(bits, L, 64, csize), want)
-
-
-def test_model_clusters_of_16():
-    """The same steps with 16 CTAs (select.py's non-portable ``cmax=16`` variant)."""
-    rng = np.random.default_rng(16)
-    for kind in ("random", "ties", "specials"):
-        logits = _rows(kind, rng, 70001)
-        for t, end in enumerate((70001, 517, 40000)):
-            bits = logits[t].view(np.uint16)
-            want = reference.pack_local_topk(bits, end, 512)
-            assert np.array_equal(split_select_model(bits, end, 512, 16), want), (kind, end)

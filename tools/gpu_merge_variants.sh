@@ -1,6 +1,7 @@
 #!/bin/bash
 # Merge-kernel variants (JAX_DSA_EXCHANGE_MERGE_TUNE, kernels/NOTES.md "Merge variants"):
-# breakdown (timing-only variants that leave one stage out) and candidate speed-ups (exact).
+# breakdown (timing-only variants that leave one stage out) and exact candidates (none now: the
+# ones of 2026-12-01 were adopted or removed; tools/merge_variants.py VARIANTS lists them).
 #   build here (CuTe DSL):  PY=/work/venv2/bin/python bash tools/gpu_merge_variants.sh --build
 #       -> build/merge_variants_cubins: every variant for W=8 K=2048 N=512 and W=16 K=2048
 #          N=1024; the exact ones also for the test configs (K=256 N=64/256 W=1..16, W=2 N=512);

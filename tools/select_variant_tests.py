@@ -7,12 +7,10 @@ context, no pytest start per variant):
   edges, L/3, L-9, L-1, L, > L, < 0; NaN (both signs, payloads), +-0, +-inf; byte-identical
   to reference.pack_local_topk with the right epoch tag in every rank's buffer;
 * test_rescue_select_on_long_rows (the merge's n = K select of 2^17-token rows);
-* test_exchange_bit_identical_for_every_split at C = 1, 3, 8 (the whole exchange);
-* a ``cmax=16`` build also at C = 16 (pushed rows and the exchange; the launch gets the
-  non-portable cluster attribute).
+* test_exchange_bit_identical_for_every_split at C = 1, 3, 8 (the whole exchange).
 
     PYTHONPATH=. JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins python3 tools/select_variant_tests.py \
-        --out tests.txt relax=relax=1 w0=w0=1
+        --out tests.txt relax=relax=1 cache32k=cache=32768
 
 Writes one line per variant to --out as it finishes: ``NAME pass|FAIL SECONDS [first error]``.
 Exit status 1 when any variant failed.
@@ -31,11 +29,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"
 
 
-def cases(tsel, big=False):
+def cases(tsel):
     for kind in ("random", "ties", "equal", "specials"):
         yield f"pushed_rows[{kind}]", tsel.test_pushed_rows_are_the_model_rows_for_every_split, (kind,)
     yield "rescue_long_rows", tsel.test_rescue_select_on_long_rows, ()
-    for c in (1, 3, 8) + ((16,) if big else ()):
+    for c in (1, 3, 8):
         yield f"exchange[C={c}]", tsel.test_exchange_bit_identical_for_every_split, (c,)
 
 
@@ -50,7 +48,7 @@ def main(argv=None):
 
     if a.list:
         for v in a.variants:
-            print(v, [n for n, _, _ in cases(tsel, "cmax=16" in v)])
+            print(v, [n for n, _, _ in cases(tsel)])
         return 0
     from gpu import gpu_stack_missing
 
@@ -58,15 +56,6 @@ def main(argv=None):
     if why is not None:
         print(f"cannot run: {why}")
         return 2
-    from jax_dsa_exchange.testing.sim import allow_nonportable_cluster
-
-    clusters, sim_for = list(tsel.CLUSTERS), tk.sim_for
-
-    def sim_for_big(*args, **kw):  # clusters of 16 need the non-portable attribute
-        sim = sim_for(*args, **kw)
-        allow_nonportable_cluster(sim.fns["select_push"])
-        return sim
-
     bad = 0
     for spec in a.variants:
         name, _, tune = spec.partition("=")
@@ -75,12 +64,9 @@ def main(argv=None):
         else:
             os.environ.pop(TUNE_ENV, None)
         tk._SIMS.clear()  # Sims load the kernels of the current tune
-        big = "cmax=16" in tune  # also C = 16 (pushed rows byte for byte, the exchange)
-        tsel.CLUSTERS[:] = clusters + ([16] if big else [])
-        tsel.sim_for = sim_for_big if big else sim_for
         t0 = time.perf_counter()
         status, first = "pass", ""
-        for label, fn, args in cases(tsel, big):
+        for label, fn, args in cases(tsel):
             t1 = time.perf_counter()
             try:
                 fn(*args)

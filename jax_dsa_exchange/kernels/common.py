@@ -152,12 +152,6 @@ def st_volatile_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def st_release_sys(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr), Int32(v)], "st.release.sys.global.u32 [$0], $1;",
-         "l,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
 def st_ll_v4(addr: Int64, w0: Int32, e: Int32, w1: Int32, *, loc=None, ip=None) -> None:
     """NCCL-LL store (w0, e, w1, e): one 16-byte volatile store, so each
     8-byte half (word, epoch) lands at once and bypasses L1 on the peer."""

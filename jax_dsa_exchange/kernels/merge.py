@@ -61,34 +61,19 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #   noout    no outputs (ballots, ids / kv_rows stores, padding; counts kept) (no rescue)
 #   rnosel   rescue: no local top-K select (the pushed K-list is whatever smem holds)
 #   rnopush  rescue: no K-list stores into the W ranks' rescue slots
-#   rnofence rescue: no fence.acq_rel.sys before the flags (flags still st.release.sys)
+#   rnofence rescue: no fence.acq_rel.sys before the flags (flags still st.relaxed.sys)
 #   rnoflag  rescue: no fence, no flag stores, no wait for the flags
 #   rnowait  rescue: flags stored, but no wait for the saturated ranks' flags
 #   rnor2    rescue: no round 2 (the outputs stay round 1's)
-# Exact candidate speed-ups (default off unless set in TUNE.update below):
-#   fused    score histogram of s >> 6 without the stats pass (no count/min/max, one barrier
-#            less); the boundary bin's keys (<= EQ_MAX) ranked on (low 6 score bits, g) at once
-#            (no second score histogram, no separate tie-break); else the old second
-#            histogram + tie-break
-#   eqwarp   a tie-break of <= 32 keys ranked by every warp redundantly (no barrier after)
-#   flags    rescue release: lanes p < W of warp 0 each fence.acq_rel.sys + st.relaxed.sys the
-#            flag of peer p (one MEMBAR per warp, W stores in one instruction) instead of
-#            thread 0's fence + W dependent st.release.sys (each its own MEMBAR.SYS)
-#   peers    rescue push: peer bases loaded once by lane p and shuffled (no dependent
-#            ld peers[p] per peer per thread)
-#   r2batch  round 2: every rescue / LL load of the thread issued before any is decoded
-#   own2     round 2: (segment q, index j) of each pair computed once (registers), not W - 1
-#            shared loads of the segment table in each of the ~8 per-pair loops
+# The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
+# breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
+# the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
+# st.relaxed.sys; round 2's (segment, index) of each pair computed once into registers);
+# fused, eqwarp, peers and r2batch were rejected and removed (their code: commit e8d324e).
 TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
-TUNE = dict.fromkeys(
-    ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence", "rnoflag",
-     "rnowait", "rnor2", "fused", "eqwarp", "flags", "peers", "r2batch", "own2"), 0)
-# On by default since the variant run of 2026-12-01 (H200, W=8 N=512 K=2048, forced rescue:
-# flags -4.4..-5.3 us, own2 -5.7..-7.0 us at R <= 64, no change without a rescue; both exact
-# on the merge GPU test subset); "flags=0" / "own2=0" build the previous code.
-TUNE.update(flags=1, own2=1)
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
                "rnoflag", "rnowait", "rnor2")
+TUNE = dict.fromkeys(TIMING_ONLY, 0)
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
     if _k.strip() not in TUNE:
@@ -509,11 +494,11 @@ class Merge:
     @cute.jit
     def owner_p(self, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
                 round2: cutlass.Constexpr, seg: cute.Tensor, qj: cute.Tensor):
-        """owner() of pair group ip of this lane; ``own2`` in round 2: from qj[ip]
-        (q << 16 | j, computed once by load_r2_fast), not W - 1 shared loads per call."""
+        """owner() of pair group ip of this lane; in round 2: from qj[ip] (q << 16 | j,
+        computed once by load_r2_fast), not W - 1 shared loads per call."""
         q = Int32(0)
         j = Int32(0)
-        if cutlass.const_expr(round2 and TUNE["own2"]):
+        if cutlass.const_expr(round2):
             x = qj[ip]
             q = x >> Int32(16)
             j = x & Int32(0xFFFF)
@@ -625,59 +610,8 @@ class Merge:
     def load_r2_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
                      ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
         """Round-2 words into registers: segment q is rank q's K-list (rescue slot
-        seg[17 + q] >= 0, plain words) or its round-1 LL list (tags already checked)."""
-        if cutlass.const_expr(TUNE["r2batch"]):
-            self.load_r2_batched(words, hb, lane, warp, seg, ll0, ll_stride, resc0, qj)
-        else:
-            self.load_r2_plain(words, hb, lane, warp, seg, ll0, ll_stride, resc0, qj)
-
-    @cute.jit
-    def load_r2_batched(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
-                        ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
-        """load_r2_fast with every word / mask load of the thread issued first (into words
-        and mm), the mask bits decoded after (no wait on a load before the next is issued)."""
-        kp = self.kp2
-        nk = seg[self.world]
-        mm = cute.make_rmem_tensor((kp // 2,), Uint32)
-        for i in cutlass.range_constexpr(kp // 2):
-            v = self.pair_pos(i, kp, lane, warp)
-            words[2 * i] = Uint32(0)
-            words[2 * i + 1] = Uint32(0)
-            mm[i] = Uint32(0)
-            if cutlass.const_expr(TUNE["own2"]):
-                qj[i] = Int32(0)
-            if v < nk:
-                q, j = self.owner(v, True, seg)
-                if cutlass.const_expr(TUNE["own2"]):
-                    qj[i] = (q << Int32(16)) | j
-                s = seg[17 + q]
-                if s >= Int32(0):
-                    base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
-                    d = C.ld_volatile_u64(base + Int64(j) * Int64(4))
-                    words[2 * i] = Uint32(d & Uint64(0xFFFFFFFF))
-                    words[2 * i + 1] = Uint32(d >> Uint64(32))
-                    mm[i] = C.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
-                else:
-                    base = ll0 + Int64(q) * ll_stride
-                    a, c = ld_volatile_v2_u64(self.ll_word_addr(base, j))
-                    words[2 * i] = Uint32(a & Uint64(0xFFFFFFFF))
-                    words[2 * i + 1] = Uint32(c & Uint64(0xFFFFFFFF))
-                    mm[i] = Uint32(C.ld_volatile_u64(self.ll_word_addr(base, Int32(self.n) + (j >> Int32(5))))
-                                   & Uint64(0xFFFFFFFF))  # fmt: skip
-        hbits = Uint32(0)
-        for i in cutlass.range_constexpr(kp // 2):
-            v = self.pair_pos(i, kp, lane, warp)
-            if v < nk:
-                q, j = self.owner_p(i, kp, lane, warp, True, seg, qj)
-                sh = Uint32(j & Int32(31))
-                m = mm[i]
-                hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
-                    ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
-        hb[0] = hbits
-
-    @cute.jit
-    def load_r2_plain(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
-                      ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
+        seg[17 + q] >= 0, plain words) or its round-1 LL list (tags already checked);
+        qj[i] = q << 16 | j of pair group i (for owner_p)."""
         kp = self.kp2
         nk = seg[self.world]
         hbits = Uint32(0)
@@ -686,12 +620,10 @@ class Merge:
             w0 = Uint32(0)
             w1 = Uint32(0)
             m = Uint32(0)
-            if cutlass.const_expr(TUNE["own2"]):
-                qj[i] = Int32(0)
+            qj[i] = Int32(0)
             if v < nk:
                 q, j = self.owner(v, True, seg)
-                if cutlass.const_expr(TUNE["own2"]):
-                    qj[i] = (q << Int32(16)) | j
+                qj[i] = (q << Int32(16)) | j
                 s = seg[17 + q]
                 if s >= Int32(0):
                     base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
@@ -728,7 +660,7 @@ class Merge:
 
     @cute.jit
     def warp_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
-                      sc: cute.Tensor, slot: cutlass.Constexpr, tot_slot: cutlass.Constexpr = -1):
+                      sc: cute.Tensor, slot: cutlass.Constexpr):
         """One warp: bins scanned from the top, the bin holding the need-th element
         (need <= total) -> sc[slot] = bin, sc[slot + 1] = elements above it,
         sc[slot + 2] = its count.  Lane k sums the nb / 32 bins ranked k * per ..
@@ -739,20 +671,6 @@ class Merge:
         for u in cutlass.range_constexpr(per):
             s = s + hist[Int32(nb - 1 - u) - lane * Int32(per)]
         incl = self.warp_incl_scan(s, lane)
-        if cutlass.const_expr(tot_slot >= 0):
-            # sc[tot_slot] = the total; the bin only when need <= total
-            tot = cute.arch.shuffle_sync(incl, 31)
-            if lane == Int32(0):
-                sc[tot_slot] = tot
-            if tot >= need:
-                self.warp_find_bin_rest(hist, nb, need, lane, sc, slot, s, incl)
-        else:
-            self.warp_find_bin_rest(hist, nb, need, lane, sc, slot, s, incl)
-
-    @cute.jit
-    def warp_find_bin_rest(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
-                           sc: cute.Tensor, slot: cutlass.Constexpr, s: Int32, incl: Int32):
-        per = nb // 32
         excl = incl - s
         bal = Uint32(cute.arch.vote_ballot_sync(excl < need and incl >= need))
         c = Int32(cute.arch.popc((bal & (~bal + Uint32(1))) - Uint32(1)))  # lowest set lane
@@ -833,23 +751,9 @@ class Merge:
                 buf[j + Int32(1)] = btv[2 * ip + 1]
 
     @cute.jit
-    def rank_eq(self, eqb: cute.Tensor, m: Int32, need: Int32, tid, lane, sc: cute.Tensor) -> Int32:
-        """The need-th smallest of the m distinct values eqb[0..m) (stored, barrier passed).
-        Block version: thread tid < m ranks eqb[tid], the winner writes sc[6], one barrier.
-        ``eqwarp`` and m <= 32: every warp ranks the m values itself (32 broadcast reads
-        per lane, a ballot, a shuffle), no barrier."""
-        res = Int32(0)
-        if cutlass.const_expr(TUNE["eqwarp"]):
-            if m <= Int32(32):
-                res = self.warp_rank(eqb, m, need, lane)
-            else:
-                res = self.block_rank(eqb, m, need, tid, sc)
-        else:
-            res = self.block_rank(eqb, m, need, tid, sc)
-        return res
-
-    @cute.jit
-    def block_rank(self, eqb: cute.Tensor, m: Int32, need: Int32, tid, sc: cute.Tensor) -> Int32:
+    def rank_eq(self, eqb: cute.Tensor, m: Int32, need: Int32, tid, sc: cute.Tensor) -> Int32:
+        """The need-th smallest of the m distinct values eqb[0..m) (stored, barrier passed):
+        thread tid < m ranks eqb[tid], the winner writes sc[6], one barrier."""
         if tid < m:
             my = eqb[tid]
             r = Int32(0)
@@ -860,20 +764,6 @@ class Merge:
                 sc[6] = my
         cute.arch.sync_threads()
         return sc[6]
-
-    @cute.jit
-    def warp_rank(self, eqb: cute.Tensor, m: Int32, need: Int32, lane) -> Int32:
-        my = Int32(0x7FFFFFFF)
-        if lane < m:
-            my = eqb[lane]
-        r = Int32(0)
-        for k in cutlass.range_constexpr(32):
-            x = eqb[k]
-            if Int32(k) < m and x < my:
-                r = r + Int32(1)
-        bal = Uint32(cute.arch.vote_ballot_sync(lane < m and r == need - Int32(1)))
-        c = Int32(cute.arch.popc((bal & (~bal + Uint32(1))) - Uint32(1)))  # lowest set lane
-        return cute.arch.shuffle_sync(my, c)
 
     @cute.jit
     def tie_break(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr,
@@ -909,7 +799,7 @@ class Merge:
                                 eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
                                 pos = pos + Int32(1)
                 cute.arch.sync_threads()
-                gT = self.rank_eq(eqb, m, need, tid, lane, sc)
+                gT = self.rank_eq(eqb, m, need, tid, sc)
             else:
                 # many keys at the boundary score: the need-th smallest g among them by
                 # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
@@ -966,74 +856,6 @@ class Merge:
         T = Uint64(0)
         if cutlass.const_expr(TUNE["nosel"]):
             T = Uint64(0)  # timing only: the selection is the first K positions (below)
-        elif cutlass.const_expr(TUNE["fused"]):
-            # ---- fused: one histogram of s >> 6 (no stats pass; the total from the scan)
-            for i in cutlass.range_constexpr(kp):
-                sv = Int32(words[i] >> Uint32(16))
-                if sv != Int32(0):
-                    cute.arch.atomic_add(fh.iterator + (sv >> Int32(6)), Int32(1), sem="relaxed", scope="cta")
-            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-                fg[tid + Int32(u * C.TB)] = Int32(0)
-            if tid < Int32(SCORE_BINS2):
-                fh2[tid] = Int32(0)
-                fg2[tid] = Int32(0)
-                fg3[tid] = Int32(0)
-            cute.arch.sync_threads()
-            if warp == Int32(0):
-                self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0, 10)
-            cute.arch.sync_threads()
-            total = sc[10]
-            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):  # fh is zero again for the next round
-                fh[tid + Int32(u * C.TB)] = Int32(0)
-            if total >= Int32(K):
-                b = sc[0]
-                above = sc[1]
-                mb = sc[2]
-                need = Int32(K) - above
-                if mb <= Int32(EQ_MAX):
-                    # every key of bin b as (63 - (s & 63)) << G | g (smaller = earlier in the
-                    # selection); the need-th smallest is the K-th key of the union
-                    c = Int32(0)
-                    for i in cutlass.range_constexpr(kp):
-                        sv = Int32(words[i] >> Uint32(16))
-                        if sv != Int32(0) and (sv >> Int32(6)) == b:
-                            c = c + Int32(1)
-                    if c != Int32(0):
-                        pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
-                                                   scope="cta")  # fmt: skip
-                        for ip in cutlass.range_constexpr(kp // 2):
-                            q = Int32(0)
-                            j = Int32(0)
-                            s0 = Int32(words[2 * ip] >> Uint32(16))
-                            s1 = Int32(words[2 * ip + 1] >> Uint32(16))
-                            if (s0 != Int32(0) and (s0 >> Int32(6)) == b) or (s1 != Int32(0) and (s1 >> Int32(6)) == b):
-                                q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                            for h in cutlass.range_constexpr(2):
-                                sv = Int32(words[2 * ip + h] >> Uint32(16))
-                                if sv != Int32(0) and (sv >> Int32(6)) == b:
-                                    eqb[pos] = ((Int32(63) - (sv & Int32(63))) << Int32(G)) | self.gid(
-                                        words[2 * ip + h], hbits, 2 * ip + h, q)
-                                    pos = pos + Int32(1)
-                    cute.arch.sync_threads()
-                    cT = self.rank_eq(eqb, mb, need, tid, lane, sc)
-                    vth = (b << Int32(6)) | (Int32(63) - (cT >> Int32(G)))
-                    gT = cT & gmax
-                else:
-                    for i in cutlass.range_constexpr(kp):
-                        sv = Int32(words[i] >> Uint32(16))
-                        if sv != Int32(0) and (sv >> Int32(6)) == b:
-                            cute.arch.atomic_add(fh2.iterator + (sv & Int32(63)), Int32(1), sem="relaxed",
-                                                 scope="cta")  # fmt: skip
-                    cute.arch.sync_threads()
-                    if warp == Int32(0):
-                        self.warp_find_bin(fh2, SCORE_BINS2, need, lane, sc, 3)
-                    cute.arch.sync_threads()
-                    vth = (b << Int32(6)) + sc[3]
-                    above = above + sc[4]
-                    m = sc[5]
-                    gT = self.tie_break(words, hbits, kp, round2, vth, m, Int32(K) - above, slot, sm, tid,
-                                        lane, warp, qj)  # fmt: skip
-                T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
         else:
             # ---- stats: count, max and min score over the nonzero words
             cnt = Int32(0)
@@ -1244,9 +1066,6 @@ class Merge:
             sm_st[tid] = Int32(0)
             if (tid & Int32(3)) == Int32(2):
                 sm_st[tid] = Int32(0xFFFF)
-        if cutlass.const_expr(TUNE["fused"]):  # fused: each round clears fh for the next
-            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-                sm.fh[tid + Int32(u * C.TB)] = Int32(0)
         cute.arch.sync_threads()
         rowi = Int32(0)
         last_f = Int32(0)
@@ -1466,16 +1285,6 @@ class Merge:
             off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
             if cutlass.const_expr(TUNE["rnopush"]):
                 pass  # timing only: the K-list is not stored
-            elif cutlass.const_expr(TUNE["peers"]):
-                # lane p holds rank p's base (W <= 16 <= 32); shuffled per peer
-                pb = Int64(0)
-                if lane < Int32(W):
-                    pb = C.ld_u64(peers + Int64(lane) * Int64(8))
-                for p in cutlass.range(W, unroll=1):
-                    dst = cute.arch.shuffle_sync(pb, p) + off
-                    for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                        C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
-                                sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
             else:
                 for p in cutlass.range(W, unroll=1):
                     dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
@@ -1486,7 +1295,7 @@ class Merge:
             foff = flags_off + C.flag_offset(rank, t, max_rows)
             if cutlass.const_expr(TUNE["rnoflag"]):
                 pass  # timing only: no fence, no flags (and no wait below)
-            elif cutlass.const_expr(TUNE["flags"]):
+            else:
                 # lane p of warp 0: fence.acq_rel.sys then a strong (relaxed.sys) store of
                 # rank p's flag = a release pattern (PTX memory model); bar.sync above
                 # orders the CTA's stores before each lane's fence (cumulativity).  One
@@ -1496,13 +1305,6 @@ class Merge:
                     if cutlass.const_expr(not TUNE["rnofence"]):
                         C.fence_sys()
                     st_relaxed_sys(pa + foff, flag_val)
-            else:
-                if tid == Int32(0):
-                    # bar.sync orders the CTA's stores before this fence (cumulativity)
-                    if cutlass.const_expr(not TUNE["rnofence"]):
-                        C.fence_sys()
-                    for p in cutlass.range(W, unroll=1):
-                        C.st_release_sys(C.ld_u64(peers + Int64(p) * Int64(8)) + foff, flag_val)
         # Every rank: acquire the saturated ranks' flags (one lane per rank).
         if cutlass.const_expr(not (TUNE["rnoflag"] or TUNE["rnowait"])):
             if tid < Int32(W):
@@ -1527,7 +1329,7 @@ class Merge:
         if cutlass.const_expr(TUNE["rnor2"]):
             pass  # timing only: no round 2 (the outputs stay round 1's)
         elif cutlass.const_expr(self.fast2):
-            qj = cute.make_rmem_tensor((self.kp2 // 2 if TUNE["own2"] else 1,), Int32)
+            qj = cute.make_rmem_tensor((self.kp2 // 2,), Int32)
             self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0, qj)
             self.fast_round(words, hb, True, slot2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
                             status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,

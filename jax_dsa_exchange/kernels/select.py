@@ -56,19 +56,18 @@ NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
 U1 = 4  # 16-byte loads in flight per thread in passes 1 and 2
 VPT = 2  # consecutive 8-token vectors per thread per compaction chunk
-# Benchmark variants of the static knobs ("u1=8,vpt=4", "early=1", "relax=1,wt2=1",
+# Benchmark variants of the static knobs ("u1=8,vpt=4", "early=1", "relax=1", "cache=32768",
 # "skip=pass2+push"; cache.source_hash() mixes this string into the cubins' tag, so variants
 # never mix): see benchmarks/bench_kernels.py and benchmarks/bench_select_variants.py.
+# The exact candidates wt2 (block scans without their trailing barrier), w0 (the boundary
+# step by warp 0 alone) and cmax=16 (clusters of 16 CTAs, non-portable) were measured on
+# 2026-12-01 (kernels/NOTES.md), rejected and removed (their code: commit e8d324e).
 TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"
 EARLY_TRIGGER = 1  # select_push: griddepcontrol.launch_dependents at the start (1) or the end (0)
-# Exact speed-up candidates (default off until measured):
+# Exact speed-up candidate (default off; a small measured gain, see kernels/NOTES.md):
 RELAX = 0  # 1: cluster barriers 1 and 2 (and 3 when C == 1) release only this CTA's shared
 #            memory (fence.release.sync_restrict::shared::cta.cluster -> MEMBAR.ALL.CTA, then
 #            barrier.cluster.arrive.relaxed) instead of arrive.release (MEMBAR.ALL.GPU)
-W0 = 0  # 1: the boundary step (v, need_eq, counts before this slice) by warp 0 alone: one
-#          block barrier instead of three, no shared reds (boundary_warp)
-WT2 = 0  # 1: block scans without their trailing barrier (pair scan: wt is next written after
-#          later barriers; compaction scans: warp totals double-buffered in wt)
 # TIMING ONLY (the outputs are then WRONG; tests refuse these builds): leave one stage out
 # ("skip=a+b"), for a breakdown of the fixed and per-token cost.
 SKIPPABLE = {
@@ -84,8 +83,7 @@ SKIP = frozenset()
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
 CACHE_MAX = layout.PRODUCER_CACHE_MAX
-# CTAs per cluster the kernel can sum over; "cmax=16": clusters of 16 (non-portable: the
-# launch needs CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED; the policy stays <= 8)
+# CTAs per cluster the kernel can sum over (the portable limit)
 CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = (x.strip() for x in _kv.split("="))
@@ -96,11 +94,10 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                              f"known: {sorted(SKIPPABLE)}")
         continue
     globals()[{"u1": "U1", "vpt": "VPT", "early": "EARLY_TRIGGER", "relax": "RELAX",
-               "wt2": "WT2", "w0": "W0", "cache": "CACHE_MAX",
-               "cmax": "CLUSTER_MAX"}[_k]] = int(_v)  # fmt: skip
+               "cache": "CACHE_MAX"}[_k]] = int(_v)  # fmt: skip
 EXACT = not SKIP  # False: a timing-only build (wrong outputs)
 assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
-assert CLUSTER_MAX in (layout.PRODUCER_CLUSTER_MAX, 16) and CLUSTER_MAX <= NWARPS, CLUSTER_MAX
+assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary step: warp r sums CTA r
 
 assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
 
@@ -346,34 +343,8 @@ def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
             bb = bb + v
         ta = ta + u
         tb = tb + v
-    if cutlass.const_expr(not WT2):
-        cute.arch.sync_threads()  # with WT2: wt is next written after later barriers
-    return x + ba, y + bb, ta, tb
-
-
-@cute.jit
-def block_scan_db(val: Int32, lane, warp, wt: cute.Tensor, off: Int32):
-    """C.block_scan without its trailing barrier (select.WT2): the warp totals go to
-    wt[off : off + NWARPS]; the caller alternates off between 0 and NWARPS, so a scan
-    never overwrites totals that a slower thread may still read (the next scan into the
-    same half comes after the other half's barrier, which every thread reaches only once
-    it has read this half)."""
-    x = val
-    for d in cutlass.range_constexpr(5):
-        y = cute.arch.shuffle_sync_up(x, 1 << d)
-        if lane >= Int32(1 << d):
-            x = x + y
-    if lane == Int32(31):
-        wt[off + warp] = x
     cute.arch.sync_threads()
-    before = Int32(0)
-    total = Int32(0)
-    for w in cutlass.range_constexpr(NWARPS):
-        t = wt[off + Int32(w)]
-        if Int32(w) < warp:
-            before = before + t
-        total = total + t
-    return x + before, total
+    return x + ba, y + bb, ta, tb
 
 
 @cute.jit
@@ -400,79 +371,6 @@ def csync_end(clustered: cutlass.Constexpr, csize: Int32):
             cluster_sync()
     else:
         csync(clustered, False)
-
-
-@cute.jit
-def boundary_warp(h2_a: Int32, pub_a: Int32, hist2: cute.Tensor, pub: cute.Tensor, scal: cute.Tensor,
-                  n: cutlass.Constexpr, lane, csize: Int32, me: Int32, clustered: cutlass.Constexpr):
-    """select.W0: step 4 of select_row by warp 0 alone, so the CTA passes one barrier
-    (after it) instead of three.  Lane k holds bin NB2-1-k of every CTA's second
-    histogram (all C remote loads in flight) and lane r CTA r's count above b1; a warp
-    scan + ballot finds lowv; warp sums give the counts > v / == v before this slice and
-    in it.  Writes scal[_LOWV, _ABOVE2, _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN]
-    (zeroed at the start; the same values as the three-barrier path)."""
-    jb = Int32(NB2 - 1) - lane
-    nr = CLUSTER_MAX if clustered else 1
-    xr = cute.make_rmem_tensor((CLUSTER_MAX,), Int32)
-    ab = Int32(0)
-    for q in cutlass.range_constexpr(CLUSTER_MAX):
-        xr[q] = Int32(0)
-    if cutlass.const_expr(clustered and "dsmem" not in SKIP):
-        for q in cutlass.range_constexpr(CLUSTER_MAX):
-            if Int32(q) < csize:
-                xr[q] = ld_dsmem_u32(mapa(h2_a + jb * Int32(4), Int32(q)))
-        if lane < csize:
-            ab = ld_dsmem_u32(mapa(pub_a, lane))
-    else:
-        for q in cutlass.range_constexpr(nr):
-            if Int32(q) < csize:
-                xr[q] = hist2[jb]
-        if lane < csize:
-            ab = pub[0]
-    c = Int32(0)
-    for q in cutlass.range_constexpr(nr):
-        c = c + xr[q]
-    inc = c
-    for d in cutlass.range_constexpr(5):
-        y = cute.arch.shuffle_sync_up(inc, 1 << d)
-        if lane >= Int32(1 << d):
-            inc = inc + y
-    need2 = Int32(n) - scal[_ABOVE1]
-    bal = Uint32(cute.arch.vote_ballot_sync(c > Int32(0) and inc >= need2 and inc - c < need2))
-    f = Int32(cute.arch.popc((bal & (~bal + Uint32(1))) - Uint32(1)))  # the boundary lane
-    above2 = cute.arch.shuffle_sync(inc - c, f)
-    gtb = Int32(0)
-    eqb = Int32(0)
-    gto = Int32(0)
-    eqo = Int32(0)
-    for q in cutlass.range_constexpr(nr):
-        g = Int32(0)
-        e = Int32(0)
-        if lane < f:
-            g = xr[q]
-        if lane == f:
-            e = xr[q]
-        if Int32(q) < me:
-            gtb = gtb + g
-            eqb = eqb + e
-        if Int32(q) == me:
-            gto = gto + g
-            eqo = eqo + e
-    if lane < me:
-        gtb = gtb + ab
-    if lane == me:
-        gto = gto + ab
-    gtb = cute.arch.warp_redux_sync(gtb, "add")
-    eqb = cute.arch.warp_redux_sync(eqb, "add")
-    gto = cute.arch.warp_redux_sync(gto, "add")
-    eqo = cute.arch.warp_redux_sync(eqo, "add")
-    if lane == Int32(0):
-        scal[_LOWV] = Int32(NB2 - 1) - f
-        scal[_ABOVE2] = above2
-        scal[_GT_BEFORE] = gtb
-        scal[_EQ_BEFORE] = eqb
-        scal[_GT_OWN] = gto
-        scal[_EQ_OWN] = eqo
 
 
 # scal slots
@@ -606,57 +504,53 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     r = tid >> Int32(5)
     j = tid & Int32(31)
     if total > Int32(n):
-        if cutlass.const_expr(W0):
-            if warp == Int32(0):
-                boundary_warp(h2_a, pub_a, hist2, pub, scal, n, lane, csize, me, clustered)
-        else:
-            x = Int32(0)
-            above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
-            if r < csize:
-                if cutlass.const_expr(clustered and "dsmem" not in SKIP):
-                    x = ld_dsmem_u32(mapa(h2_a + j * Int32(4), r))
-                    if j == Int32(0):
-                        above = ld_dsmem_u32(mapa(pub_a, r))
-                else:
-                    x = hist2[j]
-                    above = pub[0]
-                if x != Int32(0):
-                    red_smem_add(g2_a + j * Int32(4), x)
-            cute.arch.sync_threads()
-            need2 = Int32(n) - scal[_ABOVE1]
-            if warp == Int32(0):
-                c = gsum2[Int32(NB2 - 1) - lane]
-                inc = c
-                for d in cutlass.range_constexpr(5):
-                    y = cute.arch.shuffle_sync_up(inc, 1 << d)
-                    if lane >= Int32(1 << d):
-                        inc = inc + y
-                if c > Int32(0) and inc >= need2 and inc - c < need2:
-                    scal[_LOWV] = Int32(NB2 - 1) - lane
-                    scal[_ABOVE2] = inc - c
-            cute.arch.sync_threads()
-            lowv = scal[_LOWV]
-            v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
-            need_eq = Int32(n) - scal[_ABOVE1] - scal[_ABOVE2]
-            if r < csize:
-                gt = Int32(0)
-                eq = Int32(0)
-                if j > lowv:
-                    gt = x
-                if j == lowv:
-                    eq = x
+        x = Int32(0)
+        above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
+        if r < csize:
+            if cutlass.const_expr(clustered and "dsmem" not in SKIP):
+                x = ld_dsmem_u32(mapa(h2_a + j * Int32(4), r))
                 if j == Int32(0):
-                    gt = gt + above
-                if r < me:
-                    if gt != Int32(0):
-                        red_smem_add(scal_a + Int32(_GT_BEFORE * 4), gt)
-                    if eq != Int32(0):
-                        red_smem_add(scal_a + Int32(_EQ_BEFORE * 4), eq)
-                if r == me:
-                    if gt != Int32(0):
-                        red_smem_add(scal_a + Int32(_GT_OWN * 4), gt)
-                    if eq != Int32(0):
-                        red_smem_add(scal_a + Int32(_EQ_OWN * 4), eq)
+                    above = ld_dsmem_u32(mapa(pub_a, r))
+            else:
+                x = hist2[j]
+                above = pub[0]
+            if x != Int32(0):
+                red_smem_add(g2_a + j * Int32(4), x)
+        cute.arch.sync_threads()
+        need2 = Int32(n) - scal[_ABOVE1]
+        if warp == Int32(0):
+            c = gsum2[Int32(NB2 - 1) - lane]
+            inc = c
+            for d in cutlass.range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(inc, 1 << d)
+                if lane >= Int32(1 << d):
+                    inc = inc + y
+            if c > Int32(0) and inc >= need2 and inc - c < need2:
+                scal[_LOWV] = Int32(NB2 - 1) - lane
+                scal[_ABOVE2] = inc - c
+        cute.arch.sync_threads()
+        lowv = scal[_LOWV]
+        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
+        need_eq = Int32(n) - scal[_ABOVE1] - scal[_ABOVE2]
+        if r < csize:
+            gt = Int32(0)
+            eq = Int32(0)
+            if j > lowv:
+                gt = x
+            if j == lowv:
+                eq = x
+            if j == Int32(0):
+                gt = gt + above
+            if r < me:
+                if gt != Int32(0):
+                    red_smem_add(scal_a + Int32(_GT_BEFORE * 4), gt)
+                if eq != Int32(0):
+                    red_smem_add(scal_a + Int32(_EQ_BEFORE * 4), eq)
+            if r == me:
+                if gt != Int32(0):
+                    red_smem_add(scal_a + Int32(_GT_OWN * 4), gt)
+                if eq != Int32(0):
+                    red_smem_add(scal_a + Int32(_EQ_OWN * 4), eq)
     else:
         # every valid token is kept (v = 0: every ord16 of a valid token is > 0)
         if tid < csize and tid < me:
@@ -670,10 +564,6 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         if tid == Int32(0):
             scal[_GT_OWN] = pub[1]
     cute.arch.sync_threads()
-    if cutlass.const_expr(W0):
-        if total > Int32(n):
-            v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(scal[_LOWV])
-            need_eq = Int32(n) - scal[_ABOVE1] - scal[_ABOVE2]
     # ---- compaction in index order straight into CTA 0's row
     gt_run = scal[_GT_BEFORE]
     eq_run = scal[_EQ_BEFORE]
@@ -686,7 +576,6 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     base = Int32(0)
     if cutlass.const_expr("compact" in SKIP):
         base = nvec
-    wt_off = Int32(0)  # WT2: which half of wt this chunk's scan uses
     while base < nvec and (gt_run < gt_end or eq_run < eq_end):
         v0 = base + tid * Int32(VPT)
         get_vecs(row_addr, s0, v0, nvec, s_len, aligned, cache_a, xc, keep, VPT, 1)
@@ -697,13 +586,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 cnt = cnt + Int32(1 << 16)
             if o == v and v != Uint32(0):
                 cnt = cnt + Int32(1)
-        incl = Int32(0)
-        tot = Int32(0)
-        if cutlass.const_expr(WT2):
-            incl, tot = block_scan_db(cnt, lane, warp, wt, wt_off)
-            wt_off = Int32(NWARPS) - wt_off
-        else:
-            incl, tot = C.block_scan(cnt, lane, warp, wt)
+        incl, tot = C.block_scan(cnt, lane, warp, wt)
         excl = incl - cnt
         gt_b = gt_run + (excl >> Int32(16))
         eq_b = eq_run + (excl & Int32(0xFFFF))

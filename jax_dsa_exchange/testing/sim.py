@@ -77,20 +77,6 @@ def launch_cluster(fn, grid, block, smem, stream, params, values, cluster):
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid}, cluster {cluster})")
 
 
-def allow_nonportable_cluster(fn) -> None:
-    """Let CuPy function ``fn`` launch with clusters of more than 8 CTAs (up to 16 on
-    H100/H200): CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 1 (select.py's
-    ``cmax=16`` variant)."""
-    global _LIBCUDA
-    if _LIBCUDA is None:
-        _LIBCUDA = ctypes.CDLL("libcuda.so.1")
-        _LIBCUDA.cuLaunchKernelEx.restype = ctypes.c_int
-    handle = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr
-    rc = _LIBCUDA.cuFuncSetAttribute(ctypes.c_void_p(int(handle)), ctypes.c_int(14), ctypes.c_int(1))
-    if rc != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED) failed: CUresult {rc}")
-
-
 def _load_function(img, tmpdir):
     """cubin first; if the driver refuses it (newer toolkit), the PTX (JIT)."""
     import cupy as cp

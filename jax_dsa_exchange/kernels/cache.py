@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import pathlib
+import tempfile
 import time
 
 from .. import layout
@@ -147,7 +148,10 @@ def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: in
     if key not in _COMPILED:
         obj = _kernel_object(kernel, world, topk, local_topk)
         t0 = time.perf_counter()
-        compiled = obj.compile(arch)
+        # a private dump directory (common.compile_options): the DSL writes the PTX and
+        # cubin there and reads them back before compile() returns
+        with tempfile.TemporaryDirectory(prefix="dsa_cute_") as dump_dir:
+            compiled = obj.compile(arch, dump_dir)
         _COMPILED[key] = (obj, compiled, time.perf_counter() - t0)
     return _COMPILED[key]
 

@@ -98,6 +98,14 @@ def _asm(res, args, text, cons, loc=None, ip=None):
     )  # fmt: skip
 
 
+
+def compile_options(arch: str, dump_dir: str) -> str:
+    """cute.compile options: the PTX and cubin are kept (the cache stores them) in
+    ``dump_dir``, where the DSL writes them under the kernel's name and reads them back:
+    one directory per compile, or builds running side by side can read each other's."""
+    return f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump_dir}"
+
+
 @dsl_user_op
 def ld_u32(addr: Int64, *, loc=None, ip=None) -> Int32:
     """Plain 32-bit load (inputs written by earlier kernels)."""

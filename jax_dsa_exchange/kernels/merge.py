@@ -1352,6 +1352,5 @@ class Merge:
                     rescue_off, flags_off, timeout_us, host_status).launch(
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)  # fmt: skip
 
-    def compile(self, arch: str = "sm_90a"):
-        return cute.compile(self.entry, *ABI.dummies(Int64, Int32),
-                            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin")  # fmt: skip
+    def compile(self, arch: str = "sm_90a", dump_dir: str = "."):
+        return cute.compile(self.entry, *ABI.dummies(Int64, Int32), options=C.compile_options(arch, dump_dir))

@@ -120,6 +120,5 @@ class SelectPush:
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem
         )
 
-    def compile(self, arch: str = "sm_90a"):
-        return cute.compile(self.entry, *ABI.dummies(Int64, Int32),
-                            options=f"--gpu-arch {arch} --keep-ptx --keep-cubin")  # fmt: skip
+    def compile(self, arch: str = "sm_90a", dump_dir: str = "."):
+        return cute.compile(self.entry, *ABI.dummies(Int64, Int32), options=C.compile_options(arch, dump_dir))

@@ -40,7 +40,7 @@ PROBES = [(8192, 0, 1), (8192, 0, 8), (8192, 8192, 1), (8192, 8192, 8), (131072,
           (131072, 131072, 8)]  # (L, row end, C)  # fmt: skip
 ROWS = [(1, 8192, None), (1, 131072, None), (64, 131072, None), (64, 131072, 4),
         (256, 131072, None)]  # (R, L, C): None = the launcher's C
-DEFAULT_VARIANTS = ["default=", "relax=relax=1", "cache32k=cache=32768", "cache64k=cache=65536",
+DEFAULT_VARIANTS = ["default=", "relax=relax=1", "cache32k=cache=32768",
                     "skip-hist1=skip=hist1", "skip-pass2=skip=pass2", "skip-dsmem=skip=dsmem",
                     "skip-compact=skip=compact", "skip-push=skip=push",
                     "bare=skip=hist1+pass2+dsmem+compact+push", "floor=skip=select+push"]  # fmt: skip

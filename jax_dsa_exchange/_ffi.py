@@ -308,7 +308,7 @@ def layout_constants() -> dict:
 
 
 _SPLIT_KEYS = ("slice_max", "cluster_max", "min_slice", "fill_ctas")
-_CACHE_KEYS = ("cache_max", "cache_wide")  # (0: no slice cache beyond slice_max)
+_CACHE_KEYS = ("cache_max", "cache_wide")  # (cache_max 0: the launcher passes cache_tokens 0, smem as built)
 
 
 def set_kernel_split(key: str, device: int, split: dict) -> None:

@@ -46,9 +46,10 @@ DEFAULT_TIMEOUT_US = 5_000_000  # a kernel wait gives up after 5 s (docs/DESIGN.
 _ids = itertools.count(1)
 _ids_lock = threading.Lock()
 _live: "weakref.WeakSet[Exchange]" = weakref.WeakSet()
-# State words and pinned status copies of closed exchanges, kept for the process's life:
-# a CUDA-graph replay of a program that called one still runs its kernels (they see
-# STATUS_CLOSED, do nothing but report it into the pinned words).
+# What a CUDA-graph replay of a program that called a closed exchange still touches, kept
+# for the process's life: its kernels load the peer table (select_push, before it reads
+# the status) and the state words, see STATUS_CLOSED, do nothing but report it into the
+# pinned status words.
 _retired_states: list = []
 
 
@@ -252,6 +253,9 @@ class Exchange:
         from . import _ffi
         from .kernels import cache
 
+        if not cache.tune_exact():
+            raise RuntimeError("JAX_DSA_EXCHANGE_SELECT_TUNE / JAX_DSA_EXCHANGE_MERGE_TUNE select a timing-only "
+                               "kernel build (wrong outputs, for benchmarks only): unset them to use an Exchange")
         images = cache.load_kernels(self.arch, self.world, self.topk, self.local_topk)
         keys = {}
         for name, img in images.items():
@@ -263,8 +267,10 @@ class Exchange:
                 if self._ranks_on_gpu > 1:
                     # Ranks sharing a GPU (MPS): a rank's producer must find room beside
                     # the other ranks' spinning merges, and a cluster needs several free
-                    # SMs of one GPC at once: one CTA per row, which any free SM takes.
+                    # SMs of one GPC at once: one CTA per row, which any free SM takes;
+                    # and no slice cache beyond what keeps two producer CTAs per SM.
                     split["cluster_max"] = 1
+                    split["cache_max"] = min(split.get("cache_max", 0), split.get("cache_wide", 0)) or 0
                 # (register_exchange copies the kernel with the split set now)
                 _ffi.set_kernel_split(keys[name], self.ordinal, split)
         _ffi.register_exchange(
@@ -299,13 +305,16 @@ class Exchange:
                                                layout.STATUS_EPOCH, layout.STATUS_RANK)))
 
     def poll(self) -> None:
-        """Raise if an earlier call of this exchange failed or it is closed, from the pinned
-        host copy of the status words (no synchronization: the copy lags the device by the
-        calls still in flight).  ``op.jit`` runs this before every dispatch of a program
-        that calls the exchange, so a failure raises on the next step also when XLA replays
-        the calls from a CUDA graph without calling the launcher's handlers."""
-        if self.closed:
-            raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed; recreate it")
+        """Raise if an earlier call of this exchange failed (every time, until it is
+        closed), from the pinned host copy of the status words (no synchronization: the
+        copy lags the device by the calls still in flight).  ``op.jit`` runs this before
+        every dispatch of a program that calls the exchange, so a failure raises on the
+        next step also when XLA replays the calls from a CUDA graph without calling the
+        launcher's handlers.  After ``close()`` it says nothing: a new trace refuses the
+        exchange, and a replay's kernels see it closed and do no work (empty outputs), so
+        a step that also calls a recreated exchange is not blocked by the old one."""
+        if getattr(self, "_freed", False):
+            return
         v = self._host_view
         if v[layout.STATUS_CODE] != layout.STATUS_OK:
             self._raise_for(*(int(v[i]) for i in (layout.STATUS_CODE, layout.STATUS_ROW,
@@ -315,7 +324,7 @@ class Exchange:
         if code == layout.STATUS_OK:
             return
         if code == layout.STATUS_CLOSED:
-            raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed; recreate it")
+            raise RuntimeError(f"exchange {self.id} rank {self.rank} is closed; recreate it")  # (check())
         what = {layout.STATUS_TIMEOUT_ROUND1: "its candidates",
                 layout.STATUS_TIMEOUT_RESCUE: "its rescue list"}.get(code, f"status {code}")
         self.closed = True  # refuse further calls: the ranks' epochs no longer agree
@@ -342,18 +351,20 @@ class Exchange:
                 pass
             self._registered = False
         cp = _cupy()
+        # XLA may replay CUDA graphs that recorded this exchange's addresses without calling
+        # our handler: the kernels read the peer table and the status word, see it closed
+        # and do nothing; so those small allocations (and the pinned status words) outlive
+        # close(), kept first, whatever fails below.
+        state = self._state
+        _retired_states.append((state, self._peers_table, self._host_status))
+        self._state = self._peers_table = None
         with cp.cuda.Device(self.ordinal):
             try:
                 cp.cuda.runtime.deviceSynchronize()  # no kernel of ours still writes to a peer
-                # XLA may replay CUDA graphs that recorded this exchange's addresses without
-                # calling our handler: the kernels check this status word first and then
-                # do nothing, so the (small) state allocation outlives close().
                 closed = np.array([layout.STATUS_CLOSED], np.int32)
-                cp.cuda.runtime.memcpy(self._state.ptr + 4 * (self.state_layout.status_off + layout.STATUS_CODE),
+                cp.cuda.runtime.memcpy(state.ptr + 4 * (self.state_layout.status_off + layout.STATUS_CODE),
                                        closed.ctypes.data, 4, cp.cuda.runtime.memcpyHostToDevice)
                 cp.cuda.runtime.deviceSynchronize()
-                _retired_states.append((self._state, self._host_status))
-                self._state = None
             except Exception:
                 pass
             for ptr in self._ipc_opened:

@@ -60,8 +60,8 @@ STATE_EPOCH_ROWS, STATE_SEQ_ROWS, STATE_STATUS_ROWS = 0, 1, 2
 
 # How the producer splits a row over a thread-block cluster (kernels/select.py):
 # CTA c of a cluster of C takes the c-th of C equal slices of the row (multiples of 8
-# tokens); a slice of at most PRODUCER_SLICE_MAX tokens stays in shared memory after
-# its one read, a longer one is re-read in each pass.  C is chosen per call by
+# tokens); a slice stays in shared memory after its one read when it has at most
+# producer_cache_tokens() tokens (16K to 64K), a longer one is re-read in each pass.  C is chosen per call by
 # producer_cluster(); the C++ launcher computes the same from the kernel metadata
 # ("split"), and a CI test compares the two.  Measured on an H200 (NOTES.md): the
 # fixed cost of a CTA dominates below a few thousand tokens, and one CTA per SM

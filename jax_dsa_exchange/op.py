@@ -72,10 +72,11 @@ Exchange records live in the C++ library keyed by (exchange id, device
 ordinal); the compiled program holds only the exchange id.  XLA records the
 custom calls into CUDA graphs by default and replays them without calling the
 handler, with the exchange's device addresses baked in.  ``Exchange.close()``
-therefore keeps the exchange's small state allocation and sets its status word
-to closed; both kernels read that word first and then do nothing (no peer
-store, no wait; the merge returns empty outputs), so a replay after close
-touches no freed memory (see ffi/README.md and layout.py).
+therefore keeps what a replay touches (the state words, the peer table, the pinned
+status words) for the process's life and sets the status word to closed; both
+kernels read it (select_push after loading the peer table) and then do no exchange
+work (no peer store, no wait; the merge returns empty outputs), so a replay after
+close touches no freed memory (see ffi/README.md and layout.py).
 """
 
 from __future__ import annotations
@@ -139,9 +140,10 @@ def jit(fun=None, **kwargs):
     (``Exchange.poll``: the pinned host copy of the status words, no synchronization), so
     a peer's failure raises on the next step even when XLA replays the calls from a CUDA
     graph without calling the launcher (the default graph mode, ``_ffi.cuda_graph_mode``).
-    Which exchanges: those whose calls were traced through this object (a second ``jit`` of
-    the same function that JAX serves from its trace cache learns none: keep one per step
-    function).  Everything else (``lower``, ``trace``, ``eval_shape``, ...) is the
+    Which exchanges: those whose calls were traced through this object, by a call or its
+    ``lower`` / ``trace`` / ``eval_shape`` (not learned: a second ``jit`` of the same
+    function, or an inner ``jax.jit`` traced before on its own, that JAX serves from its
+    trace cache: keep one ``op.jit`` per step function).  Everything else is the
     ``jax.jit`` object's; a ``lower(...).compile()``d executable does not poll."""
     if fun is None:
         return functools.partial(jit, **kwargs)
@@ -150,8 +152,10 @@ def jit(fun=None, **kwargs):
 
 
 # The exchanges a traced op.jit function calls: topk_exchange_merge adds its exchange to
-# the sets of every op.jit call being traced (an inner op.jit is compiled into the outer
-# program, so the outer one polls its exchanges too).
+# the sets of every op.jit call (or lower / trace / eval_shape) being traced, outer ones
+# too (where no compiler option is needed, op.jit may nest).  A nested jax.jit whose trace
+# JAX serves from its cache does not call topk_exchange_merge again: its exchanges are
+# polled only if they were traced through this op.jit once (jit docstring).
 _polled_exchanges: contextvars.ContextVar = contextvars.ContextVar("dsa_polled_exchanges", default=())
 
 
@@ -177,14 +181,20 @@ class _PollingJit:
     def __call__(self, *args, **kwargs):
         for ex in list(self._exchanges):
             ex.poll()
+        return self._collecting(self._jitted, *args, **kwargs)
+
+    def _collecting(self, fn, *args, **kwargs):
         token = _polled_exchanges.set(_polled_exchanges.get() + (self._exchanges,))
         try:
-            return self._jitted(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             _polled_exchanges.reset(token)
 
     def __getattr__(self, name):
-        return getattr(self._jitted, name)
+        attr = getattr(self._jitted, name)
+        if name in ("lower", "trace", "eval_shape"):  # they trace too (and JAX reuses it)
+            return functools.partial(self._collecting, attr)
+        return attr
 
     def __get__(self, obj, objtype=None):  # as a method decorator, like jax.jit
         return self if obj is None else functools.partial(self, obj)

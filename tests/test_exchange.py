@@ -25,3 +25,43 @@ def test_bad_arguments_fail_before_any_gpu_work(kw, match):
 def test_create_local_needs_distinct_gpus():
     with pytest.raises(ValueError, match="distinct GPUs"):
         Exchange.create_local([0, 0], topk=2048, local_topk=512, max_rows=8)
+
+
+def _polled_exchange(words, *, freed=False):
+    """An Exchange without GPU memory: only what poll() reads (its pinned status copy)."""
+    import numpy as np
+
+    ex = object.__new__(Exchange)
+    ex.id, ex.rank, ex.timeout_us, ex.closed = 5, 1, 500000, False
+    ex._host_view = np.array(words, np.int32)
+    if freed:
+        ex._freed = True
+    return ex
+
+
+def test_poll_raises_on_every_call_after_a_failure_until_close():
+    from jax_dsa_exchange import layout
+
+    _polled_exchange([layout.STATUS_OK, 0, 0, 0]).poll()  # healthy: nothing
+    ex = _polled_exchange([layout.STATUS_TIMEOUT_ROUND1, 6, 3, 2])
+    for _ in range(2):  # sticky: every later step raises too
+        with pytest.raises(RuntimeError, match=r"rank 2 did not deliver its candidates for row 6 at epoch 3 "
+                                               r"within 500000 us; recreate the exchange"):
+            ex.poll()
+    assert ex.closed  # further traces refuse it (op._validate)
+    with pytest.raises(RuntimeError, match="did not deliver its rescue list"):
+        _polled_exchange([layout.STATUS_TIMEOUT_RESCUE, 0, 1, 0]).poll()
+    with pytest.raises(RuntimeError, match="is closed"):
+        _polled_exchange([layout.STATUS_CLOSED, 0, 0, 0]).poll()
+    # after close(): silent (a replay's kernels do no work; a recreated exchange is not blocked)
+    _polled_exchange([layout.STATUS_TIMEOUT_ROUND1, 6, 3, 2], freed=True).poll()
+
+
+def test_timing_only_builds_are_not_exact(monkeypatch):
+    from jax_dsa_exchange.kernels import cache
+
+    for sel, mer, exact in [("", "", True), ("relax=1,cache=32768", "", True), ("skip=pass2", "", False),
+                            ("", "rnor2=1", False), ("", "noout=0", True)]:
+        monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", sel)
+        monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", mer)
+        assert cache.tune_exact() is exact, (sel, mer)

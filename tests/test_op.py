@@ -762,6 +762,20 @@ POLL_SCRIPT = textwrap.dedent(
     # polled before each dispatch but the first (nothing to poll before the first trace)
     print("POLLS", a.polls, b.polls, c.polls)
     print("ATTRS", callable(step.lower), callable(step.trace), step.__wrapped__ is not None)
+    # lower() before the first call traces too (JAX then reuses that trace)
+    d = Ex(4)
+    lowered_first = op.jit(lambda *x: merge(d, x) + 2)
+    lowered_first.lower(*args)
+    for _ in range(2):
+        lowered_first(*args)
+    # as a method decorator
+    class Model:
+        @op.jit(static_argnums=0)
+        def step(self, *x):
+            return merge(d, x) * 1
+    m = Model()
+    m.step(*args); m.step(*args)
+    print("LOWERED", d.polls)
     b.failure = "exchange 2 rank 0: rank 1 did not deliver its candidates"
     try:
         step(*args)
@@ -783,5 +797,6 @@ def test_op_jit_polls_the_exchanges_its_programs_call():
     assert r.returncode == 0, r.stderr[-3000:]
     assert "POLLS 2 2 2" in r.stdout, r.stdout
     assert "ATTRS True True True" in r.stdout, r.stdout
+    assert "LOWERED 3" in r.stdout, r.stdout  # 2 calls after lower() + the method's second call
     assert "RAISED exchange 2 rank 0: rank 1 did not deliver its candidates" in r.stdout, r.stdout
     assert "OTHERS OK" in r.stdout, r.stdout

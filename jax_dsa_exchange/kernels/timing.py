@@ -1,4 +1,6 @@
-"""Device timing of the raw kernels on one GPU (CuPy, CUDA events; no JAX).
+"""Device timing of the raw kernels on one GPU (CuPy, CUDA events; no JAX), and the
+kernels' own durations from CUPTI through ``torch.profiler`` where PyTorch is importable
+(:class:`KernelClock`).
 
 Used by ``benchmarks/bench_kernels.py`` and by ``python -m jax_dsa_exchange.bench``
 (the kernels-alone rows next to the op).  The stream is kept busy by a spacer memset

@@ -164,9 +164,11 @@ class Sim:
             if producer:
                 c = cluster or layout.producer_cluster(rows, cols)
                 # the slice cache and the shared memory for it, as the C++ launcher sizes them
-                split = dict(layout.producer_split(), **(sp.split or {}))
-                cache = layout.producer_cache_tokens(rows, cols, c, split)
-                smem = sp.smem - 2 * (split["cache_max"] - cache)
+                split = dict(sp.split or {})
+                cache, smem = 0, sp.smem  # (a build without a slice cache: the launcher's case too)
+                if split.get("cache_max", 0) > 0:
+                    cache = layout.producer_cache_tokens(rows, cols, c, split)
+                    smem = sp.smem - 2 * (split["cache_max"] - cache)
                 values = abi.SELECT_PUSH.pack(dict(
                     logits=d["logits"].data.ptr, row_ends=d["row_ends"].data.ptr, rows=rows, cols=cols,
                     epoch=self.states[q].data.ptr, peers=self.peers.data.ptr, rank=q,

@@ -268,9 +268,11 @@ class Exchange:
                     # Ranks sharing a GPU (MPS): a rank's producer must find room beside
                     # the other ranks' spinning merges, and a cluster needs several free
                     # SMs of one GPC at once: one CTA per row, which any free SM takes;
-                    # and no slice cache beyond what keeps two producer CTAs per SM.
+                    # and no slice cache beyond cache_wide (two producer CTAs per SM):
+                    # fill_ctas 0 (cache_max stays the build's capacity, which the
+                    # launcher's shared-memory size per launch is computed from).
                     split["cluster_max"] = 1
-                    split["cache_max"] = min(split.get("cache_max", 0), split.get("cache_wide", 0)) or 0
+                    split["fill_ctas"] = 0
                 # (register_exchange copies the kernel with the split set now)
                 _ffi.set_kernel_split(keys[name], self.ordinal, split)
         _ffi.register_exchange(

@@ -4,7 +4,7 @@
         --variants default= relax=relax=1 skip-pass2=skip=pass2 ...
 
 Each variant is a ``JAX_DSA_EXCHANGE_SELECT_TUNE`` string (kernels/select.py: ``relax``,
-``cache``, ``u1``, ``vpt``, ``early``; ``skip=`` builds are TIMING ONLY, their outputs
+``cache``, ``u1``, ``early``; ``skip=`` builds are TIMING ONLY, their outputs
 are wrong); its prebuilt cubin is found by the tag the string is mixed into
 (kernels/cache.py), so no CuTe DSL is needed here.  One Sim (buffers, peers) is shared; only
 rank 0's select_push runs (no merge), once per variant per measurement, the variants
@@ -13,7 +13,7 @@ interleaved, the whole list twice (the second round in reverse order) for the no
 * probe (as ``bench_kernels.py --probe``): a CUDA graph of ``--reps`` launches back to back
   at R = 1, median of 5 replays, per launch: rows of 0 tokens, 8K and 128K, C = 1 and 8;
 * bench rows: R x L = 1 x 8K, 1 x 128K, 64 x 128K, 256 x 128K with the launcher's C (and
-  64 x 128K with C = 4: cached slices with cache=32768),
+  64 x 128K and 256 x 128K with C = 4: 32K-token slices, kept at any grid size),
   median CUDA-event time (a spacer memset first so no host gap is timed), 2 input sets.
 
 ``--dry-run`` (no GPU, no CuPy): resolve every variant's cubins and print their tags.
@@ -39,7 +39,7 @@ TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"  # = kernels/select.TUNE_ENV (select.p
 PROBES = [(8192, 0, 1), (8192, 0, 8), (8192, 8192, 1), (8192, 8192, 8), (131072, 131072, 1),
           (131072, 131072, 8)]  # (L, row end, C)  # fmt: skip
 ROWS = [(1, 8192, None), (1, 131072, None), (64, 131072, None), (64, 131072, 4),
-        (256, 131072, None)]  # (R, L, C): None = the launcher's C
+        (256, 131072, None), (256, 131072, 4)]  # (R, L, C): None = the launcher's C
 DEFAULT_VARIANTS = ["default=", "relax=relax=1", "cache32k=cache=32768",
                     "skip-hist1=skip=hist1", "skip-pass2=skip=pass2", "skip-dsmem=skip=dsmem",
                     "skip-compact=skip=compact", "skip-push=skip=push",
@@ -183,6 +183,7 @@ def main(argv=None):
             out.append(dict(logits=(x.view(cp.uint32) >> 16).astype(cp.uint16),
                             row_ends=cp.full((R,), L, cp.int32)))  # fmt: skip
             del x
+        cp.cuda.Device().synchronize()  # (made on the current stream; the Sim's are non-blocking)
         return out
 
     spacer = cp.empty(256 << 20, cp.uint8)

@@ -32,6 +32,7 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np
     eq_before = np.zeros(csize, np.int64)
     gt_own = np.zeros(csize, np.int64)
     eq_own = np.zeros(csize, np.int64)
+    mthr = 1  # pass 2's mask: ord16 >= mthr (every valid token unless the row has > n)
     if total > n:
         from_top = np.cumsum(g1[::-1])
         i = int(np.searchsorted(from_top, n))  # first bin (from the top) reaching n
@@ -48,6 +49,7 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np
         lowv = NB2 - 1 - k
         above2 = int(top2[k] - g2[lowv])
         v = (b1 << (16 - B1)) | lowv
+        mthr = b1 << (16 - B1)
         need_eq = n - above1 - above2
         per_gt = own_above1 + h2[:, lowv + 1:].sum(1)
         per_eq = h2[:, lowv]
@@ -60,11 +62,16 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np
         for c in range(csize):
             gt_before[c] = per[:c].sum()
         gt_own[:] = per
-    # compaction: every CTA in index order, straight to the final positions
+    # compaction: every CTA in index order, straight to the final positions, looking
+    # only at the tokens of pass 2's mask (a bit per token; the kernel walks its set bits)
     row = np.zeros(layout.row_words(n), np.uint32)
     for c, (s0, x) in enumerate(zip(starts, slices)):
         gt_b, eq_b = int(gt_before[c]), int(eq_before[c])
+        mask = x >= mthr
         for i, oi in enumerate(x.tolist()):
+            if not mask[i]:
+                assert not oi > v and not (oi == v and v != 0)  # the mask misses no kept token
+                continue
             pos = -1
             if oi > v:
                 pos = gt_b + min(eq_b, need_eq)

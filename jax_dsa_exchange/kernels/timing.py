@@ -69,6 +69,9 @@ class KernelTimer:
                 )  # fmt: skip
                 per.append(d)
             sets.append(per)
+        # generated on the current stream; the Sim's streams are non-blocking: a kernel
+        # launched there before this work ends reads rows still being written
+        cp.cuda.Device().synchronize()
         return sets
 
     def run(self, R, L, rescue, iters=12, warm=3, seed=0, cluster=None, merge=True):

@@ -19,7 +19,9 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}
-  PYTHONPATH=. $PY tools/merge_variants.py --build --jobs ${JOBS:-2} --out .cubins
+  # loose images in build/merge_variants_cubins (~70 MB: over the 64 MiB carry), only the
+  # archive in .cubins
+  PYTHONPATH=. $PY tools/merge_variants.py --build --jobs ${JOBS:-2}
   exit $?
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=.

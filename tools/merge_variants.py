@@ -271,7 +271,8 @@ class _DrySim:
         ref = reference.protocol_merge(*case.args, topk=case.topk, local_topk=case.local_topk,
                                        block_size=case.block_size)  # fmt: skip
         return [dict(kv_rows=r.kv_rows, counts=r.counts, ids=r.ids, saturated=r.saturated,
-                     status=np.zeros(4, np.int32)) for r in ref]  # fmt: skip
+                     status=np.zeros(4, np.int32), host_status=np.zeros(4, np.int32))
+                for r in ref]  # fmt: skip
 
 
 def run_tests_isolated(out_json, names, dry, per_variant_s):

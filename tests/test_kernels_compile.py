@@ -221,3 +221,41 @@ def test_select_tune_variants(tmp_path):
     assert "st.volatile.global.v4.u32" not in r.stdout  # no push
     r = ptx("skip=nothing")
     assert r.returncode != 0 and "unknown stage" in r.stderr
+
+
+def test_merge_exact_knobs_compile():
+    """The exact merge candidates (merge.EXACT_KNOBS: ostage, oball, tie; kernels/NOTES.md
+    "Merge variants, third round") compile together (a fresh process: merge.py reads
+    JAX_DSA_EXCHANGE_MERGE_TUNE at import) and show their instructions; they count as exact
+    builds (cache.tune_exact) and ostage's stage is in the launch's shared memory."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from jax_dsa_exchange.kernels import merge
+
+    assert cache.MERGE_EXACT_KNOBS == merge.EXACT_KNOBS
+    assert not set(merge.EXACT_KNOBS) & set(merge.TIMING_ONLY)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys, json; from jax_dsa_exchange.kernels import cache; "
+            "obj, c, _ = cache.compile_kernel('merge', 'sm_90a', 8, 2048, 512); p = str(c.__ptx__); "
+            "sys.stdout.write(json.dumps({'smem': obj.smem, 'exact': cache.tune_exact(), "
+            "'match': p.count('match.any.sync'), 'v4': p.count('st.global.v4.u32'), "
+            "'ldsv4': p.count('ld.shared.v4.u32'), 'vote': p.count('vote.sync.ballot')}))")  # fmt: skip
+
+    def run(tune):
+        env = dict(os.environ, JAX_DSA_EXCHANGE_MERGE_TUNE=tune,
+                   PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        env.pop("JAX_DSA_EXCHANGE_SELECT_TUNE", None)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=root)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    d = run("")
+    a = run("ostage=1,oball=1,tie=2")
+    assert d["exact"] and a["exact"]
+    assert a["smem"] == d["smem"] + 2 * 2048 * 4 + 16
+    assert d["match"] == 0 and a["match"] > 0
+    assert a["v4"] > d["v4"] and a["ldsv4"] >= d["ldsv4"] + 2

@@ -450,3 +450,27 @@ def test_block_sizes_powers_of_two_and_not(block_size):
                                       block_size=block_size))
     _run_check(sim, cases.saturating_case(rng, world, SMALL_K, SMALL_N, 1, rows=4, cols=500,
                                           block_size=block_size))
+
+
+@pytest.mark.parametrize("world,topk,n", [(8, 2048, 512), (2, 2048, 512), (4, SMALL_K, SMALL_N)])
+def test_rescue_tie_heavy(world, topk, n):
+    """Round 2 on tie-heavy rescue rows: row 0 rank 0's scores + 100 (bf16: a handful of
+    values, hundreds of its top K at the boundary score: the bench's forced rescue), row 1
+    rank 0 all-equal (its K-list at one score), row 2 ranks 0 and 1 the same + 100 row, row
+    3 the first min(3, slots) ranks all-equal.  Round 2's m > EQ_MAX tie-break both ways
+    with tie != 0 (merge.py): boundary bins of <= EQ_MAX keys ranked (rows 1, 2), and bins
+    of more (row 3 at W >= 4: 128 l values x 3 ranks per 1024-g bin) by the two other passes."""
+    rng = np.random.default_rng(4242 + world)
+    sim = sim_for(world, topk, n)
+    rows, cols = 4, max(4 * topk, 1024)
+    logits = [rng.standard_normal((rows, cols)).astype(np.float32) for _ in range(world)]
+    logits[0][[0, 2]] += 100.0
+    logits[0][1] = 7.0
+    if world > 1:
+        logits[1][2] = logits[0][2]
+    for q in range(min(3, world, layout.rescue_slots(topk, n, world))):
+        logits[q][3] = 7.0
+    logits = [x.astype(cases.BF16) for x in logits]
+    ends = [np.full(rows, cols) for _ in range(world)]
+    got = _run_check(sim, cases._finish(rng, "rescue_ties", world, topk, n, 16, logits, ends))
+    assert (np.asarray(got[0]["saturated"])[:rows] & 1).all(), got[0]["saturated"]

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Merge-kernel variants (JAX_DSA_EXCHANGE_MERGE_TUNE, kernels/NOTES.md "Merge variants"):
-# breakdown (timing-only variants that leave one stage out) and exact candidates (none now: the
-# ones of 2026-12-01 were adopted or removed; tools/merge_variants.py VARIANTS lists them).
+# breakdown (timing-only variants that leave one stage out) and exact candidates (those of
+# branch merge-fast3: ostage, oball, tie1, tie2, fast3; tools/merge_variants.py VARIANTS).
 #   build here (CuTe DSL):  PY=/work/venv2/bin/python bash tools/gpu_merge_variants.sh --build
 #       -> build/merge_variants_cubins: every variant for W=8 K=2048 N=512 and W=16 K=2048
 #          N=1024; the exact ones also for the test configs (K=256 N=64/256 W=1..16, W=2 N=512);
@@ -13,11 +13,15 @@
 #          3. the table (last)
 #       (step 0: the archive is unpacked into $CUB, default /tmp/merge_variants_cubins)
 # Logs and JSON under $OUT (tests.log, bench.log, tests.json, bench.json, table.txt).
+# MV_ONLY="default ostage ..." limits steps 1-3 to those variants (tools/merge_variants.py
+# VARIANTS names; e.g. the exact ones only, the breakdown being known).
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}
-  PYTHONPATH=. $PY tools/merge_variants.py --build --jobs ${JOBS:-2} --out .cubins
+  # loose images in build/merge_variants_cubins (~70 MB: over the 64 MiB carry), only the
+  # archive in .cubins
+  PYTHONPATH=. $PY tools/merge_variants.py --build --jobs ${JOBS:-2}
   exit $?
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -29,15 +33,16 @@ export JAX_DSA_EXCHANGE_CUBIN_DIR=$CUB:.cubins
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader 2>&1 | head -2
 nvidia-smi --query-gpu=timestamp,clocks.sm --format=csv,noheader -lms 200 > "$OUT/clocks.csv" 2>&1 &
 SMI=$!
+SEL=(); [ -n "$MV_ONLY" ] && SEL=(--variants $MV_ONLY)
 rc=0
-timeout -k 5 ${TEST_TIMEOUT:-140} python3 tools/merge_variants.py --tests --per-variant-s 40 \
-  --out-json "$OUT" > "$OUT/tests.log" 2>&1 || rc=$?
+timeout -k 5 ${TEST_TIMEOUT:-300} python3 tools/merge_variants.py --tests --per-variant-s ${PER_VARIANT_S:-45} \
+  "${SEL[@]}" --out-json "$OUT" > "$OUT/tests.log" 2>&1 || rc=$?
 echo "tests rc=$rc ($(grep -c ': ok' "$OUT/tests.log") ok, $(grep -c ': FAIL' "$OUT/tests.log") failed)"
 # the bench resumes after a crash (a variant that killed its CUDA context is marked, skipped)
-END=$((SECONDS + ${BENCH_TIMEOUT:-70}))
+END=$((SECONDS + ${BENCH_TIMEOUT:-120}))
 for try in 1 2 3; do
   left=$((END - SECONDS)); [ $left -le 5 ] && break
-  timeout -k 5 $left python3 tools/merge_variants.py --bench --out-json "$OUT" >> "$OUT/bench.log" 2>&1
+  timeout -k 5 $left python3 tools/merge_variants.py --bench "${SEL[@]}" --out-json "$OUT" >> "$OUT/bench.log" 2>&1
   brc=$?; [ $brc = 0 ] && break
   echo "bench rc=$brc (try $try; partial results kept)"
   [ $brc = 124 ] && break
@@ -47,5 +52,5 @@ grep -E "FAIL|Error|error" "$OUT/tests.log" | head -8
 grep -E "Error|error" "$OUT/bench.log" | head -4
 echo "== SM clock MHz (min/median/max)"
 awk -F', ' '{gsub(/ MHz/,"",$2); print $2}' "$OUT/clocks.csv" | sort -n | awk '{a[NR]=$1} END{print a[1], a[int((NR+1)/2)], a[NR], "samples", NR}'
-timeout 20 python3 tools/merge_variants.py --table --out-json "$OUT" 2>&1 | tee "$OUT/table.txt"
+timeout 20 python3 tools/merge_variants.py --table "${SEL[@]}" --out-json "$OUT" 2>&1 | tee "$OUT/table.txt"
 exit $rc

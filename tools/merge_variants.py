@@ -35,13 +35,42 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 
+
+def _this_tree():
+    """Import jax_dsa_exchange from ROOT: a venv with an editable install of another checkout
+    puts a meta-path finder ahead of sys.path, which would build / test THAT checkout's
+    kernels (with this tree's knobs).  Such finders are dropped; a package still found
+    elsewhere is an error."""
+    import importlib.util
+
+    def origin():
+        spec = importlib.util.find_spec("jax_dsa_exchange")
+        return pathlib.Path(spec.origin).resolve() if spec and spec.origin else None
+
+    o = origin()
+    if o is not None and ROOT not in o.parents:
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if "editable" not in (type(f).__module__ or "").lower()]  # fmt: skip
+        o = origin()
+        if o is not None and ROOT not in o.parents:
+            raise SystemExit(f"jax_dsa_exchange imports from {o}, not from {ROOT}")
+
+
+_this_tree()
+
 # (name, env string, kind): kind "exact" (tested + timed), "norm" (timing only, normal path:
 # timed without rescue), "resc" (timing only, rescue path: timed with the forced rescue).
 # The exact candidates of 2026-12-01 are gone from merge.py (flags, own2 adopted: the default;
-# fused, eqwarp, peers, r2batch removed, see kernels/NOTES.md): a new one goes here as
-# ("name", "knob=1", "exact") once merge.py has it.
+# fused, eqwarp, peers, r2batch removed, see kernels/NOTES.md); those of merge-fast3 follow
+# the default below.
 VARIANTS = [
     ("default", "", "exact"),
+    # exact candidates of branch merge-fast3 (merge.py EXACT_KNOBS, kernels/NOTES.md)
+    ("ostage", "ostage=1", "exact"),
+    ("oball", "oball=1", "exact"),
+    ("tie1", "tie=1", "exact"),
+    ("tie2", "tie=2", "exact"),
+    ("fast3", "ostage=1,oball=1,tie=2", "exact"),
     ("noload", "noload=1", "norm"),
     ("nobt", "nobt=1", "norm"),
     ("nosel", "nosel=1", "norm"),
@@ -212,6 +241,8 @@ def test_list(T):
         out.append((f"adversarial_large[{w}-{n}]", lambda w=w, n=n: T.test_adversarial_large(w, n)))
     for p in [(8, 2048, 512, 20000, 8), (16, 2048, 1024, 5000, 4), (2, 2048, 512, 1 << 17, 4)]:
         out.append((f"large_configs[{p[0]}-{p[2]}]", lambda p=p: T.test_large_configs(*p)))
+    for w, k, n in [(8, 2048, 512), (2, 2048, 512), (4, 256, 64)]:
+        out.append((f"rescue_tie_heavy[{w}-{k}-{n}]", lambda w=w, k=k, n=n: T.test_rescue_tie_heavy(w, k, n)))
     out.append(("consecutive_calls", T.test_consecutive_calls_cycle_epochs))
     out.append(("out_of_range_lookups", T.test_out_of_range_lookups_give_minus_one))
     out.append(("delayed_rank", T.test_delayed_rank))
@@ -240,7 +271,8 @@ class _DrySim:
         ref = reference.protocol_merge(*case.args, topk=case.topk, local_topk=case.local_topk,
                                        block_size=case.block_size)  # fmt: skip
         return [dict(kv_rows=r.kv_rows, counts=r.counts, ids=r.ids, saturated=r.saturated,
-                     status=np.zeros(4, np.int32)) for r in ref]  # fmt: skip
+                     status=np.zeros(4, np.int32), host_status=np.zeros(4, np.int32))
+                for r in ref]  # fmt: skip
 
 
 def run_tests_isolated(out_json, names, dry, per_variant_s):

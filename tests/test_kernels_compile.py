@@ -192,7 +192,7 @@ def test_layout_constants_used_by_kernels():
 
 
 def test_select_tune_variants(tmp_path):
-    """The exact speed-up knob (select.RELAX) and a timing-only skip build
+    """The exact speed-up knob (select.RELAX, on by default) and a timing-only skip build
     compile (fresh processes: select.py reads JAX_DSA_EXCHANGE_SELECT_TUNE at import); RELAX
     keeps arrive.release only for barrier 3 of a multi-CTA cluster; an unknown stage fails."""
     import os
@@ -210,12 +210,15 @@ def test_select_tune_variants(tmp_path):
                            timeout=300, cwd=root)  # fmt: skip
         return r
 
-    r = ptx("relax=1")
+    r = ptx("")  # the default: RELAX = 1
     assert r.returncode == 0, r.stderr[-2000:]
     sp = r.stdout
     assert sp.count("fence.release.sync_restrict::shared::cta.cluster") == 3
     assert sp.count("barrier.cluster.arrive.relaxed.aligned") == 3
     assert sp.count("barrier.cluster.arrive.release.aligned") == 1
+    r = ptx("relax=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "barrier.cluster.arrive.relaxed" not in r.stdout and "sync_restrict" not in r.stdout
     r = ptx("skip=pass2+push")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "st.volatile.global.v4.u32" not in r.stdout  # no push

@@ -130,3 +130,22 @@ def test_model_covers_bit_16_of_l():
     assert want[64:66].any()
     for csize in (1, 3, 8):
         assert np.array_equal(split_select_model(bits, L, 64, csize), want)
+
+
+def test_ord16_short_form_and_its_guard():
+    """select.ord16_quad's packed arithmetic, on every bf16 in both halves of a pair: the
+    guard (ord16_special) is set exactly for NaN and +-0, and without it the short form
+    (ord16_fast) equals reference.ord16."""
+    h = np.arange(65536, dtype=np.uint32)
+    want = reference.ord16(h.astype(np.uint16)).astype(np.uint32)
+    special = ((h & 0x7FFF) > 0x7F80) | ((h & 0x7FFF) == 0)
+    for other in (0x3F80, 0x8000, 0x7FC0, 0x0000, 0xFF80, 0x0001):
+        for shift in (0, 16):
+            w = (h << shift) | (np.uint32(other) << (16 - shift))
+            a = w & 0x7FFF7FFF
+            guard = ((a + 0x007F007F) | ~((a | 0x80008000) - 0x00010001)) & 0x80008000
+            fast = w ^ (((w >> 15) & 0x00010001) * 0x7FFF) ^ 0x80008000
+            mine = (fast >> shift) & 0xFFFF
+            mine_guard = (guard >> shift) & 0x8000
+            assert np.array_equal(mine_guard != 0, special), (other, shift)
+            assert np.array_equal(mine[~special], want[~special]), (other, shift)

@@ -63,12 +63,12 @@ U1 = 4  # 16-byte loads in flight per thread in passes 1 and 2
 # 2026-12-01 (kernels/NOTES.md), rejected and removed (their code: commit e8d324e).
 TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"
 EARLY_TRIGGER = 1  # select_push: griddepcontrol.launch_dependents at the start (1) or the end (0)
-# Exact speed-up candidate (default off; a small measured gain, see kernels/NOTES.md):
+# Exact speed-ups, both on (measured in kernels/NOTES.md; 0 for the comparison builds):
 # pass 1 of a kept slice (16-byte aligned row): cp.async.bulk copies of the whole slice into
 # the cache at the start (every byte in flight at once, one mbarrier per TB vectors), then
 # converted in place; 0: 16-byte loads by every thread, U1 in flight
 BULK = 1
-RELAX = 0  # 1: cluster barriers 1 and 2 (and 3 when C == 1) release only this CTA's shared
+RELAX = 1  # 1: cluster barriers 1 and 2 (and 3 when C == 1) release only this CTA's shared
 #            memory (fence.release.sync_restrict::shared::cta.cluster -> MEMBAR.ALL.CTA, then
 #            barrier.cluster.arrive.relaxed) instead of arrive.release (MEMBAR.ALL.GPU)
 # TIMING ONLY (the outputs are then WRONG; tests refuse these builds): leave one stage out
@@ -200,14 +200,6 @@ def red_smem_inc_if(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None) -> No
 
 
 @dsl_user_op
-def red_smem_inc_nz(addr: Int32, a: Int32, *, loc=None, ip=None) -> None:
-    """shared[addr] += 1 when a != 0: a predicated red (no branch per token)."""
-    _asm(None, [Int32(addr), Int32(a)],
-         "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $1, 0;\n\t@p red.shared.add.u32 [$0], 1;\n\t}",
-         "r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
 def red_smem_or(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
     _asm(None, [Int32(addr), Int32(v)], "red.shared.or.b32 [$0], $1;", "r,r,~{memory}", loc, ip)
 
@@ -329,16 +321,48 @@ def ord16_pair(w: Int32) -> Int32:
 
 
 @cute.jit
+def ord16_special(w: Int32) -> Uint32:
+    """Nonzero when a half of the pair is NaN or +-0 (bit 15 / 31 set), with packed
+    arithmetic (no carry crosses the halves: |h| <= 0x7FFF): |h| + 0x7F >= 0x8000 iff
+    NaN; (|h| | 0x8000) - 1 < 0x8000 iff |h| == 0."""
+    a = Uint32(w) & Uint32(0x7FFF7FFF)
+    nan = a + Uint32(0x007F007F)
+    zero = ~((a | Uint32(0x80008000)) - Uint32(0x00010001))
+    return (nan | zero) & Uint32(0x80008000)
+
+
+@cute.jit
+def ord16_fast(w: Int32) -> Int32:
+    """ord16_pair for a pair without NaN or +-0: x ^ 0x8000 for a clear sign, ~x for a set one."""
+    u = Uint32(w)
+    neg = (u >> Uint32(15)) & Uint32(0x00010001)
+    return Int32(u ^ (neg * Uint32(0x7FFF)) ^ Uint32(0x80008000))
+
+
+@cute.jit
+def ord16_quad(a: Int32, b: Int32, c: Int32, d: Int32, xs: cute.Tensor, off: cutlass.Constexpr):
+    """xs[off : off+4] = ord16_pair of the four pairs (8 bf16): the short form unless one of
+    them is NaN or +-0 (rare in scores; the full form then, for all four)."""
+    if (ord16_special(a) | ord16_special(b) | ord16_special(c) | ord16_special(d)) == Uint32(0):
+        xs[off] = ord16_fast(a)
+        xs[off + 1] = ord16_fast(b)
+        xs[off + 2] = ord16_fast(c)
+        xs[off + 3] = ord16_fast(d)
+    else:
+        xs[off] = ord16_pair(a)
+        xs[off + 1] = ord16_pair(b)
+        xs[off + 2] = ord16_pair(c)
+        xs[off + 3] = ord16_pair(d)
+
+
+@cute.jit
 def load_vec(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32, xs: cute.Tensor,
              off: cutlass.Constexpr):
     """ord16 pairs of slice tokens 8*vi .. 8*vi+7 into xs[off : off+4] (0 past s_len)."""
     l0 = vi * Int32(8)
     if aligned != Int32(0) and l0 + Int32(8) <= s_len:
         a, b, c, d = ld_nc_v4(row_addr + Int64(s0 + l0) * Int64(2))
-        xs[off] = ord16_pair(a)
-        xs[off + 1] = ord16_pair(b)
-        xs[off + 2] = ord16_pair(c)
-        xs[off + 3] = ord16_pair(d)
+        ord16_quad(a, b, c, d, xs, off)
     else:
         for k in cutlass.range_constexpr(4):
             xs[off + k] = Int32(0)
@@ -514,10 +538,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                         xs[4 * u + k] = Int32(0)
                     if vi < nfull:
                         a, b, c, d = ld_smem_v4(cache_a + vi * Int32(16))
-                        xs[4 * u] = ord16_pair(a)
-                        xs[4 * u + 1] = ord16_pair(b)
-                        xs[4 * u + 2] = ord16_pair(c)
-                        xs[4 * u + 3] = ord16_pair(d)
+                        ord16_quad(a, b, c, d, xs, 4 * u)
                     elif vi < nvec:
                         load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)  # the partial last
             else:
@@ -537,7 +558,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                         h_cnt = h_cnt + Int32(1)
                         h_last = Int32(o)
                 else:
-                    red_smem_inc_nz(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(o))
+                    # every token, unconditionally (a predicated red compiles to a branch and a
+                    # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
+                    # which no valid score reaches and the boundary step drops
+                    red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
         if cutlass.const_expr("hist1" in SKIP):
             if h_cnt != Int32(0):
                 red_smem_add(h1_a + (h_last >> Int32(16 - B1)) * Int32(4), h_cnt)
@@ -550,6 +574,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     for p in cutlass.range_constexpr(BPT):
         lc[p] = hist1[hb + Int32(p)]
         gc[p] = Int32(0)
+    if cutlass.const_expr("hist1" not in SKIP):
+        if tid == Int32(TB - 1):
+            lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
     if cutlass.const_expr(clustered and "dsmem" not in SKIP):
         # all C loads in flight at once (a remote load costs a round trip)
         for r in cutlass.range_constexpr(CLUSTER_MAX):
@@ -562,6 +589,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     else:
         for p in cutlass.range_constexpr(BPT):
             gc[p] = lc[p]
+    if cutlass.const_expr("hist1" not in SKIP):
+        if tid == Int32(TB - 1):
+            gc[0] = Int32(0)
     sg = gc[0] + gc[1] + gc[2] + gc[3]
     sl = lc[0] + lc[1] + lc[2] + lc[3]
     ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
@@ -601,17 +631,40 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     mb = Int32(0)
                     for k in cutlass.range_constexpr(8):
                         o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                        # a valid score's bin is >= 3 (ord16 >= 0x7F), so bin == b1 excludes NaN
-                        red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                        Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
                         if o >= mthr:
                             mb = mb | Int32(1 << k)
+                    # a slice re-read from global memory counts bin b1 here (its tokens are in
+                    # registers now); a kept one walks the mask's set bits below instead
+                    if keep == Int32(0) and mb != Int32(0):
+                        for k in cutlass.range_constexpr(8):
+                            o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                            # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
+                            red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                            Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
                     vi = base + tid + Int32(u * TB)
                     if vi < nvec4:
                         st_smem_u8(mask_a + vi, mb)
+    # the mask in 16-token units, thread tid taking the contiguous units [u0, u1): all TB
+    # threads share the slice, so each walk over the set bits stays short
+    nu = nvec4 // Int32(2)
+    upt = (nu + Int32(TB - 1)) // Int32(TB)
+    u0 = cutlass.min(tid * upt, nu)
+    u1 = cutlass.min(u0 + upt, nu)
     if total > Int32(n):
         if tid == Int32(0):
             pub[0] = scal[_OWN_ABOVE1]
+        if keep != Int32(0) and cutlass.const_expr("pass2" not in SKIP):
+            # the second histogram from the set bits only (a few % of the tokens): a
+            # per-token predicated red compiled to a branch per token, taken by most warps
+            cute.arch.sync_threads()  # the mask bytes of the other threads
+            for u in cutlass.range(u0, u1, unroll=1):
+                m = ld_smem_u16(mask_a + u * Int32(2))
+                while m != Uint32(0):
+                    lt = u * Int32(16) + low_bit(Int32(m))
+                    m = m & (m - Uint32(1))
+                    o = ld_smem_u16(cache_a + lt * Int32(2))
+                    red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                    Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
     csync(clustered, True)
     # ---- boundary score v, need_eq, and what precedes this slice
     v = Uint32(0)
@@ -691,10 +744,6 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     # order; all TB threads share the slice, so the serial walk over the set bits stays
     # short), classifies the tokens of the set bits (o > v, o == v), one pair block scan,
     # then walks them again and writes each kept word
-    nu = nvec4 // Int32(2)
-    upt = (nu + Int32(TB - 1)) // Int32(TB)
-    u0 = cutlass.min(tid * upt, nu)
-    u1 = cutlass.min(u0 + upt, nu)
     if cutlass.const_expr("compact" in SKIP):
         u1 = u0
     if gt_run < gt_end or eq_run < eq_end:

@@ -27,11 +27,9 @@ NB = 1024  # bins of the first score histogram (kernels/merge.py SCORE_BINS)
 MMAX = 256  # most keys at the boundary score resolved by ranking (merge.py EQ_MAX)
 
 
-def model_select(s, g, K, nb=NB, mmax=MMAX, G=None, tie=0):
+def model_select(s, g, K, nb=NB, mmax=MMAX, G=None):
     """s: ord16 scores (0 = empty), g: global positions, one per candidate position.
-    ``tie`` (merge.py TUNE["tie"] != 0): m > mmax -> after the first g histogram, a
-    boundary bin of <= mmax keys is ranked directly (path "bin"), else the two other
-    passes.  Returns (selected mask, v, gT, path)."""
+    Returns (selected mask, v, gT, path)."""
     s = s.astype(np.int64)
     g = g.astype(np.int64)
     nz = s != 0
@@ -77,8 +75,7 @@ def model_select(s, g, K, nb=NB, mmax=MMAX, G=None, tie=0):
         gmax = (1 << G) - 1
         u = gmax - g[eq]
         uT, nd = 0, need
-        path = "radix"
-        for d, (hi, lo) in enumerate(((G, G - 10), (G - 10, G - 16), (G - 16, 0))):
+        for hi, lo in ((G, G - 10), (G - 10, G - 16), (G - 16, 0)):
             cand = u[(u >> hi) == (uT >> hi)]
             h = np.bincount((cand >> lo) & ((1 << (hi - lo)) - 1), minlength=1 << (hi - lo))
             cum = 0
@@ -88,15 +85,9 @@ def model_select(s, g, K, nb=NB, mmax=MMAX, G=None, tie=0):
                 cum += h[b]
             uT |= b << lo
             nd -= cum
-            if tie and d == 0 and h[b] <= mmax:
-                # the bin's keys ranked: the nd-th smallest g = the nd-th largest u
-                inbin = gmax - cand[(cand >> lo) == b]
-                gT_bin = int(np.sort(inbin)[nd - 1])
-                uT = gmax - gT_bin
-                path = "bin"
-                break
         gT = gmax - uT
         assert gT == int(np.sort(g[eq])[need - 1])
+        path = "radix"
     sel = nz & ((s > v) | ((s == v) & (g <= gT)))
     return sel, v, gT, path
 
@@ -166,29 +157,3 @@ def test_model_small_bins_second_pass():
         want = np.zeros(n, bool)
         want[order] = True
         assert np.array_equal(sel, want)
-
-
-@pytest.mark.parametrize("tie", [0, 1])
-def test_model_tie_heavy(tie):
-    """Many keys at the boundary score (m > MMAX): the three g histograms, and with tie=1
-    (merge.py TUNE["tie"]) the first one plus the boundary bin ranked (or the fallback when
-    that bin holds more than MMAX keys), against a sort on (-s, g)."""
-    rng = np.random.default_rng(11 + tie)
-    paths = set()
-    for it in range(300):
-        W = int(rng.choice([1, 2, 4, 8, 16]))
-        G = layout.gid_bits(W)
-        n = int(rng.integers(300, 6000))
-        s = rng.integers(0x3F00, 0x3F08, n)  # a handful of scores: heavy ties
-        s[rng.random(n) < 0.05] = 0
-        spread = int(rng.choice([n, 4 * n, 1 << (G - 3), (1 << G) - 1]))  # g dense .. sparse
-        g = rng.permutation(min(max(spread, n), 1 << G))[:n]
-        K = int(rng.integers(1, int((s != 0).sum()) + 1))
-        sel, v, gT, path = model_select(s, g, K, G=G, tie=tie)
-        paths.add(path)
-        order = np.lexsort((g, -s))
-        order = order[s[order] != 0][:K]
-        want = np.zeros(n, bool)
-        want[order] = True
-        assert np.array_equal(sel, want), (it, path)
-    assert {"radix", "bin"} <= paths if tie else "radix" in paths, paths

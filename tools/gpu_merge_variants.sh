@@ -1,7 +1,7 @@
 #!/bin/bash
 # Merge-kernel variants (JAX_DSA_EXCHANGE_MERGE_TUNE, kernels/NOTES.md "Merge variants"):
-# breakdown (timing-only variants that leave one stage out) and exact candidates (those of
-# branch merge-fast3: ostage, oball, tie1, tie2, fast3; tools/merge_variants.py VARIANTS).
+# breakdown (timing-only variants that leave one stage out) and exact candidates (none now: those
+# of 2026-12-01 and of branch merge-fast3 were adopted or removed; tools/merge_variants.py VARIANTS).
 #   build here (CuTe DSL):  PY=/work/venv2/bin/python bash tools/gpu_merge_variants.sh --build
 #       -> build/merge_variants_cubins: every variant for W=8 K=2048 N=512 and W=16 K=2048
 #          N=1024; the exact ones also for the test configs (K=256 N=64/256 W=1..16, W=2 N=512);
@@ -13,7 +13,7 @@
 #          3. the table (last)
 #       (step 0: the archive is unpacked into $CUB, default /tmp/merge_variants_cubins)
 # Logs and JSON under $OUT (tests.log, bench.log, tests.json, bench.json, table.txt).
-# MV_ONLY="default ostage ..." limits steps 1-3 to those variants (tools/merge_variants.py
+# MV_ONLY="default noout ..." limits steps 1-3 to those variants (tools/merge_variants.py
 # VARIANTS names; e.g. the exact ones only, the breakdown being known).
 set -o pipefail
 cd "$(dirname "$0")/.."

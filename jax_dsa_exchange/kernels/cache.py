@@ -102,23 +102,17 @@ def source_hash(files=SOURCE_FILES) -> str:
     return h.hexdigest()
 
 
-MERGE_EXACT_KNOBS = ("ostage", "oball", "tie")  # merge.EXACT_KNOBS (exact candidates)
-
-
 def tune_exact() -> bool:
     """False when the tune strings select a timing-only build: ``JAX_DSA_EXCHANGE_SELECT_TUNE``
     with ``skip=...`` (select.SKIP leaves a stage out) or ``JAX_DSA_EXCHANGE_MERGE_TUNE``
-    with any knob on other than the exact candidates (MERGE_EXACT_KNOBS; the others are
-    timing-only, merge.TIMING_ONLY): the outputs are wrong; the GPU tests and ``Exchange``
-    refuse those builds."""
+    with any knob on (every merge knob is timing-only, merge.TIMING_ONLY): the outputs are
+    wrong; the GPU tests and ``Exchange`` refuse those builds."""
     tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")
     if any(kv.split("=")[0].strip() == "skip" and kv.split("=", 1)[1].strip()
            for kv in tune.split(",") if "=" in kv):  # fmt: skip
         return False
     mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")
-    return not any(kv.split("=", 1)[1].strip() not in ("", "0")
-                   for kv in mtune.split(",") if "=" in kv
-                   and kv.split("=")[0].strip() not in MERGE_EXACT_KNOBS)  # fmt: skip
+    return not any(kv.split("=", 1)[1].strip() not in ("", "0") for kv in mtune.split(",") if "=" in kv)
 
 
 def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str) -> str:

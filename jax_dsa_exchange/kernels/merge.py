@@ -49,7 +49,6 @@ SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
 SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
 LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
 PRE_BT_MAX = 8  # round-1 block-table entries prefetched when kp1 <= this (registers)
-OBALL_KEEP = 4  # oball: pair groups per thread whose packed counts are kept in registers
 EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
@@ -71,24 +70,12 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
 # st.relaxed.sys; round 2's (segment, index) of each pair computed once into registers);
 # fused, eqwarp, peers and r2batch were rejected and removed (their code: commit e8d324e).
-# Exact candidates (branch merge-fast3; kernels/NOTES.md "Merge variants, third round"; outputs
-# bit-identical; default 0 = the code before them, byte-identical PTX):
-#   ostage   outputs staged in shared memory (ids at [0, K), kv_rows at [K, 2K) of a dedicated
-#            2K-word tensor: one STS per selected key instead of a 64-bit address + STG), then
-#            one 16-byte store per 4 outputs incl. the -1 padding (no fill loops)
-#   oball    the outputs' ballots once per pair group (the second pass reuses them, packed
-#            7-bit fields), own ballots from the all ballots when a warp lies in one list
-#   tie      1: many keys at the boundary score (m > EQ_MAX): after the first g histogram
-#            (top 10 bits of u), a boundary bin of <= EQ_MAX keys is ranked directly (their
-#            g gathered into eqb, rank_eq) instead of two more histogram passes (4 barriers
-#            instead of 6); 2: also warp-aggregated histogram atomics (match.any.sync: one
-#            shared atomic per distinct bin per warp instruction) in the tie-break's g
-#            histograms and in round 2's score histograms (tie-heavy rescue rows)
+# The exact candidates of branch merge-fast3 (ostage, oball, tie=1/2; kernels/NOTES.md "Merge
+# variants, third round") were measured within noise and removed (their code: commit 08ca710).
 TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
                "rnoflag", "rnowait", "rnor2")
-EXACT_KNOBS = ("ostage", "oball", "tie")
-TUNE = dict.fromkeys(TIMING_ONLY + EXACT_KNOBS, 0)
+TUNE = dict.fromkeys(TIMING_ONLY, 0)
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
     if _k.strip() not in TUNE:
@@ -118,20 +105,6 @@ def ld_volatile_v2_u64(addr: Int64, *, loc=None, ip=None):
             Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
 
 
-@dsl_user_op
-def smem_addr(t: cute.Tensor, *, loc=None, ip=None) -> Int32:
-    """32-bit shared-window address of a shared-memory tensor's first element (ostage)."""
-    return Int32(t.iterator.toint(loc=loc, ip=ip))
-
-
-@dsl_user_op
-def ld_smem_v4(addr: Int32, *, loc=None, ip=None):
-    """ld.shared.v4.u32 (ostage: 4 staged outputs)."""
-    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
-    r = C._asm(st, [Int32(addr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip)
-    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
-
-
 FAST_WORDS = (SCORE_BINS + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh, fh2, eq, st, wt, pref, sc
               + SCORE_BINS + 2 * SCORE_BINS2)  # fg, fg2, fg3
 
@@ -140,13 +113,12 @@ def smem_bytes(topk: int) -> int:
     rw = layout.row_words(topk)
     # the rescue's select (its row is buf), hist, warp_totals, scalars, rcnt, seg
     # (MergeSmem order), fast-path tensors + slack
-    extra = (2 * topk * 4 + 16) if TUNE["ostage"] else 0  # ostage: the outputs' stage
     return (S.smem_bytes(rw, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4
-            + FAST_WORDS * 4 + 7 * 16 + 128 + extra)
+            + FAST_WORDS * 4 + 7 * 16 + 128)
 
 
 class MergeSmem:
-    def __init__(self, rw: int, topk: int = 0):
+    def __init__(self, rw: int):
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K: the producer's select on one CTA (its row is buf)
         self.sel = S.SelectSmem(smem, rw, False)
@@ -171,10 +143,6 @@ class MergeSmem:
         self.fg = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
         self.fg2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
         self.fg3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        if TUNE["ostage"]:
-            # ostage: ids of the row at [0, K), kv_rows at [K, 2K) (dedicated: read after
-            # the outputs' last barrier, next written after several more barriers)
-            self.ost = smem.allocate_tensor(Int32, cute.make_layout((2 * topk,)), 16)
 
     def parts(self):
         """The tensors as locals: the DSL cannot carry a Python object whose
@@ -741,62 +709,6 @@ class Merge:
         return before, total
 
     @cute.jit
-    def pair_counts_any(self, selm: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane,
-                        warp, round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32,
-                        lt: Uint32, qj: cute.Tensor):
-        """pair_counts, or with oball (where its counts are kept: kp / 2 <= OBALL_KEEP)
-        pair_counts_packed's counts (2 ballots when the owner is warp-uniform)."""
-        c1 = Int32(0)
-        c2 = Int32(0)
-        if cutlass.const_expr(TUNE["oball"] and kp // 2 <= OBALL_KEEP):
-            c1, c2, _ = self.pair_counts_packed(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-        else:
-            c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-        return c1, c2
-
-    @cute.jit
-    def pair_counts_packed(self, selm: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane,
-                           warp, round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32,
-                           lt: Uint32, qj: cute.Tensor):
-        """oball: pair_counts plus the same counts packed for the second pass (all before,
-        own before, all total, own total: 7 bits each, every count <= 64).  When every
-        position of a warp lies in one list (round 1, N a multiple of 32 * kp) the owner is
-        warp-uniform: the own ballots are the all ballots or nothing (2 ballots, not 4)."""
-        s0 = ((selm >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
-        s1 = ((selm >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
-        b0 = Uint32(cute.arch.vote_ballot_sync(s0))
-        b1 = Uint32(cute.arch.vote_ballot_sync(s1))
-        ba = Int32(cute.arch.popc(b0 & lt)) + Int32(cute.arch.popc(b1 & lt))
-        ta = Int32(cute.arch.popc(b0)) + Int32(cute.arch.popc(b1))
-        bo = Int32(0)
-        to = Int32(0)
-        if cutlass.const_expr(not round2 and self.n % (32 * kp) == 0):
-            q0 = (warp * Int32(32 * kp)) // Int32(self.n)
-            if q0 == rank:
-                bo = ba
-                to = ta
-        else:
-            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-            own = q == rank
-            o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
-            o1 = Uint32(cute.arch.vote_ballot_sync(s1 and own))
-            bo = Int32(cute.arch.popc(o0 & lt)) + Int32(cute.arch.popc(o1 & lt))
-            to = Int32(cute.arch.popc(o0)) + Int32(cute.arch.popc(o1))
-        x = ba | (bo << Int32(7)) | (ta << Int32(14)) | (to << Int32(21))
-        return ba + (bo << Int32(16)), ta + (to << Int32(16)), x
-
-    @cute.jit
-    def hist_add_agg(self, hist: cute.Tensor, b: Int32, lt: Uint32):
-        """tie=2: hist[b] += 1 for the lanes with b >= 0, one shared atomic per distinct b of
-        the warp (match.any.sync; the lowest lane of each group adds the group's size).
-        Called by all 32 lanes (b = -1: nothing); skipped when no lane has a bin."""
-        if Uint32(cute.arch.vote_ballot_sync(b >= Int32(0))) != Uint32(0):
-            mk = Uint32(cute.arch.match_sync(Int32(-1), b, "any"))
-            if b >= Int32(0) and (mk & lt) == Uint32(0):
-                cute.arch.atomic_add(hist.iterator + b, Int32(cute.arch.popc(mk)), sem="relaxed",
-                                     scope="cta")  # fmt: skip
-
-    @cute.jit
     def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, lane, warp,
                     rank: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32):
         """Block-table entries of this rank's round-1 keys (their l is known once the
@@ -890,8 +802,6 @@ class Merge:
                                 pos = pos + Int32(1)
                 cute.arch.sync_threads()
                 gT = self.rank_eq(eqb, m, need, tid, sc)
-            elif cutlass.const_expr(TUNE["tie"] != 0):
-                gT = self.tie_many(words, hbits, kp, round2, vth, need, slot, sm, tid, lane, warp, qj)
             else:
                 # many keys at the boundary score: the need-th smallest g among them by
                 # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
@@ -923,100 +833,6 @@ class Merge:
         return gT
 
     @cute.jit
-    def g_hist_pass(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr,
-                    round2: cutlass.Constexpr, vth: Int32, uT: Int32, hi_: cutlass.Constexpr,
-                    lo_: cutlass.Constexpr, hist: cute.Tensor, lane, warp, qj: cute.Tensor,
-                    lt: Uint32):
-        """tie: one histogram pass of tie_break's m > EQ_MAX path: bits [lo_, hi_) of
-        u = gmax - g of the keys at score vth whose u agrees with uT above hi_; with
-        tie=2 warp-aggregated (hist_add_agg)."""
-        seg = None  # (owner_p: round 1 computes the owner, round 2 reads qj)
-        gmax = Int32((1 << self.gbits) - 1)
-        for ip in cutlass.range_constexpr(kp // 2):
-            q = Int32(0)
-            j = Int32(0)
-            if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-            for h in cutlass.range_constexpr(2):
-                b = Int32(-1)
-                if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
-                    u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                    if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
-                        b = (u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)
-                if cutlass.const_expr(TUNE["tie"] >= 2):
-                    self.hist_add_agg(hist, b, lt)
-                else:
-                    if b >= Int32(0):
-                        cute.arch.atomic_add(hist.iterator + b, Int32(1), sem="relaxed", scope="cta")
-
-    @cute.jit
-    def tie_many(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr,
-                 round2: cutlass.Constexpr, vth: Int32, need: Int32, slot: Int32, sm: MergeSmem,
-                 tid, lane, warp, qj: cute.Tensor) -> Int32:
-        """tie: gT when m > EQ_MAX keys sit at score vth.  The first g histogram (top 10
-        bits of u = gmax - g) as before; when its boundary bin holds <= EQ_MAX keys (the
-        usual case: m ~ 1,300 keys over up to 1024 bins), their g are gathered into eqb and
-        ranked (rank_eq: nd-th smallest g = nd-th largest u): 4 barriers instead of the 6
-        of three histogram passes.  A fuller bin takes the two remaining passes."""
-        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
-        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
-        G = self.gbits
-        gmax = Int32((1 << G) - 1)
-        lt = cute.arch.lanemask_lt()
-        self.g_hist_pass(words, hbits, kp, round2, vth, Int32(0), G, G - 10, fg, lane, warp, qj, lt)
-        cute.arch.sync_threads()
-        if warp == Int32(0):
-            self.warp_find_bin(fg, SCORE_BINS, need, lane, sc, 8)
-        cute.arch.sync_threads()
-        b1 = sc[8]
-        nd = need - sc[9]
-        cb = sc[10]
-        gT = Int32(-1)
-        if cb <= Int32(EQ_MAX):
-            seg = None  # (owner_p: round 1 computes the owner, round 2 reads qj)
-            mm = Uint32(0)
-            for ip in cutlass.range_constexpr(kp // 2):
-                q = Int32(0)
-                j = Int32(0)
-                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                    q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                for h in cutlass.range_constexpr(2):
-                    if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
-                        u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                        if (u >> Int32(G - 10)) == b1:
-                            mm = mm | Uint32(1 << (2 * ip + h))
-            c = Int32(cute.arch.popc(mm))
-            if c != Int32(0):
-                pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
-                                           scope="cta")  # fmt: skip
-                for ip in cutlass.range_constexpr(kp // 2):
-                    q = Int32(0)
-                    j = Int32(0)
-                    if ((mm >> Uint32(2 * ip)) & Uint32(3)) != Uint32(0):
-                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                    for h in cutlass.range_constexpr(2):
-                        if ((mm >> Uint32(2 * ip + h)) & Uint32(1)) != Uint32(0):
-                            eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                            pos = pos + Int32(1)
-            cute.arch.sync_threads()
-            gT = self.rank_eq(eqb, cb, nd, tid, sc)
-        else:
-            uT = b1 << Int32(G - 10)
-            for d in cutlass.range_constexpr(1, 3):
-                hi_ = (G, G - 10, G - 16)[d]
-                lo_ = (G - 10, G - 16, 0)[d]
-                hist = (fg, fg2, fg3)[d]
-                self.g_hist_pass(words, hbits, kp, round2, vth, uT, hi_, lo_, hist, lane, warp, qj, lt)
-                cute.arch.sync_threads()
-                if warp == Int32(0):
-                    self.warp_find_bin(hist, SCORE_BINS2, nd, lane, sc, 8)
-                cute.arch.sync_threads()
-                uT = uT | (sc[8] << Int32(lo_))
-                nd = nd - sc[9]
-            gT = gmax - uT
-        return gT
-
-    @cute.jit
     def fast_round(self, words: cute.Tensor, hb: cute.Tensor, round2: cutlass.Constexpr, slot: Int32,
                    sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
                    ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32, ids: Int64,
@@ -1032,7 +848,6 @@ class Merge:
         fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
         fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
         seg = sm.seg
-        ost = sm.ost if TUNE["ostage"] else None  # (ostage: the outputs' stage)
         kp = self.kp2 if round2 else self.kp1
         K = self.topk
         G = self.gbits
@@ -1079,12 +894,7 @@ class Merge:
                     shift = shift + Int32(1)
                 for i in cutlass.range_constexpr(kp):
                     sv = Int32(words[i] >> Uint32(16))
-                    if cutlass.const_expr(round2 and TUNE["tie"] >= 2):
-                        bb = Int32(-1)
-                        if sv != Int32(0):
-                            bb = (sv - lo) >> shift
-                        self.hist_add_agg(fh, bb, cute.arch.lanemask_lt())
-                    elif sv != Int32(0):
+                    if sv != Int32(0):
                         cute.arch.atomic_add(fh.iterator + ((sv - lo) >> shift), Int32(1), sem="relaxed",
                                              scope="cta")  # fmt: skip
                 cute.arch.sync_threads()
@@ -1099,12 +909,7 @@ class Merge:
                     low = (Int32(1) << shift) - Int32(1)
                     for i in cutlass.range_constexpr(kp):
                         sv = Int32(words[i] >> Uint32(16))
-                        if cutlass.const_expr(round2 and TUNE["tie"] >= 2):
-                            bb = Int32(-1)
-                            if sv != Int32(0) and ((sv - lo) >> shift) == b:
-                                bb = (sv - lo) & low
-                            self.hist_add_agg(fh2, bb, cute.arch.lanemask_lt())
-                        elif sv != Int32(0) and ((sv - lo) >> shift) == b:
+                        if sv != Int32(0) and ((sv - lo) >> shift) == b:
                             cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
                                                  scope="cta")  # fmt: skip
                     cute.arch.sync_threads()
@@ -1151,18 +956,9 @@ class Merge:
                                 selm = selm | Uint32(1 << i)
             lt = cute.arch.lanemask_lt()
             run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
-            keep = TUNE["oball"] and kp // 2 <= OBALL_KEEP  # oball: counts kept, not recomputed
-            pk = cute.make_rmem_tensor((kp // 2 if keep else 1,), Int32)
             for ip in cutlass.range_constexpr(kp // 2):
-                if cutlass.const_expr(keep):
-                    # oball: the ballots once; before / total of the group packed in 7-bit fields
-                    c1, c2, x = self.pair_counts_packed(selm, ip, kp, lane, warp, round2, seg, rank,
-                                                        lt, qj)  # fmt: skip
-                    pk[ip] = x
-                    run = run + c2
-                else:
-                    _, c2 = self.pair_counts_any(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-                    run = run + c2
+                _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
+                run = run + c2
             if lane == Int32(0):
                 wt[warp] = run
             cute.arch.sync_threads()
@@ -1203,14 +999,7 @@ class Merge:
                     if cutlass.const_expr(ip < kp // 2):
                         v = self.pair_pos(ip, kp, lane, warp)
                         q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        c1 = Int32(0)
-                        c2 = Int32(0)
-                        if cutlass.const_expr(keep):
-                            x = pk[ip]
-                            c1 = (x & Int32(0x7F)) | (((x >> Int32(7)) & Int32(0x7F)) << Int32(16))
-                            c2 = ((x >> Int32(14)) & Int32(0x7F)) | (((x >> Int32(21)) & Int32(0x7F)) << Int32(16))
-                        else:
-                            c1, c2 = self.pair_counts_any(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
+                        c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
                         e = wbase + c1
                         wbase = wbase + c2
                         pos = e & Int32(0xFFFF)
@@ -1222,9 +1011,7 @@ class Merge:
                             i = 2 * ip + h
                             if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
                                 g = self.gid(words[i], hbits, i, q)
-                                if cutlass.const_expr(TUNE["ostage"]):
-                                    ost[pos] = g  # (written out below, 16 bytes a thread)
-                                elif ids != Int64(0):
+                                if ids != Int64(0):
                                     C.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
                                 pos = pos + Int32(1)
                                 if q == rank:
@@ -1233,10 +1020,7 @@ class Merge:
                                     slot_ = Int32(-1)
                                     if req_ok != Int32(0) and page < bt_cols:
                                         slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                                    if cutlass.const_expr(TUNE["ostage"]):
-                                        ost[Int32(K) + kpos] = slot_
-                                    else:
-                                        C.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
+                                    C.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
                                     kpos = kpos + Int32(1)
         if tid == Int32(0):
             pref[self.world] = all_run
@@ -1245,68 +1029,15 @@ class Merge:
                 sc[7] = Int32(0)
                 if stw == Uint32(layout.STATUS_TIMEOUT_ROUND1) or stw == Uint32(layout.STATUS_TIMEOUT_RESCUE):
                     sc[7] = Int32(1)
-        if cutlass.const_expr(TUNE["ostage"] and not TUNE["noout"]):
-            # ostage: the stage (and pref / sc[7] above) published by one barrier, then every
-            # output of the row (-1 padding included) by 16-byte stores.  The stage is read
-            # after the row's last barrier: the kernel puts a barrier before a voided row's
-            # empty_row (same addresses); the stage's next writes follow several barriers.
-            cute.arch.sync_threads()
-            self.stage_out(ost, ids, kv_rows, Int64(t) * Int64(K), all_run, own_run, tid)
-        else:
-            if cutlass.const_expr(not TUNE["noout"]):
-                trow = Int64(t) * Int64(K)
-                for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
-                    C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
-                if ids != Int64(0):
-                    for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
-                        C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
-            cute.arch.sync_threads()
+        if cutlass.const_expr(not TUNE["noout"]):
+            trow = Int64(t) * Int64(K)
+            for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
+                C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
+            if ids != Int64(0):
+                for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
+                    C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+        cute.arch.sync_threads()
         return T
-
-    @cute.jit
-    def stage_out(self, ost: cute.Tensor, ids: Int64, kv_rows: Int64, trow: Int64, all_run: Int32,
-                  own_run: Int32, tid):
-        """ostage: ids[t, i] = ost[i] (i < all_run) else -1, kv_rows[t, i] = ost[K + i]
-        (i < own_run) else -1; thread tid writes 4 consecutive outputs of each per K / 4
-        chunk (st.global.v4 when both output pointers are 16-byte aligned, else 4 stores)."""
-        K = self.topk
-        nch = K // 4
-        al = ((ids | kv_rows) & Int64(15)) == Int64(0)
-        base = smem_addr(ost)
-        for c0 in cutlass.range_constexpr(0, nch, C.TB):
-            c = tid + Int32(c0)
-            if cutlass.const_expr(c0 + C.TB <= nch):
-                self.stage_chunk(base, c, ids, kv_rows, trow, all_run, own_run, al)
-            else:
-                if c < Int32(nch):
-                    self.stage_chunk(base, c, ids, kv_rows, trow, all_run, own_run, al)
-
-    @cute.jit
-    def stage_chunk(self, base: Int32, c: Int32, ids: Int64, kv_rows: Int64, trow: Int64,
-                    all_run: Int32, own_run: Int32, al):
-        K = self.topk
-        i = Int32(4) * c
-        for a in cutlass.range_constexpr(2):
-            ptr = kv_rows if a == 1 else ids
-            lim = own_run if a == 1 else all_run
-            if ptr != Int64(0):
-                x0, x1, x2, x3 = ld_smem_v4(base + (Int32(a * K) + i) * Int32(4))
-                if i >= lim:
-                    x0 = Int32(-1)
-                if i + Int32(1) >= lim:
-                    x1 = Int32(-1)
-                if i + Int32(2) >= lim:
-                    x2 = Int32(-1)
-                if i + Int32(3) >= lim:
-                    x3 = Int32(-1)
-                dst = ptr + (trow + Int64(i)) * Int64(4)
-                if al:
-                    C.st_v4(dst, x0, x1, x2, x3)
-                else:
-                    C.st_u32(dst, x0)
-                    C.st_u32(dst + Int64(4), x1)
-                    C.st_u32(dst + Int64(8), x2)
-                    C.st_u32(dst + Int64(12), x3)
 
     # ------------------------------------------------------------- kernel
 
@@ -1322,7 +1053,7 @@ class Merge:
         tid = Int32(tid)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sm = MergeSmem(self.rw_k, self.topk)
+        sm = MergeSmem(self.rw_k)
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         W = self.world
         status = C.state_status(state, max_rows)
@@ -1452,8 +1183,6 @@ class Merge:
                 f = self.failed(status, sm_seg, tid)
             last_f = f
             if f != Int32(0):
-                if cutlass.const_expr(TUNE["ostage"]):
-                    cute.arch.sync_threads()  # (f is CTA-uniform) the staged stores of the row first
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
             if tid == Int32(0):
                 C.st_u32(C.state_epoch(state, max_rows, t), ep)

@@ -457,9 +457,9 @@ def test_rescue_tie_heavy(world, topk, n):
     """Round 2 on tie-heavy rescue rows: row 0 rank 0's scores + 100 (bf16: a handful of
     values, hundreds of its top K at the boundary score: the bench's forced rescue), row 1
     rank 0 all-equal (its K-list at one score), row 2 ranks 0 and 1 the same + 100 row, row
-    3 the first min(3, slots) ranks all-equal.  Round 2's m > EQ_MAX tie-break both ways
-    with tie != 0 (merge.py): boundary bins of <= EQ_MAX keys ranked (rows 1, 2), and bins
-    of more (row 3 at W >= 4: 128 l values x 3 ranks per 1024-g bin) by the two other passes."""
+    3 the first min(3, slots) ranks all-equal: round 2's tie-break with more than EQ_MAX
+    keys at the boundary score (the g histograms), on boundary bins of <= EQ_MAX keys (rows
+    1, 2) and of more (row 3 at W >= 4: 128 l values x 3 ranks per 1024-g bin)."""
     rng = np.random.default_rng(4242 + world)
     sim = sim_for(world, topk, n)
     rows, cols = 4, max(4 * topk, 1024)

@@ -1,9 +1,9 @@
 """select_push build variants side by side, in ONE process on ONE GPU (W ranks simulated).
 
     JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins PYTHONPATH=. python3 benchmarks/bench_select_variants.py \
-        --variants default= relax=relax=1 skip-pass2=skip=pass2 ...
+        --variants default= norelax=relax=0 skip-pass2=skip=pass2 ...
 
-Each variant is a ``JAX_DSA_EXCHANGE_SELECT_TUNE`` string (kernels/select.py: ``relax``,
+Each variant is a ``JAX_DSA_EXCHANGE_SELECT_TUNE`` string (kernels/select.py: ``relax``, ``bulk``,
 ``cache``, ``u1``, ``early``; ``skip=`` builds are TIMING ONLY, their outputs
 are wrong); its prebuilt cubin is found by the tag the string is mixed into
 (kernels/cache.py), so no CuTe DSL is needed here.  One Sim (buffers, peers) is shared; only
@@ -40,7 +40,7 @@ PROBES = [(8192, 0, 1), (8192, 0, 8), (8192, 8192, 1), (8192, 8192, 8), (131072,
           (131072, 131072, 8)]  # (L, row end, C)  # fmt: skip
 ROWS = [(1, 8192, None), (1, 131072, None), (64, 131072, None), (64, 131072, 4),
         (256, 131072, None), (256, 131072, 4)]  # (R, L, C): None = the launcher's C
-DEFAULT_VARIANTS = ["default=", "relax=relax=1", "cache32k=cache=32768",
+DEFAULT_VARIANTS = ["default=", "norelax=relax=0", "nobulk=bulk=0", "cache32k=cache=32768",
                     "skip-hist1=skip=hist1", "skip-pass2=skip=pass2", "skip-dsmem=skip=dsmem",
                     "skip-compact=skip=compact", "skip-push=skip=push",
                     "bare=skip=hist1+pass2+dsmem+compact+push", "floor=skip=select+push"]  # fmt: skip

@@ -5,34 +5,38 @@ No JAX import.  The row's valid prefix ``[0, end)`` is cut into ``C`` slices of
 ``S`` tokens (S a multiple of 8), one per CTA of the cluster (``C = 1``: one CTA
 does the whole row, as the merge's rescue does).  Per CTA:
 
-1. **pass 1** reads its slice from HBM once (16-byte loads, several in flight),
+1. **pass 1** reads its slice from HBM once (a kept, aligned slice by ``cp.async.bulk``
+   copies into shared memory, converted in place; else 16-byte loads, several in flight),
    turns every bf16 into ``ord16`` (docs/DESIGN.md §5; 0 = NaN / past the end), keeps the
    ord16 in shared memory when the slice fits (``cached`` and ``S <= cache_cap``, the
    launch's ``layout.producer_cache_tokens``, at most CACHE_MAX; a longer slice, e.g.
    C = 1 at R = 256, L = 128K, is re-read in each later pass)
-   and histograms the high ``B1`` bits;
+   and histograms the high ``B1`` bits (every token; bin 0, the invalid ones, dropped);
 2. one **cluster barrier**; every CTA sums the C histograms through distributed
    shared memory (4 contiguous bins per thread: one 16-byte DSMEM load per CTA)
    and one block scan finds the boundary bin ``b1`` (the bin of the n-th score),
    how many scores lie above it, and how many of *its own* lie above it;
-3. **pass 2** (only when the row has more than n valid tokens) histograms the
-   low ``16 - B1`` bits of the scores inside ``b1``, from the shared copy;
+3. **pass 2** marks a bit per token in a mask: score bin >= ``b1`` (every valid token
+   when the row has at most n); the low ``16 - B1`` bits of the scores inside ``b1``
+   are histogrammed from the mask's set bits (a kept slice) or in the pass (re-read);
 4. one **cluster barrier**; the C second-pass histograms (32 bins each) give
    the boundary score ``v``, the number of scores ``> v`` and how many ``== v``
    to keep (``need_eq``, ties to the lower index), and, from the CTAs before
    this one, how many ``> v`` / ``== v`` precede its slice;
-5. **compaction** in index order (thread-contiguous tokens, one packed
-   ``gt << 16 | eq`` block scan per chunk) writes each kept token's packed word
-   (docs/DESIGN.md §5) straight to its final position in the row buffer of the cluster's
-   CTA 0 (a DSMEM store) and bit 16 of l into the mask words (DSMEM ``red.or``);
+5. **compaction** in index order over the mask only (each thread a contiguous run of
+   16-token units; the tokens of its set bits classified, one pair block scan, then
+   written) puts each kept token's packed word (docs/DESIGN.md §5) straight to its
+   final position in the row buffer of the cluster's CTA 0 (a DSMEM store) and bit 16
+   of l into the mask words (DSMEM ``red.or``);
 6. one **cluster barrier**: CTA 0's row buffer is the packed row, ascending l,
    empty words zero.
 
-Every value a branch depends on comes from shared memory after a barrier, so
-control flow is uniform over the CTA (and over the cluster where it matters:
-every CTA executes the same three cluster barriers).  Exactness does not depend
-on C: the boundary, the counts and every position are computed from exact
-integer counts over the whole row.
+Every value a branch around a barrier depends on comes from shared memory after a
+barrier, so those branches are uniform over the CTA (and over the cluster where it
+matters: every CTA executes the same three cluster barriers); the walks over set bits
+diverge per thread and reconverge before the next barrier.  Exactness does not depend
+on C: the boundary, the counts and every position are computed from exact integer
+counts over the whole row.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ NB1 = 1 << B1  # 2048 bins
 NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
 U1 = 4  # 16-byte loads in flight per thread in passes 1 and 2
-# Benchmark variants of the static knobs ("u1=8", "early=1", "relax=1", "cache=32768",
+# Benchmark variants of the static knobs ("u1=8", "early=1", "relax=0", "bulk=0", "cache=32768",
 # "skip=pass2+push"; cache.source_hash() mixes this string into the cubins' tag, so variants
 # never mix): see benchmarks/bench_kernels.py and benchmarks/bench_select_variants.py.
 # The exact candidates wt2 (block scans without their trailing barrier), w0 (the boundary
@@ -76,7 +80,7 @@ RELAX = 1  # 1: cluster barriers 1 and 2 (and 3 when C == 1) release only this C
 SKIPPABLE = {
     "hist1": "pass 1 without its per-token histogram reds (one red per thread per U1 vectors, "
              "count at the bin of its last valid token: b1 stays plausible)",
-    "pass2": "no second pass (hist2 stays zero: v = b1 << 5)",
+    "pass2": "no second pass (hist2 stays zero: v = b1 << 5; the mask empty, so no compaction walk)",
     "dsmem": "no distributed-shared loads: every CTA uses its own histograms as the cluster's",
     "compact": "no compaction (the row stays zero)",
     "push": "select_push pushes nothing",
@@ -623,6 +627,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         b1c = b1
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
     mask_a = smem_addr(mask)
+    if cutlass.const_expr("pass2" in SKIP):
+        # timing only: no mask either (an unwritten one would send the compaction's walks
+        # over stale shared memory and past the slice)
+        for i in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
+            mask[i] = Int32(0)
     if total > Int32(0):
         if cutlass.const_expr("pass2" not in SKIP):
             for base in cutlass.range(0, nvec4, TB * U1, unroll=1):
@@ -738,8 +747,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     gt_end = gt_run + scal[_GT_OWN]
     eq_end = cutlass.min(eq_run + scal[_EQ_OWN], need_eq)
     dst_a = row_a
+    remote = Int32(0)  # the row lives in another CTA (DSMEM stores)
     if cutlass.const_expr(clustered):
         dst_a = mapa(row_a, Int32(0))
+        if csize > Int32(1):
+            remote = Int32(1)
     # one pass over the mask: thread tid takes the contiguous 16-token units [u0, u1) (index
     # order; all TB threads share the slice, so the serial walk over the set bits stays
     # short), classifies the tokens of the set bits (o > v, o == v), one pair block scan,
@@ -787,12 +799,14 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                         hi = (lu >> Uint32(16)) != Uint32(0)
                         maddr = dst_a + (Int32(n) + (pos >> Int32(5))) * Int32(4)
                         mbit = Int32(1) << (pos & Int32(31))
-                        if cutlass.const_expr(clustered):
+                        if remote != Int32(0):
                             st_dsmem_u32(dst_a + pos * Int32(4), word)
                             if hi:
                                 red_dsmem_or(maddr, mbit)
                         else:
+                            # own shared memory by plain shared accesses (a cluster of one
+                            # CTA too): what csync_end's relaxed barrier releases
                             row[pos] = word
                             if hi:
-                                red_smem_or(maddr, mbit)
+                                red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
     csync_end(clustered, csize)

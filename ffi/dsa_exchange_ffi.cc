@@ -233,9 +233,27 @@ struct Kernel {
   int split[kSplitWords] = {0, 0, 0, 0, 0, 0};
 };
 
+// Tokens of a CTA's slice select_push may keep in shared memory (the kernel's
+// cache_tokens; its dynamic shared memory is sized for them): the same rule as
+// layout.producer_cache_tokens() (CI-compared).  S = the longest slice of this launch;
+// kept up to slice_max always, up to cache_wide while two CTAs still fit an SM, up to
+// cache_max while the grid keeps within fill_ctas CTAs (one CTA per SM).
+long long SliceTokens(long long length, long long c) { return ((length + c - 1) / c + 7) / 8 * 8; }
+
+int ProducerCacheTokens(int rows, int cols, int c, const int split[kSplitWords]) {
+  const int slice_max = split[0], fill = split[3], cache_max = split[4], cache_wide = split[5];
+  long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
+  if (c < 1) c = 1;
+  long long s = SliceTokens(length, c);
+  if (s <= slice_max) return static_cast<int>(s);
+  if (s <= cache_max && (s <= cache_wide || static_cast<long long>(rows) * c <= fill)) return static_cast<int>(s);
+  return slice_max;
+}
+
 // CTAs per row of a select_push launch: the same rule as layout.producer_cluster()
 // (a CI test compares the two): one per min_slice tokens, at most cluster_max, fewer
-// while the grid would exceed fill_ctas CTAs.
+// while the grid would exceed fill_ctas CTAs, then more again (up to cluster_max) while
+// the slices would be longer than the launch keeps in shared memory.
 int ProducerCluster(int rows, int cols, const int split[kSplitWords]) {
   const int cluster_max = split[1], min_slice = split[2] < 1 ? 1 : split[2], fill = split[3];
   if (cluster_max < 1) return 1;
@@ -243,22 +261,9 @@ int ProducerCluster(int rows, int cols, const int split[kSplitWords]) {
   long long c = (length + min_slice - 1) / min_slice;
   if (c > cluster_max) c = cluster_max;
   while (c > 1 && static_cast<long long>(rows) * c > fill) --c;
-  return c < 1 ? 1 : static_cast<int>(c);
-}
-
-// Tokens of a CTA's slice select_push may keep in shared memory (the kernel's
-// cache_tokens; its dynamic shared memory is sized for them): the same rule as
-// layout.producer_cache_tokens() (CI-compared).  S = the longest slice of this launch;
-// kept up to slice_max always, up to cache_wide while two CTAs still fit an SM, up to
-// cache_max while the grid keeps within fill_ctas CTAs (one CTA per SM).
-int ProducerCacheTokens(int rows, int cols, int c, const int split[kSplitWords]) {
-  const int slice_max = split[0], fill = split[3], cache_max = split[4], cache_wide = split[5];
-  long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
   if (c < 1) c = 1;
-  long long s = ((length + c - 1) / c + 7) / 8 * 8;
-  if (s <= slice_max) return static_cast<int>(s);
-  if (s <= cache_max && (s <= cache_wide || static_cast<long long>(rows) * c <= fill)) return static_cast<int>(s);
-  return slice_max;
+  while (c < cluster_max && ProducerCacheTokens(rows, cols, static_cast<int>(c), split) < SliceTokens(length, c)) ++c;
+  return static_cast<int>(c);
 }
 
 struct Record {
@@ -701,8 +706,9 @@ int dsa_set_kernel_split(const char* key, int device, int slice_max, int cluster
 
 // The launcher's cluster size for [rows, cols] under a split (for the CI test that
 // compares it with layout.producer_cluster).
-int dsa_producer_cluster(int rows, int cols, int slice_max, int cluster_max, int min_slice, int fill_ctas) {
-  int v[kSplitWords] = {slice_max, cluster_max, min_slice, fill_ctas, 0, 0};
+int dsa_producer_cluster(int rows, int cols, int slice_max, int cluster_max, int min_slice, int fill_ctas,
+                         int cache_max, int cache_wide) {
+  int v[kSplitWords] = {slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide};
   return ProducerCluster(rows, cols, v);
 }
 

@@ -88,7 +88,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_set_kernel_split.restype = i32
     lib.dsa_set_kernel_split.argtypes = [cp, i32, i32, i32, i32, i32, i32, i32]
     lib.dsa_producer_cluster.restype = i32
-    lib.dsa_producer_cluster.argtypes = [i32, i32, i32, i32, i32, i32]
+    lib.dsa_producer_cluster.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32]
     lib.dsa_producer_cache_tokens.restype = i32
     lib.dsa_producer_cache_tokens.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32, i32]
     lib.dsa_register_exchange.restype = i32
@@ -321,7 +321,8 @@ def set_kernel_split(key: str, device: int, split: dict) -> None:
 
 def producer_cluster(rows: int, cols: int, split: dict) -> int:
     """The launcher's CTAs per row for [rows, cols] (must equal layout.producer_cluster)."""
-    return int(_require().dsa_producer_cluster(int(rows), int(cols), *(int(split[k]) for k in _SPLIT_KEYS)))
+    vals = [int(split[k]) for k in _SPLIT_KEYS] + [int(split.get(k, 0)) for k in _CACHE_KEYS]
+    return int(_require().dsa_producer_cluster(int(rows), int(cols), *vals))
 
 
 def producer_cache_tokens(rows: int, cols: int, c: int, split: dict) -> int:

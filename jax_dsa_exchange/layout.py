@@ -64,11 +64,12 @@ STATE_EPOCH_ROWS, STATE_SEQ_ROWS, STATE_STATUS_ROWS = 0, 1, 2
 # producer_cache_tokens() tokens (16K to 64K), a longer one is re-read in each pass.  C is chosen per call by
 # producer_cluster(); the C++ launcher computes the same from the kernel metadata
 # ("split"), and a CI test compares the two.  Measured on an H200 (NOTES.md): the
-# fixed cost of a CTA dominates below a few thousand tokens, and one CTA per SM
-# beats more, smaller slices once R fills the SMs.
+# fixed cost of a CTA dominates below ~8K tokens (R = 16, L = 32K: 16.9 us with C = 8,
+# 12.2 with C = 4), and one CTA per SM beats more, smaller slices once R fills the SMs,
+# unless the slices are then too long to keep on chip (producer_cluster).
 PRODUCER_SLICE_MAX = 16384  # tokens (their ord16) always kept in shared memory: 32 KB per CTA
 PRODUCER_CLUSTER_MAX = 8  # the portable cluster size limit
-PRODUCER_MIN_SLICE = 4096  # no slice shorter than this (unless the row is)
+PRODUCER_MIN_SLICE = 8192  # no slice shorter than this (unless the row is); 4096 until session 6
 PRODUCER_FILL_CTAS = 132  # split only while the grid keeps within this many CTAs
 # Longer slices kept on chip too (the launch's dynamic shared memory sized for them,
 # producer_cache_tokens): up to PRODUCER_CACHE_WIDE tokens at any grid size (64 KB: two
@@ -105,13 +106,23 @@ def producer_cache_tokens(rows: int, cols: int, c: int, split: dict | None = Non
 def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:
     """CTAs per row (the cluster size) of a select_push launch over [rows, cols]:
     one per min_slice tokens, at most cluster_max, and fewer while the grid would
-    exceed fill_ctas CTAs."""
+    exceed fill_ctas CTAs; then more again (up to cluster_max) while the slices would
+    be longer than the launch keeps in shared memory (producer_cache_tokens)."""
     s = split or producer_split()
     length = max(1, min(int(cols), MAX_LOCAL_LEN))
-    c = min(s["cluster_max"], -(-length // max(1, s["min_slice"])))
+    cmax = s["cluster_max"]
+    c = min(cmax, -(-length // max(1, s["min_slice"])))
     while c > 1 and rows * c > s["fill_ctas"]:
         c -= 1
-    return max(1, c)
+    c = max(1, c)
+    # A slice kept on chip is read from HBM once; a longer one is re-read in every pass
+    # (the mask walk too).  Smaller, cached slices in more waves of CTAs cost less (H200,
+    # N = 512: R = 256 L = 128K 85.5 -> 80.0 us with C = 4, R = 128 59.5 -> 47.9; sixth
+    # session's sweep, NOTES.md).
+    cache = dict(s, cache_max=s.get("cache_max", 0), cache_wide=s.get("cache_wide", 0))
+    while c < cmax and producer_cache_tokens(rows, cols, c, cache) < _round_up(-(-length // c), 8):
+        c += 1
+    return c
 
 
 def _round_up(x: int, m: int) -> int:

@@ -49,6 +49,10 @@ SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
 SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
 LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
 PRE_BT_MAX = 8  # round-1 block-table entries prefetched when kp1 <= this (registers)
+# Up to this many words per thread the stats, histogram, selection and output stores have no
+# branch per word (predicated stores, a dummy bin): W = 8, N = 512: -0.4..-1.2 us; with more
+# (W = 16, N = 1024: 32) ptxas then spilled the words (45.7 -> 71.8 us), so those keep branches.
+BRANCH_FREE_KP = 18
 EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
@@ -105,7 +109,8 @@ def ld_volatile_v2_u64(addr: Int64, *, loc=None, ip=None):
             Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
 
 
-FAST_WORDS = (SCORE_BINS + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh, fh2, eq, st, wt, pref, sc
+FH_DUMMY = SCORE_BINS  # fh's extra bin: the empty words' count (never read), so that every word counts unconditionally
+FAST_WORDS = (SCORE_BINS + 16 + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh (+ dummy), fh2, eq, st, wt, pref, sc
               + SCORE_BINS + 2 * SCORE_BINS2)  # fg, fg2, fg3
 
 
@@ -132,7 +137,7 @@ class MergeSmem:
         # fast path: score histograms, keys at the boundary score, stats (4 slots of
         # [count, max, min, eq count]: row parity x round), warp totals, per-rank
         # prefix of the selected counts, scalars
-        self.fh = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
+        self.fh = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS + 16,)), 16)
         self.fh2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
         self.eq = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
         self.st = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
@@ -180,6 +185,10 @@ class Merge:
         self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX  # block-table prefetch in round 1
         self.use_regs = self.fast1  # round-1 keys in registers (else re-read from memory)
         self.smem = smem_bytes(topk)
+        # The rescue select's vectors per round: the producer's U1, except in the large
+        # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
+        # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
+        self.rescue_u1 = 4 if self.kp1 > BRANCH_FREE_KP else S.U1
 
     # ---------------------------------------------------------------- keys
 
@@ -864,11 +873,19 @@ class Merge:
             mx = Int32(0)
             mn = Int32(0xFFFF)
             for i in cutlass.range_constexpr(kp):
+                # branch-free (a per-word `if` compiles to a branch + convergence barrier):
+                # an empty word (sv = 0) leaves the max alone and counts as 0xFFFF for the min
                 sv = Int32(words[i] >> Uint32(16))
-                if sv != Int32(0):
-                    cnt = cnt + Int32(1)
+                if cutlass.const_expr(kp > BRANCH_FREE_KP):
+                    if sv != Int32(0):
+                        cnt = cnt + Int32(1)
+                        mx = cutlass.max(mx, sv)
+                        mn = cutlass.min(mn, sv)
+                else:
+                    nz = Int32(sv != Int32(0))
+                    cnt = cnt + nz
                     mx = cutlass.max(mx, sv)
-                    mn = cutlass.min(mn, sv)
+                    mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
             cnt = cute.arch.warp_redux_sync(cnt, "add")
             mx = cute.arch.warp_redux_sync(mx, "max")
             mn = cute.arch.warp_redux_sync(mn, "min")
@@ -892,11 +909,17 @@ class Merge:
                 shift = Int32(0)
                 while (rng >> shift) >= Int32(SCORE_BINS):
                     shift = shift + Int32(1)
+                fh_a = S.smem_addr(fh)
                 for i in cutlass.range_constexpr(kp):
                     sv = Int32(words[i] >> Uint32(16))
-                    if sv != Int32(0):
-                        cute.arch.atomic_add(fh.iterator + ((sv - lo) >> shift), Int32(1), sem="relaxed",
-                                             scope="cta")  # fmt: skip
+                    if cutlass.const_expr(kp > BRANCH_FREE_KP):
+                        if sv != Int32(0):
+                            S.red_smem_add(fh_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
+                    else:
+                        b_ = Int32(FH_DUMMY)
+                        if sv != Int32(0):
+                            b_ = (sv - lo) >> shift
+                        S.red_smem_add(fh_a + b_ * Int32(4), Int32(1))  # unconditional (see the stats)
                 cute.arch.sync_threads()
                 if warp == Int32(0):
                     self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0)
@@ -940,7 +963,7 @@ class Merge:
                 for i in cutlass.range_constexpr(kp):  # timing only: positions < K
                     if words[i] != Uint32(0) and self.pair_pos(i // 2, kp, lane, warp) + Int32(i % 2) < Int32(K):
                         selm = selm | Uint32(1 << i)
-            else:
+            elif cutlass.const_expr(kp > BRANCH_FREE_KP):
                 for ip in cutlass.range_constexpr(kp // 2):
                     q = Int32(0)
                     j = Int32(0)
@@ -954,6 +977,15 @@ class Merge:
                         elif sv == vth and sv != Int32(0):
                             if self.gid(words[i], hbits, i, q) <= gT:
                                 selm = selm | Uint32(1 << i)
+            else:
+                # branch-free: selected = s > vth, or s == vth != 0 and g <= gT
+                for ip in cutlass.range_constexpr(kp // 2):
+                    q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
+                    for h in cutlass.range_constexpr(2):
+                        i = 2 * ip + h
+                        sv = Int32(words[i] >> Uint32(16))
+                        tie = Int32(sv == vth) & Int32(sv != Int32(0)) & Int32(self.gid(words[i], hbits, i, q) <= gT)
+                        selm = selm | (Uint32(Int32(sv > vth) | tie) << Uint32(i))
             lt = cute.arch.lanemask_lt()
             run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
             for ip in cutlass.range_constexpr(kp // 2):
@@ -972,6 +1004,7 @@ class Merge:
             all_run = tot & Int32(0xFFFF)
             own_run = tot >> Int32(16)
             trow = Int64(t) * Int64(K)
+            ids_on = Int32(ids != Int64(0))
             blks = cute.make_rmem_tensor((8,), Int32)
             for b0 in cutlass.range_constexpr(0, kp // 2, 4):
                 # block-table loads of this batch's own selected tokens first (in flight
@@ -981,10 +1014,15 @@ class Merge:
                     if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
                         blks[k] = btp[b0 * 2 + k]
                     elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
-                        if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
-                            q, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
-                            if q == rank:
-                                blks[k] = sm.buf[j + Int32(k % 2)]
+                        if cutlass.const_expr(kp > BRANCH_FREE_KP):
+                            if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
+                                q, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
+                                if q == rank:
+                                    blks[k] = sm.buf[j + Int32(k % 2)]
+                        else:
+                            # read for every key (j < n: in bounds), used for own selected ones only
+                            _, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
+                            blks[k] = sm.buf[j + Int32(k % 2)]
                     elif cutlass.const_expr(b0 * 2 + k < kp):
                         i = b0 * 2 + k
                         if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
@@ -1007,7 +1045,7 @@ class Merge:
                         if cutlass.const_expr(not round2):
                             if j == Int32(0) and v < Int32(self.nk1):
                                 pref[q] = pos
-                        for h in cutlass.range_constexpr(2):
+                        for h in cutlass.range_constexpr(2 if kp > BRANCH_FREE_KP else 0):
                             i = 2 * ip + h
                             if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
                                 g = self.gid(words[i], hbits, i, q)
@@ -1022,6 +1060,21 @@ class Merge:
                                         slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
                                     C.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
                                     kpos = kpos + Int32(1)
+                        for h in cutlass.range_constexpr(0 if kp > BRANCH_FREE_KP else 2):
+                            # predicated stores, no branch per key (as the selection)
+                            i = 2 * ip + h
+                            sel = Int32((selm >> Uint32(i)) & Uint32(1))
+                            g = self.gid(words[i], hbits, i, q)
+                            C.st_u32_if(ids + (trow + Int64(pos)) * Int64(4), g, sel & ids_on)
+                            pos = pos + sel
+                            own = sel & Int32(q == rank)
+                            lidx = g // Int32(self.world)
+                            page = self.page_of(lidx, block_size)
+                            slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
+                            if req_ok == Int32(0) or page >= bt_cols:
+                                slot_ = Int32(-1)
+                            C.st_u32_if(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_, own)
+                            kpos = kpos + own
         if tid == Int32(0):
             pref[self.world] = all_run
             C.st_u32(counts + Int64(t) * Int64(4), own_run)
@@ -1282,7 +1335,8 @@ class Merge:
             end = row_end(row_ends, t, cols)
             if cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
                 S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
-                             sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0))  # fmt: skip
+                             sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
+                             self.rescue_u1)  # fmt: skip
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
             off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
             if cutlass.const_expr(TUNE["rnopush"]):

@@ -58,7 +58,11 @@ B1 = 11  # high bits of ord16 in the first histogram
 NB1 = 1 << B1  # 2048 bins
 NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
-U1 = 4  # 16-byte loads in flight per thread in passes 1 and 2
+# 16-byte loads (vectors of 8 tokens) per thread per round of passes 1 and 2.  2 since the
+# sixth session (H200 variants, N = 512: R = 1 L = 8K 10.88 -> 10.17 us, R = 256 L = 128K
+# 79.8 -> 77.6, no column slower; 59 -> 48 registers; a shorter unrolled body, and ncu showed
+# instruction-fetch stalls at R = 1); 1 was as fast except on uncached 128K slices (+1.3 us).
+U1 = 2
 # Benchmark variants of the static knobs ("u1=8", "early=1", "relax=0", "bulk=0", "cache=32768",
 # "skip=pass2+push"; cache.source_hash() mixes this string into the cubins' tag, so variants
 # never mix): see benchmarks/bench_kernels.py and benchmarks/bench_select_variants.py.
@@ -473,7 +477,7 @@ _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
 @cute.jit
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
-               cached: cutlass.Constexpr, cache_cap: Int32):
+               cached: cutlass.Constexpr, cache_cap: Int32, u1: cutlass.Constexpr = U1):
     """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
     row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
     cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
@@ -482,7 +486,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     CTA's shared memory is read by another CTA after it.  ``cached``: keep the
     slice on chip when it has at most ``cache_cap`` tokens (ceil(end / csize) rounded
     up to 8; the launch's shared memory holds cache_cap <= CACHE_MAX of them); a longer
-    slice is re-read from global memory (mostly L2) in every pass instead."""
+    slice is re-read from global memory (mostly L2) in every pass instead.  ``u1``: vectors
+    per thread per round of passes 1 and 2 (U1; the merge's rescue may ask for another)."""
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
     cache_a = smem_addr(cache)
     h1_a = smem_addr(hist1)
@@ -526,17 +531,17 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         scal[tid] = Int32(0)
     cute.arch.sync_threads()
     # ---- pass 1: read the slice once, ord16 into the shared copy, high-bit histogram
-    xs = cute.make_rmem_tensor((4 * U1,), Int32)
-    for base in cutlass.range(0, nvec, TB * U1, unroll=1):
+    xs = cute.make_rmem_tensor((4 * u1,), Int32)
+    for base in cutlass.range(0, nvec, TB * u1, unroll=1):
         h_cnt = Int32(0)  # skip=hist1 only
         h_last = Int32(0)
         if cutlass.const_expr(cached and BULK):
             if bulk != Int32(0):
-                for u in cutlass.range_constexpr(U1):
+                for u in cutlass.range_constexpr(u1):
                     c = base // Int32(TB) + Int32(u)
                     if c * Int32(TB) < nfull:
                         mbar_wait0(smem_addr(mbar) + c * Int32(8))
-                for u in cutlass.range_constexpr(U1):
+                for u in cutlass.range_constexpr(u1):
                     vi = base + tid + Int32(u * TB)
                     for k in cutlass.range_constexpr(4):
                         xs[4 * u + k] = Int32(0)
@@ -546,10 +551,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     elif vi < nvec:
                         load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)  # the partial last
             else:
-                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), U1, TB)
+                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), u1, TB)
         else:
-            get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), U1, TB)
-        for u in cutlass.range_constexpr(U1):
+            get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), u1, TB)
+        for u in cutlass.range_constexpr(u1):
             vi = base + tid + Int32(u * TB)
             if cutlass.const_expr(cached):
                 if vi < nvec and keep != Int32(0):
@@ -634,9 +639,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             mask[i] = Int32(0)
     if total > Int32(0):
         if cutlass.const_expr("pass2" not in SKIP):
-            for base in cutlass.range(0, nvec4, TB * U1, unroll=1):
-                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, U1, TB)
-                for u in cutlass.range_constexpr(U1):
+            for base in cutlass.range(0, nvec4, TB * u1, unroll=1):
+                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, u1, TB)
+                for u in cutlass.range_constexpr(u1):
                     mb = Int32(0)
                     for k in cutlass.range_constexpr(8):
                         o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)

@@ -125,6 +125,7 @@ constexpr int kStatusReportWords = 4;  // [code, row, epoch, rank]: what a failu
 constexpr int kStateEpochRows = 0, kStateStatusRows = 2;
 constexpr int kMaxLocalLen = 1 << 17;
 constexpr int kProducerClusterMax = 8;
+constexpr int kProducerWideCluster = 4;  // layout.PRODUCER_WIDE_CLUSTER
 
 // ---------------------------------------------------------------------------
 // Kernel parameters, filled by name: the kernel metadata's "params" (kernels/abi.py,
@@ -252,7 +253,8 @@ int ProducerCacheTokens(int rows, int cols, int c, const int split[kSplitWords])
 
 // CTAs per row of a select_push launch: the same rule as layout.producer_cluster()
 // (a CI test compares the two): one per min_slice tokens, at most cluster_max, fewer
-// while the grid would exceed fill_ctas CTAs, then more again (up to cluster_max) while
+// while the grid would exceed fill_ctas CTAs (more than kProducerWideCluster only within
+// fill_ctas / 2), then more again (up to cluster_max) while
 // the slices would be longer than the launch keeps in shared memory.
 int ProducerCluster(int rows, int cols, const int split[kSplitWords]) {
   const int cluster_max = split[1], min_slice = split[2] < 1 ? 1 : split[2], fill = split[3];
@@ -261,6 +263,7 @@ int ProducerCluster(int rows, int cols, const int split[kSplitWords]) {
   long long c = (length + min_slice - 1) / min_slice;
   if (c > cluster_max) c = cluster_max;
   while (c > 1 && static_cast<long long>(rows) * c > fill) --c;
+  while (c > kProducerWideCluster && static_cast<long long>(rows) * c > fill / 2) --c;
   if (c < 1) c = 1;
   while (c < cluster_max && ProducerCacheTokens(rows, cols, static_cast<int>(c), split) < SliceTokens(length, c)) ++c;
   return static_cast<int>(c);
@@ -603,7 +606,8 @@ int64_t dsa_layout_constant(const char* name) {
       {"STATUS_CODE", kStatusCode}, {"STATUS_ROW", kStatusRow}, {"STATUS_EPOCH", kStatusEpoch},
       {"STATUS_RANK", kStatusRank}, {"STATUS_REPORT_WORDS", kStatusReportWords},
       {"STATE_EPOCH_ROWS", kStateEpochRows}, {"STATE_STATUS_ROWS", kStateStatusRows},
-      {"MAX_LOCAL_LEN", kMaxLocalLen}, {"PRODUCER_CLUSTER_MAX", kProducerClusterMax}};
+      {"MAX_LOCAL_LEN", kMaxLocalLen}, {"PRODUCER_CLUSTER_MAX", kProducerClusterMax},
+      {"PRODUCER_WIDE_CLUSTER", kProducerWideCluster}};
   for (const auto& e : table)
     if (name && std::strcmp(name, e.first) == 0) return e.second;
   return -1;

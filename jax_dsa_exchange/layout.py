@@ -71,6 +71,10 @@ PRODUCER_SLICE_MAX = 16384  # tokens (their ord16) always kept in shared memory:
 PRODUCER_CLUSTER_MAX = 8  # the portable cluster size limit
 PRODUCER_MIN_SLICE = 8192  # no slice shorter than this (unless the row is); 4096 until session 6
 PRODUCER_FILL_CTAS = 132  # split only while the grid keeps within this many CTAs
+# Clusters of more than this many CTAs only while the grid keeps within fill_ctas / 2 CTAs
+# (H200, N = 512, L = 64K / 128K: R = 16 16.8 / 18.6 us with C = 8, 13.4 / 16.5 with C = 4;
+# R = 8 12.8 / 14.2 with C = 8, 13.0 / 15.6 with C = 4; sixth session)
+PRODUCER_WIDE_CLUSTER = 4
 # Longer slices kept on chip too (the launch's dynamic shared memory sized for them,
 # producer_cache_tokens): up to PRODUCER_CACHE_WIDE tokens at any grid size (64 KB: two
 # 512-thread CTAs still fit an SM), up to PRODUCER_CACHE_MAX (128 KB: one CTA per SM)
@@ -106,13 +110,15 @@ def producer_cache_tokens(rows: int, cols: int, c: int, split: dict | None = Non
 def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:
     """CTAs per row (the cluster size) of a select_push launch over [rows, cols]:
     one per min_slice tokens, at most cluster_max, and fewer while the grid would
-    exceed fill_ctas CTAs; then more again (up to cluster_max) while the slices would
+    exceed fill_ctas CTAs (more than PRODUCER_WIDE_CLUSTER only within fill_ctas / 2); then more again (up to cluster_max) while the slices would
     be longer than the launch keeps in shared memory (producer_cache_tokens)."""
     s = split or producer_split()
     length = max(1, min(int(cols), MAX_LOCAL_LEN))
     cmax = s["cluster_max"]
     c = min(cmax, -(-length // max(1, s["min_slice"])))
     while c > 1 and rows * c > s["fill_ctas"]:
+        c -= 1
+    while c > PRODUCER_WIDE_CLUSTER and rows * c > s["fill_ctas"] // 2:
         c -= 1
     c = max(1, c)
     # A slice kept on chip is read from HBM once; a longer one is re-read in every pass
@@ -298,4 +304,5 @@ def launcher_constants() -> dict:
         "STATUS_RANK": STATUS_RANK, "STATUS_REPORT_WORDS": STATUS_REPORT_WORDS,
         "STATE_EPOCH_ROWS": STATE_EPOCH_ROWS, "STATE_STATUS_ROWS": STATE_STATUS_ROWS,
         "MAX_LOCAL_LEN": MAX_LOCAL_LEN, "PRODUCER_CLUSTER_MAX": PRODUCER_CLUSTER_MAX,
+        "PRODUCER_WIDE_CLUSTER": PRODUCER_WIDE_CLUSTER,
     }  # fmt: skip

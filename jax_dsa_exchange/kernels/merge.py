@@ -53,6 +53,10 @@ PRE_BT_MAX = 8  # round-1 block-table entries prefetched when kp1 <= this (regis
 # branch per word (predicated stores, a dummy bin): W = 8, N = 512: -0.4..-1.2 us; with more
 # (W = 16, N = 1024: 32) ptxas then spilled the words (45.7 -> 71.8 us), so those keep branches.
 BRANCH_FREE_KP = 18
+# Above this many round-1 words per thread (W = 16, N = 1024: 32) the outputs loop is rolled
+# over a shared-memory copy of the words: ncu found that configuration waiting on instruction
+# fetch 53% of the time (105 KB of distinct SASS per row, the unrolled per-word code).
+ROLL_KP = 18
 EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
@@ -123,7 +127,7 @@ def smem_bytes(topk: int) -> int:
 
 
 class MergeSmem:
-    def __init__(self, rw: int):
+    def __init__(self, rw: int, stage_words: int = 0):
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K: the producer's select on one CTA (its row is buf)
         self.sel = S.SelectSmem(smem, rw, False)
@@ -148,6 +152,8 @@ class MergeSmem:
         self.fg = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
         self.fg2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
         self.fg3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
+        # round 1's words, [word i][thread] (ROLL_KP: the outputs' loop rolled over them)
+        self.stage = smem.allocate_tensor(Int32, cute.make_layout((max(stage_words, 4),)), 16)
 
     def parts(self):
         """The tensors as locals: the DSL cannot carry a Python object whose
@@ -184,7 +190,11 @@ class Merge:
         self.kp = max([2] + [k for k, f in ((self.kp1, self.fast1), (self.kp2, self.fast2)) if f])
         self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX  # block-table prefetch in round 1
         self.use_regs = self.fast1  # round-1 keys in registers (else re-read from memory)
-        self.smem = smem_bytes(topk)
+        # more round-1 words per thread than ROLL_KP: the outputs walk them in a rolled loop
+        # from a shared-memory copy (the unrolled code waited on instruction fetch)
+        self.roll1 = self.fast1 and self.kp1 > ROLL_KP
+        self.stage_words = self.kp1 * C.TB if self.roll1 else 0
+        self.smem = smem_bytes(topk) + 4 * max(self.stage_words, 4) + 16
         # The rescue select's vectors per round: the producer's U1, except in the large
         # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
         # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
@@ -718,6 +728,24 @@ class Merge:
         return before, total
 
     @cute.jit
+    def pair_counts_dyn(self, selm: Uint32, ip: Int32, kp: cutlass.Constexpr, lane, warp, rank: Int32,
+                        lt: Uint32):
+        """pair_counts of round 1 for a pair group ip known at run time (the rolled loops)."""
+        v = warp * Int32(32 * kp) + ip * Int32(64) + Int32(2) * lane
+        own = (v // Int32(self.n)) == rank
+        s0 = ((selm >> (Uint32(2) * Uint32(ip))) & Uint32(1)) != Uint32(0)
+        s1 = ((selm >> (Uint32(2) * Uint32(ip) + Uint32(1))) & Uint32(1)) != Uint32(0)
+        b0 = Uint32(cute.arch.vote_ballot_sync(s0))
+        b1 = Uint32(cute.arch.vote_ballot_sync(s1))
+        o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
+        o1 = Uint32(cute.arch.vote_ballot_sync(s1 and own))
+        before = Int32(cute.arch.popc(b0 & lt)) + Int32(cute.arch.popc(b1 & lt)) + (
+            (Int32(cute.arch.popc(o0 & lt)) + Int32(cute.arch.popc(o1 & lt))) << Int32(16))
+        total = Int32(cute.arch.popc(b0)) + Int32(cute.arch.popc(b1)) + (
+            (Int32(cute.arch.popc(o0)) + Int32(cute.arch.popc(o1))) << Int32(16))
+        return before, total
+
+    @cute.jit
     def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, lane, warp,
                     rank: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32):
         """Block-table entries of this rank's round-1 keys (their l is known once the
@@ -988,9 +1016,18 @@ class Merge:
                         selm = selm | (Uint32(Int32(sv > vth) | tie) << Uint32(i))
             lt = cute.arch.lanemask_lt()
             run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
-            for ip in cutlass.range_constexpr(kp // 2):
-                _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-                run = run + c2
+            roll = cutlass.const_expr(not round2 and self.roll1)
+            if cutlass.const_expr(roll):
+                sw = sm.stage
+                for i in cutlass.range_constexpr(kp):  # read back by this thread only
+                    sw[Int32(i * C.TB) + tid] = Int32(words[i])
+                for rip0 in cutlass.range(kp // 2, unroll=1):
+                    _, rc20 = self.pair_counts_dyn(selm, rip0, kp, lane, warp, rank, lt)
+                    run = run + rc20
+            else:
+                for ip in cutlass.range_constexpr(kp // 2):
+                    _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
+                    run = run + c2
             if lane == Int32(0):
                 wt[warp] = run
             cute.arch.sync_threads()
@@ -1006,7 +1043,37 @@ class Merge:
             trow = Int64(t) * Int64(K)
             ids_on = Int32(ids != Int64(0))
             blks = cute.make_rmem_tensor((8,), Int32)
-            for b0 in cutlass.range_constexpr(0, kp // 2, 4):
+            if cutlass.const_expr(roll):
+                # one pair group per iteration, stores predicated (no branch per word); the
+                # block-table entry of list index rj was prefetched into sm.buf[rj] (pre_bt 2)
+                for rip in cutlass.range(kp // 2, unroll=1):
+                    rv = warp * Int32(32 * kp) + rip * Int32(64) + Int32(2) * lane
+                    rq = rv // Int32(self.n)
+                    rj = rv - rq * Int32(self.n)
+                    rc1, rc2 = self.pair_counts_dyn(selm, rip, kp, lane, warp, rank, lt)
+                    rex = wbase + rc1
+                    wbase = wbase + rc2
+                    rpos = rex & Int32(0xFFFF)
+                    rkpos = rex >> Int32(16)
+                    if rj == Int32(0) and rv < Int32(self.nk1):
+                        pref[rq] = rpos
+                    for h in cutlass.range_constexpr(2):
+                        ri = Int32(2) * rip + Int32(h)
+                        rw = Uint32(sw[ri * Int32(C.TB) + tid])
+                        rsel = Int32((selm >> Uint32(ri)) & Uint32(1))
+                        rlidx = Int32(Uint32(0xFFFF) - (rw & Uint32(0xFFFF))) | (
+                            Int32((hbits >> Uint32(ri)) & Uint32(1)) << Int32(16))
+                        rg = rlidx * Int32(self.world) + rq
+                        C.st_u32_if(ids + (trow + Int64(rpos)) * Int64(4), rg, rsel & ids_on)
+                        rpos = rpos + rsel
+                        rown = rsel & Int32(rq == rank)
+                        rpage = self.page_of(rlidx, block_size)
+                        rslot = sm.buf[rj + Int32(h)] * block_size + (rlidx - rpage * block_size)
+                        if req_ok == Int32(0) or rpage >= bt_cols:
+                            rslot = Int32(-1)
+                        C.st_u32_if(kv_rows + (trow + Int64(rkpos)) * Int64(4), rslot, rown)
+                        rkpos = rkpos + rown
+            for b0 in cutlass.range_constexpr(0, 0 if roll else kp // 2, 4):
                 # block-table loads of this batch's own selected tokens first (in flight
                 # together), then the stores
                 for k in cutlass.range_constexpr(8):
@@ -1106,7 +1173,7 @@ class Merge:
         tid = Int32(tid)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sm = MergeSmem(self.rw_k)
+        sm = MergeSmem(self.rw_k, self.stage_words)
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         W = self.world
         status = C.state_status(state, max_rows)

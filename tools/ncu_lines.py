@@ -4,7 +4,8 @@ instruction count):
 
     python3 tools/ncu_lines.py rep_sass.csv lineinfo.cubin [--top 40]
 
-Needs nvdisasm (NVDISASM or on PATH).  Prints, per Python line (innermost location),
+Needs nvdisasm (NVDISASM or on PATH); ``--src /path/of/the/build /checkout/of/that/revision``
+when the sources changed since the line-info build.  Prints, per Python line (innermost location),
 instructions executed and warp-stall samples, largest first, with the line's text."""
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main():
     ap.add_argument("csv")
     ap.add_argument("cubin")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--src", nargs=2, metavar=("FROM", "TO"), default=None,
+                    help="read the source text under TO instead of FROM (a checkout of the profiled revision)")
     a = ap.parse_args()
     nvd = os.environ.get("NVDISASM", "nvdisasm")
     locs = line_map(a.cubin, nvd)
@@ -59,7 +62,8 @@ def main():
     for loc in sorted(samp, key=lambda k: -samp[k])[: a.top]:
         f, n = loc or ("?", 0)
         if f not in src:
-            src[f] = open(f).read().splitlines() if os.path.exists(f) else []
+            g = f.replace(a.src[0], a.src[1], 1) if a.src else f
+            src[f] = open(g).read().splitlines() if os.path.exists(g) else []
         text = src[f][n - 1].strip() if 0 < n <= len(src[f]) else ""
         top = ", ".join(f"{h[6:]} {c}" for h, c in why[loc].most_common(2) if c)
         print(f"{100 * samp[loc] / ts:5.1f}% smp {100 * inst[loc] / ti:5.1f}% ins  {os.path.basename(f)}:{n:<5} "

@@ -477,7 +477,7 @@ _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
 @cute.jit
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
-               cached: cutlass.Constexpr, cache_cap: Int32, u1: cutlass.Constexpr = U1):
+               cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1):
     """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
     row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
     cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
@@ -486,7 +486,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     CTA's shared memory is read by another CTA after it.  ``cached``: keep the
     slice on chip when it has at most ``cache_cap`` tokens (ceil(end / csize) rounded
     up to 8; the launch's shared memory holds cache_cap <= CACHE_MAX of them); a longer
-    slice is re-read from global memory (mostly L2) in every pass instead.  ``u1``: vectors
+    slice is re-read from global memory (mostly L2) in every pass instead.  ``vpr``: vectors
     per thread per round of passes 1 and 2 (U1; the merge's rescue may ask for another)."""
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
     cache_a = smem_addr(cache)
@@ -531,17 +531,17 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         scal[tid] = Int32(0)
     cute.arch.sync_threads()
     # ---- pass 1: read the slice once, ord16 into the shared copy, high-bit histogram
-    xs = cute.make_rmem_tensor((4 * u1,), Int32)
-    for base in cutlass.range(0, nvec, TB * u1, unroll=1):
+    xs = cute.make_rmem_tensor((4 * vpr,), Int32)
+    for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
         h_cnt = Int32(0)  # skip=hist1 only
         h_last = Int32(0)
         if cutlass.const_expr(cached and BULK):
             if bulk != Int32(0):
-                for u in cutlass.range_constexpr(u1):
+                for u in cutlass.range_constexpr(vpr):
                     c = base // Int32(TB) + Int32(u)
                     if c * Int32(TB) < nfull:
                         mbar_wait0(smem_addr(mbar) + c * Int32(8))
-                for u in cutlass.range_constexpr(u1):
+                for u in cutlass.range_constexpr(vpr):
                     vi = base + tid + Int32(u * TB)
                     for k in cutlass.range_constexpr(4):
                         xs[4 * u + k] = Int32(0)
@@ -551,10 +551,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     elif vi < nvec:
                         load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)  # the partial last
             else:
-                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), u1, TB)
+                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
         else:
-            get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), u1, TB)
-        for u in cutlass.range_constexpr(u1):
+            get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
+        for u in cutlass.range_constexpr(vpr):
             vi = base + tid + Int32(u * TB)
             if cutlass.const_expr(cached):
                 if vi < nvec and keep != Int32(0):
@@ -639,9 +639,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             mask[i] = Int32(0)
     if total > Int32(0):
         if cutlass.const_expr("pass2" not in SKIP):
-            for base in cutlass.range(0, nvec4, TB * u1, unroll=1):
-                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, u1, TB)
-                for u in cutlass.range_constexpr(u1):
+            for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
+                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
+                for u in cutlass.range_constexpr(vpr):
                     mb = Int32(0)
                     for k in cutlass.range_constexpr(8):
                         o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)

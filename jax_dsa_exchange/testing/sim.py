@@ -162,9 +162,10 @@ class Sim:
         sp, mg = self.images["select_push"], self.images["merge"]
         with self.streams[q]:
             if producer:
-                c = cluster or layout.producer_cluster(rows, cols)
-                # the slice cache and the shared memory for it, as the C++ launcher sizes them
+                # the split, the slice cache and the shared memory for it as the C++ launcher
+                # derives them from the metadata (a cache=N variant build has its own cache_max)
                 split = dict(sp.split or {})
+                c = cluster or layout.producer_cluster(rows, cols, split or None)
                 cache, smem = 0, sp.smem  # (a build without a slice cache: the launcher's case too)
                 if split.get("cache_max", 0) > 0:
                     cache = layout.producer_cache_tokens(rows, cols, c, split)

@@ -59,6 +59,43 @@ GRID_DOC = {
 }
 
 
+def cubin_resources(cubin: bytes) -> dict:
+    """{"registers", "frame_bytes"} of the (one) kernel of a cubin, from its ELF ``.nv.info``
+    attributes (EIATTR_REGCOUNT 0x2f, EIATTR_FRAME_SIZE 0x11): what ``ptxas -v`` prints as
+    registers and stack frame, readable without a toolkit (tests/test_kernels_compile.py)."""
+    import struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def header(i):  # (name, type, flags, addr, offset, size, ...)
+        return struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+
+    names = header(shstrndx)
+    out = {}
+    for i in range(shnum):
+        h = header(i)
+        start = names[4] + h[0]
+        if cubin[start:cubin.index(b"\0", start)] != b".nv.info":
+            continue
+        data, j = cubin[h[4]:h[4] + h[5]], 0
+        while j + 4 <= len(data):
+            fmt, attr, size = struct.unpack_from("<BBH", data, j)
+            if fmt != 4:  # no value: the 16-bit field is the value itself
+                j += 4
+                continue
+            if attr in (0x2F, 0x11) and size == 8:
+                key = "registers" if attr == 0x2F else "frame_bytes"
+                out[key] = struct.unpack_from("<I", data, j + 8)[0]
+            j += 4 + size
+    if "registers" not in out:
+        raise ValueError("no EIATTR_REGCOUNT in the cubin")
+    out.setdefault("frame_bytes", 0)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelImage:
     """One compiled kernel, ready for cuModuleLoadData + cuLaunchKernel."""

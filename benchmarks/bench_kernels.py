@@ -94,8 +94,8 @@ def merge_only(cp, a):
     L = a.cols[0]
     res = []
     for n in a.n:
-        b = Bench(cp, a.world, a.topk, n, max(a.rows))
-        print(f"N={n}: loaded {b.sim.loaded_from}", flush=True)
+        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern)
+        print(f"N={n} (inputs: {a.pattern}): loaded {b.sim.loaded_from}", flush=True)
         t0 = time.perf_counter()  # warm-up: the GPU busy for ~0.5 s before timing (clocks ramp)
         while time.perf_counter() - t0 < 0.5:
             for i in range(8):
@@ -214,6 +214,7 @@ def main(argv=None):
     ap.add_argument("--probe", action="store_true", help="back-to-back select_push launches at R=1")
     ap.add_argument("--no-rescue", action="store_true")
     ap.add_argument("--diag", action="store_true", help="producer/merge time vs R, kernel attributes")
+    ap.add_argument("--pattern", default="random", help="input scores: random | recent (kernels.timing.PATTERNS)")
     ap.add_argument("--merge-only", action="store_true",
                     help="merge alone vs top-k of 64-bit keys (torch, jax); rescue vs local top-K")
     a = ap.parse_args(argv)
@@ -263,8 +264,8 @@ def main(argv=None):
         return base_cache[key]
 
     for n in a.n:
-        b = Bench(cp, a.world, a.topk, n, max(a.rows))
-        print(f"N={n}: loaded {b.sim.loaded_from}, smem {[i.smem for i in b.sim.images.values()]}",
+        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern)
+        print(f"N={n} (inputs: {a.pattern}): loaded {b.sim.loaded_from}, smem {[i.smem for i in b.sim.images.values()]}",
               flush=True)  # fmt: skip
         for R in a.rows:
             for L in a.cols:

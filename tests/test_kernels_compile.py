@@ -259,3 +259,17 @@ def test_select_tune_variants(tmp_path):
     assert "st.volatile.global.v4.u32" not in r.stdout  # no push
     r = ptx("skip=nothing")
     assert r.returncode != 0 and "unknown stage" in r.stderr
+
+
+def test_page_magic_is_exact_division():
+    """merge.page_of's multiply equals l // B for every local index l < 2**17 (the argument
+    in merge.py), for every B up to 4096 and a spread of larger ones."""
+    import numpy as np
+
+    from jax_dsa_exchange.kernels import merge
+
+    ls = np.arange(layout.MAX_LOCAL_LEN, dtype=np.uint64)
+    for b in list(range(1, 4097)) + [4099, 65535, 65536, 65537, 131071, 131072, 131073, 2**20, 2**31 - 1]:
+        m = np.uint64(merge.page_magic(b))
+        got = (ls * m) >> np.uint64(merge.PAGE_SHIFT)
+        assert np.array_equal(got, ls // np.uint64(b)), b

@@ -15,19 +15,35 @@ from jax_dsa_exchange import layout, reference
 from jax_dsa_exchange.testing import cases
 
 B1, NB1, NB2 = 11, 2048, 32
+BOUNDED_MIN = 2  # (the kernel's select.BOUNDED_MIN is larger; the model checks the bound at every C >= 2)
 
 
 def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np.ndarray:
     """The packed row (layout.row_words(n) uint32 words) select_row builds in CTA 0."""
     end = int(np.clip(row_end, 0, min(bits.size, layout.MAX_LOCAL_LEN)))
     o = reference.ord16(bits[:end]).astype(np.int64)  # 0 = NaN
-    S = -(-(-(-end // csize)) // 8) * 8
+    span = min(bits.size, layout.MAX_LOCAL_LEN)  # the slices are cut from the buffer's length
+    S = -(-(-(-span // csize)) // 8) * 8
     starts = [min(c * S, end) for c in range(csize)]
     slices = [o[s:min(s + S, end)] for s in starts]
     # pass 1: per-CTA histograms of the high 11 bits, summed over the cluster
     h1 = np.array([np.bincount(x[x != 0] >> (16 - B1), minlength=NB1) for x in slices])
+    total = int(h1.sum())
     g1 = h1.sum(0)
-    total = int(g1.sum())
+    if csize >= BOUNDED_MIN:
+        # the kernel sums only the bins in [lo, hi] over the cluster: lo = the largest of the
+        # CTAs' own n-th bins (0 for a CTA with fewer than n), hi = the largest of their top
+        # non-empty bins; the others count 0 in its scan (and the total comes from the
+        # CTAs' published counts)
+        def nth_bin(h):
+            top = np.cumsum(h[::-1])
+            return 0 if top[-1] < n else NB1 - 1 - int(np.searchsorted(top, n))
+
+        lo = max(nth_bin(h) for h in h1)
+        hi = max((int(np.nonzero(h)[0].max()) if h.any() else 0) for h in h1)
+        keep = np.zeros(NB1, bool)
+        keep[lo:hi + 1] = True
+        g1 = np.where(keep, g1, 0)
     gt_before = np.zeros(csize, np.int64)
     eq_before = np.zeros(csize, np.int64)
     gt_own = np.zeros(csize, np.int64)

@@ -126,6 +126,34 @@ def ld_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def ld_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Int32:
+    """ld_u32 where ``pred`` != 0, else 0, by a predicated load: the same load under an
+    ``if`` lets LLVM fold the value's users into the branch (a multiply right after the
+    load), so each such load waited for the one before (kernels/NOTES.md, 7th session)."""
+    return Int32(_asm(T.i32(), [Int64(addr), Int32(pred)],
+                      "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; @p ld.global.u32 $0, [$1]; }",
+                      "=r,l,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
+def ld_volatile_u64_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Uint64:
+    """ld_volatile_u64 where ``pred`` != 0, else 0 (predicated, see ld_u32_if)."""
+    return Uint64(_asm(T.i64(), [Int64(addr), Int32(pred)],
+                       "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u64 $0, 0; "
+                       "@p ld.volatile.global.u64 $0, [$1]; }",
+                       "=l,l,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
+def ld_volatile_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Uint32:
+    """ld_volatile_u32 where ``pred`` != 0, else 0 (predicated, see ld_u32_if)."""
+    return Uint32(_asm(T.i32(), [Int64(addr), Int32(pred)],
+                       "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; "
+                       "@p ld.volatile.global.u32 $0, [$1]; }",
+                       "=r,l,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
 def ld_volatile_u64(addr: Int64, *, loc=None, ip=None) -> Uint64:
     """One LL half (word | epoch << 32) in ONE 8-byte load: the only
     atomicity the protocol relies on.  Volatile: never served from L1."""
@@ -197,6 +225,51 @@ def atom_cas_u32(addr: Int64, cmp: Int32, v: Int32, *, loc=None, ip=None) -> Int
 @dsl_user_op
 def globaltimer(*, loc=None, ip=None) -> Int64:
     return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", loc, ip))
+
+
+@dsl_user_op
+def clock32(*, loc=None, ip=None) -> Int32:
+    """The SM's cycle counter (low 32 bits): phase marks of timing-only builds."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %clock;", "=r", loc, ip))
+
+
+@dsl_user_op
+def globaltimer_lo(*, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %globaltimer_lo;", "=r", loc, ip))
+
+
+class Marks:
+    """Timing only (``prof=1`` builds, outputs partly overwritten): SM clock samples at
+    numbered points of a kernel, kept in registers and stored once at its end by
+    ``store``.  Off (the default build), every call is nothing at trace time."""
+
+    N = 16
+
+    def __init__(self, on: bool):
+        self.on = bool(on)
+        self.t = cute.make_rmem_tensor((self.N,), Int32) if self.on else None
+        if self.on:
+            for i in range(self.N):
+                self.t[i] = Int32(0)
+
+    def __call__(self, i: int):
+        if self.on:
+            self.t[i] = clock32()
+
+    def gtime(self, i: int):
+        """The global nanosecond timer's low word (comparable across SMs)."""
+        if self.on:
+            self.t[i] = globaltimer_lo()
+
+    def store(self, addr, pred):
+        """The N samples as int32 at ``addr`` (16-byte aligned) where ``pred`` != 0 (predicated
+        stores: the DSL cannot carry this object through a run-time ``if``)."""
+        if self.on:
+            for i in range(0, self.N, 4):
+                _asm(None, [Int64(addr + Int64(4 * i)), self.t[i], self.t[i + 1], self.t[i + 2],
+                            self.t[i + 3], Int32(pred)],
+                     "{ .reg .pred p; setp.ne.s32 p, $5, 0; @p st.global.v4.u32 [$0], {$1, $2, $3, $4}; }",
+                     "l,r,r,r,r,r,~{memory}")  # fmt: skip
 
 
 @dsl_user_op

@@ -82,7 +82,7 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 # variants, third round") were measured within noise and removed (their code: commit 08ca710).
 TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
-               "rnoflag", "rnowait", "rnor2")
+               "rnoflag", "rnowait", "rnor2", "prof")
 TUNE = dict.fromkeys(TIMING_ONLY, 0)
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
@@ -111,6 +111,30 @@ def ld_volatile_v2_u64(addr: Int64, *, loc=None, ip=None):
                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)  # fmt: skip
     return (Uint64(llvm.extractvalue(T.i64(), r, [0], loc=loc, ip=ip)),
             Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
+
+
+@dsl_user_op
+def ld_volatile_v2_u64_if(addr: Int64, pred: Int32, *, loc=None, ip=None):
+    """ld_volatile_v2_u64 where ``pred`` != 0, else (0, 0) (predicated: C.ld_u32_if)."""
+    st = llvm.StructType.get_literal([T.i64(), T.i64()])
+    r = llvm.inline_asm(st, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
+                        "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.u64 $0, 0; mov.u64 $1, 0; "
+                        "@p ld.volatile.global.v2.u64 {$0, $1}, [$2]; }", "=l,=l,l,r",
+                        has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)  # fmt: skip
+    return (Uint64(llvm.extractvalue(T.i64(), r, [0], loc=loc, ip=ip)),
+            Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
+
+
+# page = (l * page_magic(B)) >> PAGE_SHIFT equals l // B for every 0 <= l < 2**17 and B >= 1:
+# with m = 2**40 // B + 1 the excess l * (m - 2**40 / B) / 2**40 is below 2**-23, less than
+# 1 / B for B <= 2**17, and for larger B l / B + 2**-23 < 1 (tests/test_kernels_compile.py
+# checks it over every l for many B)
+PAGE_SHIFT = 40
+
+
+def page_magic(block_size: int) -> int:
+    return (1 << PAGE_SHIFT) // max(int(block_size), 1) + 1
 
 
 FH_DUMMY = SCORE_BINS  # fh's extra bin: the empty words' count (never read), so that every word counts unconditionally
@@ -422,15 +446,15 @@ class Merge:
 
     @cute.jit
     def page_of(self, lidx: Int32, block_size: Int32) -> Int32:
-        """lidx // block_size for lidx >= 0, block_size >= 1: a shift when block_size is a
-        power of two (the usual page sizes; the branch is uniform over the launch), since
-        a 32-bit division by a runtime value is a ~30-instruction sequence on every own key."""
-        p = Int32(0)
-        if (block_size & (block_size - Int32(1))) == Int32(0):
-            p = lidx >> Int32(cute.arch.popc(Uint32(block_size - Int32(1))))
-        else:
-            p = lidx // block_size
-        return p
+        """lidx // block_size for 0 <= lidx < 2**17, by a multiply with the launch's
+        ``self.pdiv`` = page_magic(block_size) (no division per key, and no branch: a
+        uniform branch per key split the loops into a block per key)."""
+        return Int32((Uint64(lidx) * self.pdiv) >> Uint64(PAGE_SHIFT))
+
+    @cute.jit
+    def lidx_of(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr) -> Int32:
+        """Local index of word i (bit 16 from hbits)."""
+        return Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
 
     @cute.jit
     def kv_slot(self, lidx: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
@@ -583,13 +607,37 @@ class Merge:
                         a, c = ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp))
                         d0[k] = a
                         d1[k] = c
+            # One test of every tag of the batch; the waits (spin code per half) sit behind one
+            # rarely taken branch, not inline after each record: the hot path stays short
+            # and straight (cold instruction fetch was a measured stall of this kernel).
+            bad = Int32(0)
+            if cutlass.const_expr(b0 == 0):
+                bad = Int32(Int32(Uint32(mh >> Uint64(32))) != ep)
+            for k in cutlass.range_constexpr(B):
+                if cutlass.const_expr(b0 + k < np_):
+                    bad = bad | Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep) | Int32(
+                        Int32(Uint32(d1[k] >> Uint64(32))) != ep)
+            if bad != Int32(0):
+                if cutlass.const_expr(b0 == 0):
+                    if Int32(Uint32(mh >> Uint64(32))) != ep:
+                        q, j = self.owner(vm, False, None)
+                        mh = Uint64(self.ll_half(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
+                                                                   Int32(self.n) + (j >> Int32(5))),
+                                                 ep, True, status, t, q, timeout_ns))  # fmt: skip
+                for k in cutlass.range_constexpr(B):
+                    if cutlass.const_expr(b0 + k < np_):
+                        i = b0 + k
+                        v = self.pair_pos(i, kp, lane, warp)
+                        q, j = self.owner(v, False, None)
+                        if Int32(Uint32(d0[k] >> Uint64(32))) != ep:
+                            d0[k] = Uint64(self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp), ep,
+                                                        True, status, t, q, timeout_ns))  # fmt: skip
+                        if Int32(Uint32(d1[k] >> Uint64(32))) != ep:
+                            d1[k] = Uint64(self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp)
+                                                        + Int64(layout.LL_HALF_BYTES), ep, True, status, t, q,
+                                                        timeout_ns))  # fmt: skip
             if cutlass.const_expr(b0 == 0):
                 mword = Uint32(mh & Uint64(0xFFFFFFFF))
-                if Int32(Uint32(mh >> Uint64(32))) != ep:
-                    q, j = self.owner(vm, False, None)
-                    mword = self.ll_half(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
-                                                           Int32(self.n) + (j >> Int32(5))),
-                                         ep, True, status, t, q, timeout_ns)  # fmt: skip
             for k in cutlass.range_constexpr(B):
                 if cutlass.const_expr(b0 + k < np_):
                     i = b0 + k
@@ -597,12 +645,6 @@ class Merge:
                     q, j = self.owner(v, False, None)
                     w0 = Uint32(d0[k] & Uint64(0xFFFFFFFF))
                     w1 = Uint32(d1[k] & Uint64(0xFFFFFFFF))
-                    if Int32(Uint32(d0[k] >> Uint64(32))) != ep:
-                        w0 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp), ep, True, status,
-                                          t, q, timeout_ns)  # fmt: skip
-                    if Int32(Uint32(d1[k] >> Uint64(32))) != ep:
-                        w1 = self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp) + Int64(layout.LL_HALF_BYTES), ep,
-                                          True, status, t, q, timeout_ns)  # fmt: skip
                     m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (lane >> Int32(4)))
                     words[2 * i] = w0
                     words[2 * i + 1] = w1
@@ -637,31 +679,29 @@ class Merge:
         nk = seg[self.world]
         hbits = Uint32(0)
         for i in cutlass.range_constexpr(kp // 2):
+            # no branch per pair: both sources' loads predicated (C.ld_u32_if), so every
+            # pair's loads are in flight together
             v = self.pair_pos(i, kp, lane, warp)
-            w0 = Uint32(0)
-            w1 = Uint32(0)
-            m = Uint32(0)
-            qj[i] = Int32(0)
-            if v < nk:
-                q, j = self.owner(v, True, seg)
-                qj[i] = (q << Int32(16)) | j
-                s = seg[17 + q]
-                if s >= Int32(0):
-                    base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
-                    d = C.ld_volatile_u64(base + Int64(j) * Int64(4))
-                    w0 = Uint32(d & Uint64(0xFFFFFFFF))
-                    w1 = Uint32(d >> Uint64(32))
-                    m = C.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
-                else:
-                    base = ll0 + Int64(q) * ll_stride
-                    a, c = ld_volatile_v2_u64(self.ll_word_addr(base, j))
-                    w0 = Uint32(a & Uint64(0xFFFFFFFF))
-                    w1 = Uint32(c & Uint64(0xFFFFFFFF))
-                    m = Uint32(C.ld_volatile_u64(self.ll_word_addr(base, Int32(self.n) + (j >> Int32(5))))
-                               & Uint64(0xFFFFFFFF))  # fmt: skip
-                sh = Uint32(j & Int32(31))
-                hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
-                    ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
+            inr = Int32(v < nk)
+            q, j = self.owner(v, True, seg)
+            qj[i] = ((q << Int32(16)) | j) & (Int32(0) - inr)
+            s = seg[17 + q]
+            pr = inr & Int32(s >= Int32(0))  # a rescued rank: its K-list, plain words
+            pl = inr & Int32(s < Int32(0))  # else its round-1 LL list (tags checked in round 1)
+            rbase = resc0 + Int64(cutlass.max(s, Int32(0))) * Int64(self.rescue_row_bytes)
+            lbase = ll0 + Int64(q) * ll_stride
+            d = C.ld_volatile_u64_if(rbase + Int64(j) * Int64(4), pr)
+            mr = C.ld_volatile_u32_if(rbase + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4), pr)
+            a, c = ld_volatile_v2_u64_if(self.ll_word_addr(lbase, j), pl)
+            ml = Uint32(C.ld_volatile_u64_if(self.ll_word_addr(lbase, Int32(self.n) + (j >> Int32(5))), pl)
+                        & Uint64(0xFFFFFFFF))  # fmt: skip
+            # (a predicated-off load leaves 0, so the two sources can be or-ed)
+            w0 = Uint32(d & Uint64(0xFFFFFFFF)) | Uint32(a & Uint64(0xFFFFFFFF))
+            w1 = Uint32(d >> Uint64(32)) | Uint32(c & Uint64(0xFFFFFFFF))
+            m = mr | ml
+            sh = Uint32(j & Int32(31))
+            hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
+                ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
             words[2 * i] = w0
             words[2 * i + 1] = w1
         hb[0] = hbits
@@ -756,13 +796,11 @@ class Merge:
         for ip in cutlass.range_constexpr(kp // 2):
             q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
             for h in cutlass.range_constexpr(2):
+                # no branch: predicated loads, all in flight together (C.ld_u32_if)
                 i = 2 * ip + h
-                btp[i] = Int32(0)
-                if q == rank and words[i] != Uint32(0) and req_ok != Int32(0):
-                    lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
-                    page = self.page_of(lidx, block_size)
-                    if page < bt_cols:
-                        btp[i] = C.ld_u32(bt_row + Int64(page) * Int64(4))
+                page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
+                ok = Int32(q == rank) & Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
+                btp[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
 
     @cute.jit
     def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, lane, warp,
@@ -775,14 +813,14 @@ class Merge:
         btv = cute.make_rmem_tensor((kp,), Int32)
         for ip in cutlass.range_constexpr(kp // 2):
             q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
-            for h in cutlass.range_constexpr(2):
-                i = 2 * ip + h
-                btv[i] = Int32(0)
-                if q == rank and words[i] != Uint32(0) and req_ok != Int32(0):
-                    lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
-                    page = self.page_of(lidx, block_size)
-                    if page < bt_cols:
-                        btv[i] = C.ld_u32(bt_row + Int64(page) * Int64(4))
+            btv[2 * ip] = Int32(0)
+            btv[2 * ip + 1] = Int32(0)
+            if q == rank:  # (warp-uniform when a warp's positions lie in one list)
+                for h in cutlass.range_constexpr(2):
+                    i = 2 * ip + h  # predicated loads, in flight together (prefetch_bt)
+                    page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
+                    ok = Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
+                    btv[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
         for ip in cutlass.range_constexpr(kp // 2):
             q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
             if q == rank:
@@ -930,6 +968,7 @@ class Merge:
                 fg2[tid] = Int32(0)
                 fg3[tid] = Int32(0)
             cute.arch.sync_threads()
+            self.mk(4)
             total = st[slot * Int32(4)]
             lo = st[slot * Int32(4) + Int32(2)]
             rng = st[slot * Int32(4) + Int32(1)] - lo
@@ -952,6 +991,7 @@ class Merge:
                 if warp == Int32(0):
                     self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0)
                 cute.arch.sync_threads()
+                self.mk(5)
                 b = sc[0]
                 above = sc[1]
                 m = sc[2]
@@ -971,7 +1011,9 @@ class Merge:
                     above = above + sc[4]
                     m = sc[5]
                 need = Int32(K) - above
+                self.mk(6)
                 gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp, qj)
+                self.mk(7)
                 T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
         # ---- outputs: selection = s > vth or (s == vth and g <= gT)
         # Round 1: the status word, read once every wait of the row is over (barriers
@@ -1031,6 +1073,7 @@ class Merge:
             if lane == Int32(0):
                 wt[warp] = run
             cute.arch.sync_threads()
+            self.mk(8)
             wbase = Int32(0)
             tot = Int32(0)
             for w in cutlass.range_constexpr(C.NWARPS):
@@ -1041,6 +1084,8 @@ class Merge:
             all_run = tot & Int32(0xFFFF)
             own_run = tot >> Int32(16)
             trow = Int64(t) * Int64(K)
+            ids_row = ids + trow * Int64(4)
+            kv_row = kv_rows + trow * Int64(4)
             ids_on = Int32(ids != Int64(0))
             blks = cute.make_rmem_tensor((8,), Int32)
             if cutlass.const_expr(roll):
@@ -1091,14 +1136,13 @@ class Merge:
                             _, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
                             blks[k] = sm.buf[j + Int32(k % 2)]
                     elif cutlass.const_expr(b0 * 2 + k < kp):
+                        # predicated loads of this batch's own selected keys, all in flight
                         i = b0 * 2 + k
-                        if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
-                            q, j = self.owner_p(i // 2, kp, lane, warp, round2, seg, qj)
-                            if q == rank and req_ok != Int32(0):
-                                lidx = self.gid(words[i], hbits, i, q) // Int32(self.world)
-                                page = self.page_of(lidx, block_size)
-                                if page < bt_cols:
-                                    blks[k] = C.ld_u32(bt_row + Int64(page) * Int64(4))
+                        q, j = self.owner_p(i // 2, kp, lane, warp, round2, seg, qj)
+                        page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
+                        ok = (Int32((selm >> Uint32(i)) & Uint32(1)) & Int32(q == rank) & req_ok
+                              & Int32(page < bt_cols))  # fmt: skip
+                        blks[k] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
                 for kk in cutlass.range_constexpr(4):
                     ip = b0 + kk
                     if cutlass.const_expr(ip < kp // 2):
@@ -1115,12 +1159,12 @@ class Merge:
                         for h in cutlass.range_constexpr(2 if kp > BRANCH_FREE_KP else 0):
                             i = 2 * ip + h
                             if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
-                                g = self.gid(words[i], hbits, i, q)
+                                lidx = self.lidx_of(words[i], hbits, i)
+                                g = lidx * Int32(self.world) + q
                                 if ids != Int64(0):
                                     C.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
                                 pos = pos + Int32(1)
                                 if q == rank:
-                                    lidx = g // Int32(self.world)
                                     page = self.page_of(lidx, block_size)
                                     slot_ = Int32(-1)
                                     if req_ok != Int32(0) and page < bt_cols:
@@ -1129,19 +1173,23 @@ class Merge:
                                     kpos = kpos + Int32(1)
                         for h in cutlass.range_constexpr(0 if kp > BRANCH_FREE_KP else 2):
                             # predicated stores, no branch per key (as the selection)
+                            # (l first and g = l W + q: the old g // W was a signed division
+                            # per key; the row bases are computed once: fewer instructions in
+                            # a stage that issues ~450 per warp)
                             i = 2 * ip + h
                             sel = Int32((selm >> Uint32(i)) & Uint32(1))
-                            g = self.gid(words[i], hbits, i, q)
-                            C.st_u32_if(ids + (trow + Int64(pos)) * Int64(4), g, sel & ids_on)
+                            lidx = self.lidx_of(words[i], hbits, i)
+                            g = lidx * Int32(self.world) + q
+                            C.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
                             pos = pos + sel
                             own = sel & Int32(q == rank)
-                            lidx = g // Int32(self.world)
                             page = self.page_of(lidx, block_size)
                             slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
                             if req_ok == Int32(0) or page >= bt_cols:
                                 slot_ = Int32(-1)
-                            C.st_u32_if(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_, own)
+                            C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
                             kpos = kpos + own
+        self.mk(9)
         if tid == Int32(0):
             pref[self.world] = all_run
             C.st_u32(counts + Int64(t) * Int64(4), own_run)
@@ -1157,6 +1205,7 @@ class Merge:
                 for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
                     C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
         cute.arch.sync_threads()
+        self.mk(10)
         return T
 
     # ------------------------------------------------------------- kernel
@@ -1175,6 +1224,9 @@ class Merge:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         sm = MergeSmem(self.rw_k, self.stage_words)
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
+        # prof=1 (timing only): thread 0's clock at the points below -> ids[0, K-16:]
+        self.mk = C.Marks(TUNE["prof"])
+        self.mk(0)
         W = self.world
         status = C.state_status(state, max_rows)
         timeout_ns = Int64(timeout_us) * Int64(1000)
@@ -1189,6 +1241,7 @@ class Merge:
             if (tid & Int32(3)) == Int32(2):
                 sm_st[tid] = Int32(0xFFFF)
         cute.arch.sync_threads()
+        self.mk(1)
         rowi = Int32(0)
         last_f = Int32(0)
         t = Int32(bid)
@@ -1201,7 +1254,11 @@ class Merge:
             epn = C.ld_u32(C.state_epoch(state, max_rows, t))
         # A failed or closed exchange (status set before this launch) does no exchange
         # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
-        if C.ld_volatile_u32(status) != Uint32(layout.STATUS_OK):
+        stw0 = C.ld_volatile_u32(status)
+        # page_of's multiplier: one 64-bit division per launch, while the loads above are in
+        # flight (block_size < 1 never reaches a lookup: req_ok is 0 then)
+        self.pdiv = (Uint64(1) << Uint64(PAGE_SHIFT)) // Uint64(cutlass.max(block_size, Int32(1))) + Uint64(1)
+        if stw0 != Uint32(layout.STATUS_OK):
             refused = Int32(1)
             while t < rows:
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
@@ -1234,6 +1291,7 @@ class Merge:
                     self.fake_r1(words, hb, lane, warp)
                 else:
                     self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
+                self.mk(2)
                 if cutlass.const_expr(TUNE["nobt"]):
                     for i in cutlass.range_constexpr(self.kp1 if self.pre_bt else 1):
                         btp[i] = Int32(0)
@@ -1242,6 +1300,7 @@ class Merge:
                 else:
                     self.prefetch_bt_smem(words, hb, sm_buf, lane, warp, rank, bt_row, req_ok, bt_cols,
                                           block_size)  # fmt: skip
+                self.mk(3)
                 T = self.fast_round(words, hb, False, slot1, sm, tid, lane, warp, ll0, ll_stride, resc0,
                                     ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row,
                                     req_ok, bt_cols, block_size, keys, btp,
@@ -1273,6 +1332,7 @@ class Merge:
                 mask = Int32(0)  # impossible (docs/DESIGN.md §6.4); keeps the slots in bounds
             if cutlass.const_expr(NO_RESCUE):
                 mask = Int32(0)  # timing-only variants of the normal path
+            self.mk(11)
             if mask != Int32(0):
                 self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
                             rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
@@ -1287,7 +1347,9 @@ class Merge:
             if t + Int32(nblk) < rows:
                 epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
             # ---- every word of the row was read; the producer grid is done
+            self.mk(12)
             C.pdl_wait()
+            self.mk(13)
             # A failure anywhere in the grid (status set) voids this row: waits that gave
             # up read stale words, so the row gets empty outputs, never a guess.
             # (failed() starts with a barrier: every thread is done reading the row.)
@@ -1306,6 +1368,7 @@ class Merge:
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
             if tid == Int32(0):
                 C.st_u32(C.state_epoch(state, max_rows, t), ep)
+            self.mk(14)
             t = t + Int32(nblk)
             rowi = rowi + Int32(1)
         report = refused
@@ -1331,6 +1394,10 @@ class Merge:
             if report != Int32(0):
                 if tid == Int32(0):
                     self.report(status, host_status)
+        if cutlass.const_expr(TUNE["prof"]):
+            self.mk(15)
+            self.mk.store(ids + Int64(self.topk - C.Marks.N) * Int64(4),
+                          Int32(Int32(bid) == Int32(0)) & Int32(tid == Int32(0)) & Int32(ids != Int64(0)))
 
     @cute.jit
     def report(self, status: Int64, host_status: Int64):

@@ -91,6 +91,10 @@ SKIPPABLE = {
     "select": "select_push skips select_row (with push: the launch + first loads floor)",
 }
 SKIP = frozenset()
+# clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
+# boundary (select_row, "bounded"); smaller ones sum every bin ("bmin=N": a variant; 9 = never)
+BOUNDED_MIN = 5
+PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
 CACHE_MAX = layout.PRODUCER_CACHE_MAX
@@ -105,8 +109,8 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                              f"known: {sorted(SKIPPABLE)}")
         continue
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
-               "cache": "CACHE_MAX"}[_k]] = int(_v)  # fmt: skip
-EXACT = not SKIP  # False: a timing-only build (wrong outputs)
+               "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN"}[_k]] = int(_v)  # fmt: skip
+EXACT = not SKIP and not PROF  # False: a timing-only build (wrong outputs)
 assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
 assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary step: warp r sums CTA r
 
@@ -477,7 +481,8 @@ _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
 @cute.jit
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
-               cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1):
+               cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
+               mk=None, span=None, early=None):
     """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
     row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
     cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
@@ -487,7 +492,13 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     slice on chip when it has at most ``cache_cap`` tokens (ceil(end / csize) rounded
     up to 8; the launch's shared memory holds cache_cap <= CACHE_MAX of them); a longer
     slice is re-read from global memory (mostly L2) in every pass instead.  ``vpr``: vectors
-    per thread per round of passes 1 and 2 (U1; the merge's rescue may ask for another)."""
+    per thread per round of passes 1 and 2 (U1; the merge's rescue may ask for another).
+    ``mk``: the common.Marks of a prof=1 build (timing only), else None.  ``span``: the
+    length the slices are cut from (>= the clamped end; None: ``end`` itself); ``end`` is
+    clamped to [0, span] here.  ``early``: a callable (traced inline) right after the bulk
+    copies are issued."""
+    if cutlass.const_expr(mk is None):
+        mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
     cache_a = smem_addr(cache)
     h1_a = smem_addr(hist1)
@@ -496,10 +507,13 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     pub_a = smem_addr(pub)
     scal_a = smem_addr(scal)
     row_a = smem_addr(row)
-    S = ((end + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
-    s0 = cutlass.min(me * S, end)
-    s_len = cutlass.min(S, end - s0)
-    nvec = (s_len + Int32(7)) // Int32(8)
+    # The slices are cut from ``span`` (the buffer's row length for the producer; the row's
+    # own length when None), not from the row's end: so the bulk copies below can start
+    # before the row's end arrives (a memory round trip at the kernel start, 7th-session
+    # profile); tokens at or past the end are then invalid, as before.
+    if cutlass.const_expr(span is None):
+        span = end
+    S = ((span + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
     keep = Int32(0)  # the slice stays in shared memory
     if cutlass.const_expr(cached):
         if S <= cache_cap:
@@ -507,18 +521,27 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     aligned = Int32(0)
     if (row_addr & Int64(15)) == Int64(0):
         aligned = Int32(1)
-    # ---- a kept, aligned slice: every full vector in flight at once (bulk copies into the
-    # cache, a lane of warp 0 per TB vectors; the mbarriers are read after the barrier below)
-    nfull = s_len // Int32(8)
+    # ---- a kept, aligned slice: every full vector of the slice (by span) in flight at once
+    # (bulk copies into the cache, a lane of warp 0 per TB vectors; the mbarriers are read
+    # after the barrier below)
+    sb = cutlass.min(me * S, span)
+    nfull_c = cutlass.min(S, span - sb) // Int32(8)
+    nch_c = (nfull_c + Int32(TB - 1)) // Int32(TB)  # copies issued (each waited for below)
     bulk = Int32(0)
     if cutlass.const_expr(cached and BULK):
-        if keep != Int32(0) and aligned != Int32(0) and nfull > Int32(0):
+        if keep != Int32(0) and aligned != Int32(0) and nfull_c > Int32(0):
             bulk = Int32(1)
-            nch = (nfull + Int32(TB - 1)) // Int32(TB)
-            if tid < nch:
-                nb = cutlass.min(Int32(TB), nfull - tid * Int32(TB)) * Int32(16)
+            if tid < nch_c:
+                nb = cutlass.min(Int32(TB), nfull_c - tid * Int32(TB)) * Int32(16)
                 bulk_start(smem_addr(mbar) + tid * Int32(8), cache_a + tid * Int32(TB * 16),
-                           row_addr + Int64(s0 + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
+                           row_addr + Int64(sb + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
+    if cutlass.const_expr(early is not None):
+        early()  # the caller's work that waits on a load (after the copies are on their way)
+    end = cutlass.max(cutlass.min(end, span), Int32(0))  # (the producer passes the raw row end)
+    s0 = cutlass.min(me * S, end)
+    s_len = cutlass.min(S, end - s0)
+    nvec = (s_len + Int32(7)) // Int32(8)
+    nfull = s_len // Int32(8)
     # ---- zero the counters and the row (the row is written by other CTAs only
     # after the first cluster barrier, which orders this)
     for i in cutlass.range(tid, rw, TB, unroll=1):
@@ -530,6 +553,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         gsum2[tid] = Int32(0)
         scal[tid] = Int32(0)
     cute.arch.sync_threads()
+    mk(1)
     # ---- pass 1: read the slice once, ord16 into the shared copy, high-bit histogram
     xs = cute.make_rmem_tensor((4 * vpr,), Int32)
     for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
@@ -539,7 +563,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             if bulk != Int32(0):
                 for u in cutlass.range_constexpr(vpr):
                     c = base // Int32(TB) + Int32(u)
-                    if c * Int32(TB) < nfull:
+                    if c < nch_c:  # (every issued copy: one may cover the partial last vector)
                         mbar_wait0(smem_addr(mbar) + c * Int32(8))
                 for u in cutlass.range_constexpr(vpr):
                     vi = base + tid + Int32(u * TB)
@@ -574,20 +598,110 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         if cutlass.const_expr("hist1" in SKIP):
             if h_cnt != Int32(0):
                 red_smem_add(h1_a + (h_last >> Int32(16 - B1)) * Int32(4), h_cnt)
-    csync(clustered, True)
-    # ---- the cluster's first histogram; boundary bin b1 (ranked from the top:
-    # thread tid owns bins hb+3 .. hb, hb = NB1 - 4 (tid + 1))
+    if cutlass.const_expr(cached and BULK):
+        if bulk != Int32(0):
+            # the copies past the row's end (issued from span) are waited for too: none may
+            # still be landing in the cache after this
+            done_c = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
+            for c in cutlass.range(done_c, nch_c, unroll=1):
+                mbar_wait0(smem_addr(mbar) + c * Int32(8))
+    mk(2)
+    # thread tid owns bins hb+3 .. hb of the first histogram, hb = NB1 - 4 (tid + 1): the
+    # scans below rank the bins from the top
     hb = Int32(NB1 - BPT) - tid * Int32(BPT)
     lc = cute.make_rmem_tensor((BPT,), Int32)
     gc = cute.make_rmem_tensor((BPT,), Int32)
+    bounded = cutlass.const_expr(clustered and "dsmem" not in SKIP and "hist1" not in SKIP)
+    if cutlass.const_expr(bounded):
+        if csize >= Int32(BOUNDED_MIN):
+            # The cluster's n-th score lies in a bin >= lo = the largest of the CTAs' own
+            # n-th bins (that CTA alone has n scores there), and no bin above hi = the
+            # largest of their top non-empty bins holds a score: only the bins in [lo, hi]
+            # are summed over the cluster below (every CTA reading all C histograms whole
+            # was 64 KB of DSMEM loads per CTA at C = 8: ~2 us, sixth-session profile).
+            # Each CTA publishes [own valid count, own n-th bin (0: fewer than n), own top
+            # bin (0: none)] in pub[4..6] before the first cluster barrier.
+            cute.arch.sync_threads()  # hist1 complete
+            for p in cutlass.range_constexpr(BPT):
+                lc[p] = hist1[hb + Int32(p)]
+            if tid == Int32(TB - 1):
+                lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+            sl0 = lc[0] + lc[1] + lc[2] + lc[3]
+            inc0 = sl0
+            for d in cutlass.range_constexpr(5):
+                y0 = cute.arch.shuffle_sync_up(inc0, 1 << d)
+                if lane >= Int32(1 << d):
+                    inc0 = inc0 + y0
+            if lane == Int32(31):
+                wt[warp] = inc0
+            cute.arch.sync_threads()
+            tl0 = Int32(0)
+            for w in cutlass.range_constexpr(NWARPS):
+                x0 = wt[w]
+                if Int32(w) < warp:
+                    inc0 = inc0 + x0
+                tl0 = tl0 + x0
+            r0 = inc0 - sl0  # own scores in bins above this thread's
+            if r0 < Int32(n) and inc0 >= Int32(n):
+                for p in cutlass.range_constexpr(BPT):
+                    c0 = lc[BPT - 1 - p]
+                    if c0 > Int32(0) and r0 < Int32(n) and r0 + c0 >= Int32(n):
+                        pub[5] = hb + Int32(BPT - 1 - p)
+                    r0 = r0 + c0
+            if sl0 > Int32(0) and inc0 == sl0:
+                top = hb
+                for p in cutlass.range_constexpr(1, BPT):
+                    if lc[p] > Int32(0):
+                        top = hb + Int32(p)
+                pub[6] = top
+            if tid == Int32(0):
+                pub[4] = tl0
+                if tl0 < Int32(n):
+                    pub[5] = Int32(0)
+                if tl0 == Int32(0):
+                    pub[6] = Int32(0)
+    csync(clustered, True)
+    mk(3)
+    # ---- the cluster's first histogram; boundary bin b1
     for p in cutlass.range_constexpr(BPT):
         lc[p] = hist1[hb + Int32(p)]
         gc[p] = Int32(0)
     if cutlass.const_expr("hist1" not in SKIP):
         if tid == Int32(TB - 1):
             lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-    if cutlass.const_expr(clustered and "dsmem" not in SKIP):
-        # all C loads in flight at once (a remote load costs a round trip)
+    cl_total = Int32(-1)  # the cluster's valid count when bounded (else the scan's)
+    if cutlass.const_expr(bounded):
+        if csize >= Int32(BOUNDED_MIN):
+            # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
+            pt = Int32(0)
+            pl = Int32(0)
+            ph = Int32(0)
+            pz = Int32(0)
+            if lane < csize:
+                pt, pl, ph, pz = ld_dsmem_v4(mapa(pub_a + Int32(16), lane))
+            cl_total = cute.arch.warp_redux_sync(pt, "add")
+            lo = cute.arch.warp_redux_sync(pl, "max")
+            hi = cute.arch.warp_redux_sync(ph, "max")
+            if hb + Int32(BPT - 1) >= lo and hb <= hi:
+                # all C loads in flight at once (a remote load costs a round trip)
+                for r in cutlass.range_constexpr(CLUSTER_MAX):
+                    if Int32(r) < csize:
+                        a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
+                        gc[0] = gc[0] + a
+                        gc[1] = gc[1] + b
+                        gc[2] = gc[2] + c
+                        gc[3] = gc[3] + d
+        else:
+            # every bin of the C histograms (all C loads in flight at once)
+            for r in cutlass.range_constexpr(CLUSTER_MAX):
+                if Int32(r) < csize:
+                    a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
+                    gc[0] = gc[0] + a
+                    gc[1] = gc[1] + b
+                    gc[2] = gc[2] + c
+                    gc[3] = gc[3] + d
+    elif cutlass.const_expr(clustered and "dsmem" not in SKIP):
+        # (a timing-only build without the first histogram: every bin summed)
         for r in cutlass.range_constexpr(CLUSTER_MAX):
             if Int32(r) < csize:
                 a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
@@ -604,6 +718,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     sg = gc[0] + gc[1] + gc[2] + gc[3]
     sl = lc[0] + lc[1] + lc[2] + lc[3]
     ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
+    if cl_total >= Int32(0):
+        tg = cl_total  # (the scan summed only the bins in [lo, hi])
     rg = ig - sg
     rl = il - sl
     if rg < Int32(n) and ig >= Int32(n):
@@ -619,6 +735,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         scal[_TOTAL] = tg
         pub[1] = tl
     cute.arch.sync_threads()
+    mk(4)
     total = scal[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
     b1 = scal[_B1]
     # ---- pass 2: low bits inside b1, from the shared copy (or global memory), and the
@@ -664,6 +781,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     upt = (nu + Int32(TB - 1)) // Int32(TB)
     u0 = cutlass.min(tid * upt, nu)
     u1 = cutlass.min(u0 + upt, nu)
+    mk(5)
     if total > Int32(n):
         if tid == Int32(0):
             pub[0] = scal[_OWN_ABOVE1]
@@ -679,7 +797,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     o = ld_smem_u16(cache_a + lt * Int32(2))
                     red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                     Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
+    mk(6)
     csync(clustered, True)
+    mk(7)
     # ---- boundary score v, need_eq, and what precedes this slice
     v = Uint32(0)
     need_eq = Int32(0)
@@ -746,6 +866,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         if tid == Int32(0):
             scal[_GT_OWN] = pub[1]
     cute.arch.sync_threads()
+    mk(8)
     # ---- compaction in index order straight into CTA 0's row
     gt_run = scal[_GT_BEFORE]
     eq_run = scal[_EQ_BEFORE]
@@ -776,7 +897,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     ngt = ngt + Int32(1)
                 if o == v and v != Uint32(0):
                     neq = neq + Int32(1)
+        mk(9)
         igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, wt)
+        mk(10)
         gt_b = gt_run + igt - ngt
         eq_b = eq_run + ieq - neq
         if ngt + neq != Int32(0):
@@ -814,4 +937,6 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                             row[pos] = word
                             if hi:
                                 red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
+    mk(11)
     csync_end(clustered, csize)
+    mk(12)

@@ -13,6 +13,8 @@ rank.  The producer never waits on a peer, so any grid is deadlock-free.
 
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
@@ -35,6 +37,12 @@ def smem_bytes(n: int) -> int:
 def split() -> dict:
     """The metadata's split: layout.producer_split() with this build's cache capacity."""
     return dict(layout.producer_split(), cache_max=S.CACHE_MAX)
+
+
+@cute.jit
+def store_peers(psm: cute.Tensor, pv: Int64, tid: Int32, world: cutlass.Constexpr):
+    if tid < Int32(world):
+        psm[tid] = pv
 
 
 @cute.jit
@@ -67,6 +75,9 @@ class SelectPush:
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
+        mk = C.Marks(S.PROF)  # prof=1 (timing only): phase marks of row 0 (see the end)
+        mk.gtime(15)
+        mk(0)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         csize = cute.arch.make_warp_uniform(cute.arch.cluster_size())
@@ -85,15 +96,25 @@ class SelectPush:
         t = Int32(bid) // csize
         # Everything the push needs is loaded now, beside the row's length: each is a
         # memory round trip, and a chain of them (peer by peer) cost microseconds.
+        # (the peers' addresses are stored into psm by select_row's ``early`` hook, after its
+        # first barrier: a store of a loaded value waits for the load, and nothing before
+        # that barrier should; the epoch's + 1 is taken at the push for the same reason)
+        pv = Int64(0)
         if tid < Int32(self.world):
-            psm[tid] = Int64(C.ld_u64(peers + Int64(tid) * Int64(8)))
+            pv = Int64(C.ld_u64(peers + Int64(tid) * Int64(8)))
         status = C.ld_volatile_u32(C.state_status(epoch, max_rows))
-        e = C.ld_u32(C.state_epoch(epoch, max_rows, t)) + Int32(1)
-        end = row_end(row_ends, t, cols)
+        e0 = C.ld_u32(C.state_epoch(epoch, max_rows, t))
+        # the row's end, clamped to [0, span] inside select_row after its bulk copies are
+        # issued (they are cut from span, so they need not wait for this load)
+        end = C.ld_u32(row_ends + Int64(t) * Int64(4))
+        span = cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN))
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
             S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw,
-                         sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens)  # fmt: skip
+                         sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens,
+                         mk=mk, span=span, early=functools.partial(store_peers, psm, pv, tid,
+                                                                   self.world))  # fmt: skip
         else:
+            store_peers(psm, pv, tid, self.world)
             cute.arch.sync_threads()  # psm is read by other threads of the CTA
         # CTA 0 holds the packed row (select_row's barriers also published psm).  A
         # failed or closed exchange (status word set) pushes nothing (layout.py); every
@@ -101,6 +122,7 @@ class SelectPush:
         if cutlass.const_expr("push" not in S.SKIP):  # skip=push: timing only
             if me == Int32(0):
                 if status == Uint32(layout.STATUS_OK):
+                    e = e0 + Int32(1)
                     off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
                     for p in cutlass.range_constexpr(self.world):
                         dst = psm[p] + off
@@ -109,6 +131,13 @@ class SelectPush:
                                        row[2 * i + 1])  # fmt: skip
         if cutlass.const_expr(not S.EARLY_TRIGGER):
             C.pdl_launch_dependents()
+        if cutlass.const_expr(S.PROF):
+            mk(13)
+            # over the rescue sequence words of rows max_rows - 128 .. (the profiling tool
+            # leaves them unused: R <= max_rows - 128)
+            mk.store(C.state_seq(epoch, max_rows, max_rows - Int32(128) + me * Int32(C.Marks.N)),
+                     Int32(t == Int32(0)) & Int32(tid == Int32(0)) & Int32(max_rows - rows >= Int32(128))
+                     & Int32((max_rows & Int32(3)) == Int32(0)))  # fmt: skip
 
     @cute.jit
     def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,

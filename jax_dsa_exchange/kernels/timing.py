@@ -34,13 +34,22 @@ def copy_bandwidth(cp, nbytes=2 << 30, reps=10):
     return 2 * nbytes / statistics.median(ts[2:])
 
 
+# input patterns of KernelTimer: "random" (standard normal scores), "recent" (scores rising
+# along the row: the top-N are the last tokens, contiguous: the producer's worst case for
+# its compaction walks, which are serial per kept token within a thread's units)
+PATTERNS = ("random", "recent")
+
+
 class KernelTimer:
     """Device time of rank 0's select+push and merge, W ranks simulated in one process
     (testing.sim), CUDA events, inputs rotating over several sets."""
 
-    def __init__(self, cp, world, topk, n, max_rows):
+    def __init__(self, cp, world, topk, n, max_rows, pattern="random"):
         from ..testing.sim import Sim
 
+        if pattern not in PATTERNS:
+            raise ValueError(f"pattern {pattern!r}: one of {sorted(PATTERNS)}")
+        self.pattern = pattern
         self.cp = cp
         self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world)
         self.spacer = cp.empty(256 << 20, cp.uint8)
@@ -56,6 +65,10 @@ class KernelTimer:
             per = []
             for q in range(W):
                 x = cp.random.standard_normal((R, L), dtype=cp.float32)
+                if self.pattern == "recent":
+                    # the best scores at the end of the row (recent tokens): the kept tokens
+                    # are contiguous, in the last slice of the row
+                    x += cp.linspace(0.0, 8.0, L, dtype=cp.float32)[None, :]
                 if rescue and q == 0:
                     x += 100.0
                 bits = (x.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16 (truncated)

@@ -1,0 +1,145 @@
+"""Phase profile of the kernels (timing only): SM clock marks of thread 0 at numbered points
+(kernels/common.py Marks; merge.py / select.py / select_push.py ``mk(i)``), from builds with
+``JAX_DSA_EXCHANGE_MERGE_TUNE=prof=1`` and ``JAX_DSA_EXCHANGE_SELECT_TUNE=prof=1``.
+
+  build here (CuTe DSL):  bash tools/phase_profile.sh --build
+  run there (GPU):        JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins python3 tools/phase_profile.py
+
+The merge stores CTA 0's marks over ids[0, K-16:] (its last row); select_push stores each
+CTA's marks of row 0 over the rescue sequence words of rows max_rows - 128 .. (unused here).  Printed: the median over iterations of each mark minus mark 0 (cycles, and us at
+the clock given), next to the kernel's CUPTI duration.  Outputs of these builds are wrong
+(never tested); the marks perturb the schedule a little (each is an S2R of the clock).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+os.environ["JAX_DSA_EXCHANGE_MERGE_TUNE"] = "prof=1"
+os.environ["JAX_DSA_EXCHANGE_SELECT_TUNE"] = "prof=1"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import numpy as np  # noqa: E402
+
+from jax_dsa_exchange import layout  # noqa: E402
+from jax_dsa_exchange.kernels.timing import KernelClock, KernelTimer  # noqa: E402
+
+MERGE_MARKS = {
+    1: "entry barrier", 2: "round-1 words in", 3: "block table issued", 4: "stats barrier",
+    5: "score histogram + find", 6: "second histogram", 7: "tie-break", 8: "selection + warp totals",
+    9: "output stores issued", 10: "outputs barrier", 11: "saturation", 12: "rescue done",
+    13: "pdl_wait", 14: "epoch stored", 15: "end",
+}
+SELECT_MARKS = {
+    1: "zeroing barrier", 2: "pass 1", 3: "cluster barrier 1", 4: "DSMEM sums + scan",
+    5: "pass 2", 6: "hist2 walk", 7: "cluster barrier 2", 8: "boundary", 9: "compaction walk 1",
+    10: "compaction scan", 11: "compaction walk 2", 12: "cluster barrier 3", 13: "push",
+}
+
+
+def deltas(m):
+    m = np.asarray(m, np.int64) & 0xFFFFFFFF
+    return [(int(m[i]) - int(m[0])) & 0xFFFFFFFF if m[i] else None for i in range(len(m))]
+
+
+def show(title, names, rows, ghz, kernel_us):
+    print(f"\n== {title}  (kernel {kernel_us:.2f} us CUPTI; us at {ghz} GHz; median of {len(rows)})")
+    prev = 0
+    for i, name in names.items():
+        vals = [r[i] for r in rows if r[i] is not None]
+        if not vals:
+            print(f"  {i:2d} {name:28s}        -")
+            continue
+        c = statistics.median(vals)
+        print(f"  {i:2d} {name:28s} {c:8.0f} cyc {c / ghz / 1e3:7.2f} us  (+{(c - prev) / ghz / 1e3:5.2f})")
+        prev = c
+
+
+def merge_profile(cp, W, K, N, R, L, rescue, iters, ghz):
+    b = KernelTimer(cp, W, K, N, R)
+    sim = b.sim
+    sets = b.inputs(R, L, 2, rescue, 0)
+    rows = []
+    clock = KernelClock()
+    for it in range(iters + 3):
+        d = sets[it % 2]
+        if it == 3:
+            clock.__enter__()
+        for q in range(W):
+            sim.launch_rank(q, d[q], R, L, 64, merge=False)
+        cp.cuda.Device().synchronize()
+        d[0]["ids"].fill(0)
+        cp.cuda.Device().synchronize()
+        sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=max(1, min(R, 64)))
+        sim.streams[0].synchronize()
+        m = d[0]["ids"][0, K - 16:].get()
+        for q in range(1, W):
+            sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
+        cp.cuda.Device().synchronize()
+        if it >= 3:
+            rows.append(deltas(m))
+    clock.__exit__(None, None, None)
+    ks = [dd for i, (_, dd) in enumerate(clock.starts_and_durations("kernelsmerge")) if i % W == 0]
+    show(f"merge W={W} K={K} N={N} R={R}{' forced rescue' if rescue else ''}", MERGE_MARKS, rows, ghz,
+         statistics.median(ks) if ks else float("nan"))
+    del b, sets
+
+
+def select_profile(cp, W, K, N, R, L, iters, ghz):
+    mr = -(-(R + 128) // 4) * 4  # the marks go to the seq words of rows mr - 128 ..
+    b = KernelTimer(cp, W, K, N, mr)
+    sim = b.sim
+    C = layout.producer_cluster(R, L, dict(sim.images["select_push"].split or {}) or None)
+    sets = b.inputs(R, L, 1, False, 0)
+    d = sets[0][0]
+    per_cta = [[] for _ in range(C)]
+    gts = []
+    clock = KernelClock()
+    for it in range(iters + 3):
+        if it == 3:
+            clock.__enter__()
+        sim.launch_rank(0, d, R, L, 64, merge=False)
+        cp.cuda.Device().synchronize()
+        st = sim.states[0].get().view(np.uint32)
+        off = mr * layout.STATE_SEQ_ROWS + mr - 128
+        raw = st[off: off + C * 16].reshape(C, 16)
+        if it >= 3:
+            for c in range(C):
+                per_cta[c].append(deltas(raw[c][:15]))
+            g = raw[:, 15].astype(np.int64)
+            gts.append(g - g.min())
+    clock.__exit__(None, None, None)
+    ks = [dd for _, dd in clock.starts_and_durations("kernelsselect_push")]
+    k = statistics.median(ks) if ks else float("nan")
+    for c in range(C):
+        show(f"select_push N={N} R={R} L={L} C={C}: CTA {c} of row 0", SELECT_MARKS, per_cta[c], ghz, k)
+    sk = np.median(np.array(gts), axis=0)
+    print(f"  start skew of the CTAs of row 0 (globaltimer, ns, median): {sk.astype(int).tolist()}")
+    del b, sets
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--ghz", type=float, default=1.98)
+    ap.add_argument("--only", choices=["merge", "select"], default=None)
+    a = ap.parse_args(argv)
+    import cupy as cp
+
+    if a.only != "select":
+        for W, N, R, rescue in ((8, 512, 1, False), (8, 512, 64, False), (8, 512, 1, True),
+                                (16, 1024, 64, False)):  # fmt: skip
+            try:
+                merge_profile(cp, W, 2048, N, R, 8192, rescue, a.iters, a.ghz)
+            except FileNotFoundError as e:
+                print(f"merge W={W} N={N}: no prof build ({e})")
+    if a.only != "merge":
+        for R, L in ((1, 8192), (1, 32768), (1, 131072), (16, 131072), (64, 131072)):
+            select_profile(cp, 8, 2048, 512, R, L, a.iters, a.ghz)
+
+
+if __name__ == "__main__":
+    main()

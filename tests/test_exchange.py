@@ -61,7 +61,8 @@ def test_timing_only_builds_are_not_exact(monkeypatch):
     from jax_dsa_exchange.kernels import cache
 
     for sel, mer, exact in [("", "", True), ("relax=1,cache=32768", "", True), ("skip=pass2", "", False),
-                            ("", "rnor2=1", False), ("", "noout=0", True)]:
+                            ("", "rnor2=1", False), ("", "noout=0", True), ("prof=1", "", False),
+                            ("", "prof=1", False), ("bmin=2", "", True), ("prof=0", "", True)]:
         monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", sel)
         monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", mer)
         assert cache.tune_exact() is exact, (sel, mer)

@@ -22,8 +22,7 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np
     """The packed row (layout.row_words(n) uint32 words) select_row builds in CTA 0."""
     end = int(np.clip(row_end, 0, min(bits.size, layout.MAX_LOCAL_LEN)))
     o = reference.ord16(bits[:end]).astype(np.int64)  # 0 = NaN
-    span = min(bits.size, layout.MAX_LOCAL_LEN)  # the slices are cut from the buffer's length
-    S = -(-(-(-span // csize)) // 8) * 8
+    S = -(-(-(-end // csize)) // 8) * 8
     starts = [min(c * S, end) for c in range(csize)]
     slices = [o[s:min(s + S, end)] for s in starts]
     # pass 1: per-CTA histograms of the high 11 bits, summed over the cluster

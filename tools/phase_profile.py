@@ -2,8 +2,11 @@
 (kernels/common.py Marks; merge.py / select.py / select_push.py ``mk(i)``), from builds with
 ``JAX_DSA_EXCHANGE_MERGE_TUNE=prof=1`` and ``JAX_DSA_EXCHANGE_SELECT_TUNE=prof=1``.
 
-  build here (CuTe DSL):  bash tools/phase_profile.sh --build
-  run there (GPU):        JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins python3 tools/phase_profile.py
+  build here (CuTe DSL), for each W / N profiled (W = 8 N = 512 and W = 16 N = 1024):
+      JAX_DSA_EXCHANGE_MERGE_TUNE=prof=1 JAX_DSA_EXCHANGE_SELECT_TUNE=prof=1 \
+        python -m jax_dsa_exchange.build --topk 2048 --local-topk 512 --world 8 --out .cubins
+  run there (GPU, .cubins carried):
+      JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins PYTHONPATH=. python3 tools/phase_profile.py [--only merge|select]
 
 The merge stores CTA 0's marks over ids[0, K-16:] (its last row); select_push stores each
 CTA's marks of row 0 over the rescue sequence words of rows max_rows - 128 .. (unused here).  Printed: the median over iterations of each mark minus mark 0 (cycles, and us at

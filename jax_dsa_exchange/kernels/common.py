@@ -129,10 +129,12 @@ def ld_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
 def ld_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Int32:
     """ld_u32 where ``pred`` != 0, else 0, by a predicated load: the same load under an
     ``if`` lets LLVM fold the value's users into the branch (a multiply right after the
-    load), so each such load waited for the one before (kernels/NOTES.md, 7th session)."""
+    load), so each such load waited for the one before (kernels/NOTES.md, 7th session).
+    The zero is written first: the output is early-clobber (``=&``), never the address's
+    register."""
     return Int32(_asm(T.i32(), [Int64(addr), Int32(pred)],
                       "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; @p ld.global.u32 $0, [$1]; }",
-                      "=r,l,r", loc, ip))  # fmt: skip
+                      "=&r,l,r", loc, ip))  # fmt: skip
 
 
 @dsl_user_op
@@ -141,7 +143,7 @@ def ld_volatile_u64_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Uint64
     return Uint64(_asm(T.i64(), [Int64(addr), Int32(pred)],
                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u64 $0, 0; "
                        "@p ld.volatile.global.u64 $0, [$1]; }",
-                       "=l,l,r", loc, ip))  # fmt: skip
+                       "=&l,l,r", loc, ip))  # fmt: skip
 
 
 @dsl_user_op
@@ -150,7 +152,7 @@ def ld_volatile_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Uint32
     return Uint32(_asm(T.i32(), [Int64(addr), Int32(pred)],
                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; "
                        "@p ld.volatile.global.u32 $0, [$1]; }",
-                       "=r,l,r", loc, ip))  # fmt: skip
+                       "=&r,l,r", loc, ip))  # fmt: skip
 
 
 @dsl_user_op

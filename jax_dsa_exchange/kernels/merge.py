@@ -119,7 +119,7 @@ def ld_volatile_v2_u64_if(addr: Int64, pred: Int32, *, loc=None, ip=None):
     st = llvm.StructType.get_literal([T.i64(), T.i64()])
     r = llvm.inline_asm(st, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
                         "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.u64 $0, 0; mov.u64 $1, 0; "
-                        "@p ld.volatile.global.v2.u64 {$0, $1}, [$2]; }", "=l,=l,l,r",
+                        "@p ld.volatile.global.v2.u64 {$0, $1}, [$2]; }", "=&l,=&l,l,r",
                         has_side_effects=True, is_align_stack=False,
                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)  # fmt: skip
     return (Uint64(llvm.extractvalue(T.i64(), r, [0], loc=loc, ip=ip)),

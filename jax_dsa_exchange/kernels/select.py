@@ -493,9 +493,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     up to 8; the launch's shared memory holds cache_cap <= CACHE_MAX of them); a longer
     slice is re-read from global memory (mostly L2) in every pass instead.  ``vpr``: vectors
     per thread per round of passes 1 and 2 (U1; the merge's rescue may ask for another).
-    ``mk``: the common.Marks of a prof=1 build (timing only), else None.  ``span``: the
-    length the slices are cut from (>= the clamped end; None: ``end`` itself); ``end`` is
-    clamped to [0, span] here.  ``early``: a callable (traced inline) right after the bulk
+    ``mk``: the common.Marks of a prof=1 build (timing only), else None.  ``end``: clamped
+    to [0, 2**17] by the caller.  ``span``: the length the slices are cut from (>= end; None:
+    ``end`` itself); ``end`` is clamped to [0, span] here.  ``early``: a callable (traced inline) right after the bulk
     copies are issued."""
     if cutlass.const_expr(mk is None):
         mk = C.Marks(False)
@@ -507,10 +507,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     pub_a = smem_addr(pub)
     scal_a = smem_addr(scal)
     row_a = smem_addr(row)
-    # The slices are cut from ``span`` (the buffer's row length for the producer; the row's
-    # own length when None), not from the row's end: so the bulk copies below can start
-    # before the row's end arrives (a memory round trip at the kernel start, 7th-session
-    # profile); tokens at or past the end are then invalid, as before.
+    # The slices are cut from ``span`` (None: the row's end, what both callers use).  A span
+    # longer than the end (the buffer's row length) lets the bulk copies start before the
+    # end is loaded; measured no faster (7th session), and a short row then reads its whole
+    # buffer row; tokens at or past the end are invalid either way.
     if cutlass.const_expr(span is None):
         span = end
     S = ((span + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
@@ -537,7 +537,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                            row_addr + Int64(sb + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
     if cutlass.const_expr(early is not None):
         early()  # the caller's work that waits on a load (after the copies are on their way)
-    end = cutlass.max(cutlass.min(end, span), Int32(0))  # (the producer passes the raw row end)
+    end = cutlass.max(cutlass.min(end, span), Int32(0))  # (a no-op for a clamped end)
     s0 = cutlass.min(me * S, end)
     s_len = cutlass.min(S, end - s0)
     nvec = (s_len + Int32(7)) // Int32(8)

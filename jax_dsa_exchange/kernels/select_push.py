@@ -97,22 +97,21 @@ class SelectPush:
         # Everything the push needs is loaded now, beside the row's length: each is a
         # memory round trip, and a chain of them (peer by peer) cost microseconds.
         # (the peers' addresses are stored into psm by select_row's ``early`` hook, after its
-        # first barrier: a store of a loaded value waits for the load, and nothing before
-        # that barrier should; the epoch's + 1 is taken at the push for the same reason)
+        # bulk copies are issued: a store of a loaded value waits for the load; the epoch's
+        # + 1 is taken at the push for the same reason)
         pv = Int64(0)
         if tid < Int32(self.world):
             pv = Int64(C.ld_u64(peers + Int64(tid) * Int64(8)))
         status = C.ld_volatile_u32(C.state_status(epoch, max_rows))
         e0 = C.ld_u32(C.state_epoch(epoch, max_rows, t))
-        # the row's end, clamped to [0, span] inside select_row after its bulk copies are
-        # issued (they are cut from span, so they need not wait for this load)
-        end = C.ld_u32(row_ends + Int64(t) * Int64(4))
-        span = cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN))
+        # (slices cut from the buffer's row length, so that the bulk copies need not wait for
+        # this load, measured no faster and made short rows read their whole buffer row:
+        # the slices stay cut from the row's end)
+        end = row_end(row_ends, t, cols)
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
             S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw,
                          sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens,
-                         mk=mk, span=span, early=functools.partial(store_peers, psm, pv, tid,
-                                                                   self.world))  # fmt: skip
+                         mk=mk, early=functools.partial(store_peers, psm, pv, tid, self.world))  # fmt: skip
         else:
             store_peers(psm, pv, tid, self.world)
             cute.arch.sync_threads()  # psm is read by other threads of the CTA

@@ -322,6 +322,16 @@ def ord16(bits: Uint32) -> Uint32:
 
 
 @cute.jit
+def warp_incl_scan(x: Int32, lane) -> Int32:
+    """Inclusive sum over the warp in lane order (5 shuffles)."""
+    for d in cutlass.range_constexpr(5):
+        y = cute.arch.shuffle_sync_up(x, 1 << d)
+        if lane >= Int32(1 << d):
+            x = x + y
+    return x
+
+
+@cute.jit
 def block_scan(val: Int32, lane: Int32, warp: Int32, warp_totals: cute.Tensor):
     """Inclusive sum over the CTA in thread order -> (inclusive, total).
     Two barriers; ``warp_totals`` (NWARPS Int32 in smem) is free again when it

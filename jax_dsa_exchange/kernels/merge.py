@@ -712,14 +712,6 @@ class Merge:
         return lidx * Int32(self.world) + q
 
     @cute.jit
-    def warp_incl_scan(self, x: Int32, lane) -> Int32:
-        for d in cutlass.range_constexpr(5):
-            y = cute.arch.shuffle_sync_up(x, 1 << d)
-            if lane >= Int32(1 << d):
-                x = x + y
-        return x
-
-    @cute.jit
     def warp_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
                       sc: cute.Tensor, slot: cutlass.Constexpr):
         """One warp: bins scanned from the top, the bin holding the need-th element
@@ -731,7 +723,7 @@ class Merge:
         s = Int32(0)
         for u in cutlass.range_constexpr(per):
             s = s + hist[Int32(nb - 1 - u) - lane * Int32(per)]
-        incl = self.warp_incl_scan(s, lane)
+        incl = C.warp_incl_scan(s, lane)
         excl = incl - s
         bal = Uint32(cute.arch.vote_ballot_sync(excl < need and incl >= need))
         c = Int32(cute.arch.popc((bal & (~bal + Uint32(1))) - Uint32(1)))  # lowest set lane
@@ -740,7 +732,7 @@ class Merge:
         b = Int32(nb - 1) - c * Int32(per) - lane
         if lane < Int32(per):
             x = hist[b]
-        incl2 = self.warp_incl_scan(x, lane) + base
+        incl2 = C.warp_incl_scan(x, lane) + base
         excl2 = incl2 - x
         if lane < Int32(per) and x > Int32(0) and excl2 < need and incl2 >= need:
             sc[slot] = b

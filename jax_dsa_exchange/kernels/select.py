@@ -473,6 +473,20 @@ def csync_end(clustered: cutlass.Constexpr, csize: Int32):
         csync(clustered, False)
 
 
+@cute.jit
+def sum_cluster_bins(h1_a: Int32, hb: Int32, csize: Int32, gc: cute.Tensor):
+    """gc[0..4) += bins hb .. hb + 3 of the first histogram (shared address h1_a) of every CTA
+    r < csize of the cluster (one 16-byte DSMEM load each, all in flight at once: a remote
+    load costs a round trip)."""
+    for r in cutlass.range_constexpr(CLUSTER_MAX):
+        if Int32(r) < csize:
+            a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
+            gc[0] = gc[0] + a
+            gc[1] = gc[1] + b
+            gc[2] = gc[2] + c
+            gc[3] = gc[3] + d
+
+
 # scal slots
 _B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _LOWV, _ABOVE2 = 0, 1, 2, 3, 4, 5
 _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
@@ -627,11 +641,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             if tid == Int32(TB - 1):
                 lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
             sl0 = lc[0] + lc[1] + lc[2] + lc[3]
-            inc0 = sl0
-            for d in cutlass.range_constexpr(5):
-                y0 = cute.arch.shuffle_sync_up(inc0, 1 << d)
-                if lane >= Int32(1 << d):
-                    inc0 = inc0 + y0
+            inc0 = C.warp_incl_scan(sl0, lane)
             if lane == Int32(31):
                 wt[warp] = inc0
             cute.arch.sync_threads()
@@ -683,32 +693,12 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             lo = cute.arch.warp_redux_sync(pl, "max")
             hi = cute.arch.warp_redux_sync(ph, "max")
             if hb + Int32(BPT - 1) >= lo and hb <= hi:
-                # all C loads in flight at once (a remote load costs a round trip)
-                for r in cutlass.range_constexpr(CLUSTER_MAX):
-                    if Int32(r) < csize:
-                        a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
-                        gc[0] = gc[0] + a
-                        gc[1] = gc[1] + b
-                        gc[2] = gc[2] + c
-                        gc[3] = gc[3] + d
+                sum_cluster_bins(h1_a, hb, csize, gc)
         else:
-            # every bin of the C histograms (all C loads in flight at once)
-            for r in cutlass.range_constexpr(CLUSTER_MAX):
-                if Int32(r) < csize:
-                    a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
-                    gc[0] = gc[0] + a
-                    gc[1] = gc[1] + b
-                    gc[2] = gc[2] + c
-                    gc[3] = gc[3] + d
+            sum_cluster_bins(h1_a, hb, csize, gc)  # every bin
     elif cutlass.const_expr(clustered and "dsmem" not in SKIP):
         # (a timing-only build without the first histogram: every bin summed)
-        for r in cutlass.range_constexpr(CLUSTER_MAX):
-            if Int32(r) < csize:
-                a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
-                gc[0] = gc[0] + a
-                gc[1] = gc[1] + b
-                gc[2] = gc[2] + c
-                gc[3] = gc[3] + d
+        sum_cluster_bins(h1_a, hb, csize, gc)
     else:
         for p in cutlass.range_constexpr(BPT):
             gc[p] = lc[p]

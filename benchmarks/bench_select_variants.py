@@ -38,8 +38,8 @@ from jax_dsa_exchange.kernels import cache  # noqa: E402
 TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"  # = kernels/select.TUNE_ENV (select.py needs the CuTe DSL)
 PROBES = [(8192, 0, 1), (8192, 0, 8), (8192, 8192, 1), (8192, 8192, 8), (131072, 131072, 1),
           (131072, 131072, 8)]  # (L, row end, C)  # fmt: skip
-ROWS = [(1, 8192, None), (1, 131072, None), (64, 131072, None), (64, 131072, 4),
-        (256, 131072, None), (256, 131072, 4)]  # (R, L, C): None = the launcher's C
+ROWS = [(1, 8192, None), (1, 131072, None), (16, 131072, None), (64, 131072, None), (64, 131072, 4),
+        (256, 32768, None), (256, 131072, None), (256, 131072, 4)]  # (R, L, C): None = the launcher's C
 DEFAULT_VARIANTS = ["default=", "norelax=relax=0", "nobulk=bulk=0", "cache32k=cache=32768",
                     "skip-hist1=skip=hist1", "skip-pass2=skip=pass2", "skip-dsmem=skip=dsmem",
                     "skip-compact=skip=compact", "skip-push=skip=push",
@@ -118,6 +118,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20, help="launches per CUDA graph (probe)")
     ap.add_argument("--iters", type=int, default=20, help="timed launches per bench row")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pattern", default="random", help="input scores: random | recent "
+                    "(kernels.timing.PATTERNS)")
     ap.add_argument("--tests", default=None, help="file of 'NAME STATUS' lines (the exactness runs)")
     ap.add_argument("--json", default=None, help="write every number here")
     ap.add_argument("--dry-run", action="store_true", help="resolve the cubins only (no GPU)")
@@ -147,7 +149,7 @@ def main(argv=None):
 
     import cupy as cp
 
-    from jax_dsa_exchange.kernels.timing import _events
+    from jax_dsa_exchange.kernels.timing import _events, pattern_scores
     from jax_dsa_exchange.testing.sim import Sim, _load_function
 
     W, K, N = a.world, a.topk, a.n
@@ -179,7 +181,7 @@ def main(argv=None):
         cp.random.seed(seed)
         out = []
         for _ in range(nsets):
-            x = cp.random.standard_normal((R, L), dtype=cp.float32)
+            x = pattern_scores(cp, R, L, a.pattern)
             out.append(dict(logits=(x.view(cp.uint32) >> 16).astype(cp.uint16),
                             row_ends=cp.full((R,), L, cp.int32)))  # fmt: skip
             del x
@@ -266,6 +268,7 @@ def main(argv=None):
         assert st[0] == 0, f"rank {q} status {st}"
     save()
     tests = read_tests(a.tests)
+    print(f"\ninputs: {a.pattern} scores (kernels.timing.pattern_scores)")
     print_table(variants, info, cols, res, tests, W, K, N, a.reps, a.rounds)
     return 0
 

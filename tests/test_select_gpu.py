@@ -44,6 +44,19 @@ def _logits(kind, rows, L, rng):
         return cases.random_logits(rng, rows, L, distinct_values=3)
     if kind == "equal":
         return np.full((rows, L), 0.5, cases.BF16)
+    if kind in ("recent", "runs"):
+        # kept tokens in dense runs (the select's list walk): "recent" rises along the row
+        # (the top n are its last tokens, in one slice); "runs" lifts a few runs of 40-700
+        # tokens at random places (several slices, several threads' units, slice edges)
+        x = rng.standard_normal((rows, L)).astype(np.float32)
+        if kind == "recent":
+            x += np.linspace(0.0, 8.0, L, dtype=np.float32)[None, :]
+        else:
+            for t in range(rows):
+                for _ in range(int(rng.integers(1, 6))):
+                    a = int(rng.integers(0, L))
+                    x[t, a:a + int(rng.integers(40, 700))] += 6.0
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(cases.BF16)
     # specials: NaN (both signs, payloads), +-0, +-inf among normal scores
     x = cases.random_logits(rng, rows, L).view(np.uint16).copy()
     specials = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x0000, 0x8000, 0x7F80, 0xFF80], np.uint16)
@@ -60,11 +73,12 @@ def _pushed(sim, dst, src, t, n):
     return raw[:, [0, 2]].ravel(), raw[:, [1, 3]].ravel(), e
 
 
-@pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials"])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials", "recent", "runs"])
 def test_pushed_rows_are_the_model_rows_for_every_split(kind):
     world, topk, n = 2, 2048, 512
     sim = sim_for(world, topk, n, max_rows=64)
-    rng = np.random.default_rng({"random": 1, "ties": 2, "equal": 3, "specials": 4}[kind])
+    rng = np.random.default_rng({"random": 1, "ties": 2, "equal": 3, "specials": 4, "recent": 5,
+                                 "runs": 6}[kind])  # fmt: skip
     for L in (L_MAX, 20001):
         rows = 24
         logits = _logits(kind, rows, L, rng)

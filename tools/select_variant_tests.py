@@ -2,7 +2,7 @@
 on the GPU: a subset of tests/test_select_gpu.py per variant, called directly (one CUDA
 context, no pytest start per variant):
 
-* test_pushed_rows_are_the_model_rows_for_every_split[random|ties|equal|specials]: every
+* test_pushed_rows_are_the_model_rows_for_every_split[random|ties|equal|specials|recent|runs]: every
   forced C = 1..8, rows of 2^17 and 20001 tokens, row ends 0, 1, 7..9, N-1..N+1, 2N+3, slice
   edges, L/3, L-9, L-1, L, > L, < 0; NaN (both signs, payloads), +-0, +-inf; byte-identical
   to reference.pack_local_topk with the right epoch tag in every rank's buffer;
@@ -30,7 +30,7 @@ TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"
 
 
 def cases(tsel):
-    for kind in ("random", "ties", "equal", "specials"):
+    for kind in ("random", "ties", "equal", "specials", "recent", "runs"):
         yield f"pushed_rows[{kind}]", tsel.test_pushed_rows_are_the_model_rows_for_every_split, (kind,)
     yield "rescue_long_rows", tsel.test_rescue_select_on_long_rows, ()
     for c in (1, 3, 8):

@@ -99,11 +99,13 @@ def _asm(res, args, text, cons, loc=None, ip=None):
 
 
 
-def compile_options(arch: str, dump_dir: str) -> str:
+def compile_options(arch: str, dump_dir: str, ptxas: str = "") -> str:
     """cute.compile options: the PTX and cubin are kept (the cache stores them) in
     ``dump_dir``, where the DSL writes them under the kernel's name and reads them back:
-    one directory per compile, or builds running side by side can read each other's."""
-    return f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump_dir}"
+    one directory per compile, or builds running side by side can read each other's.
+    ``ptxas``: extra ptxas options (one string)."""
+    extra = f" --ptxas-options '{ptxas}'" if ptxas else ""
+    return f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump_dir}{extra}"
 
 
 @dsl_user_op

@@ -25,7 +25,9 @@ does the whole row, as the merge's rescue does).  Per CTA:
    this one, how many ``> v`` / ``== v`` precede its slice;
 5. **compaction** in index order over the mask only (each thread a contiguous run of
    16-token units; the tokens of its set bits classified, one pair block scan, then
-   written) puts each kept token's packed word (docs/DESIGN.md §5) straight to its
+   written; a kept slice with a crowded boundary bin, ``BIG_B1``, first drops the tokens
+   below the boundary score from its mask and walks an even share of a list of the rest)
+   puts each kept token's packed word (docs/DESIGN.md §5) straight to its
    final position in the row buffer of the cluster's CTA 0 (a DSMEM store) and bit 16
    of l into the mask words (DSMEM ``red.or``);
 6. one **cluster barrier**: CTA 0's row buffer is the packed row, ascending l,
@@ -94,6 +96,18 @@ SKIP = frozenset()
 # clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
 # boundary (select_row, "bounded"); smaller ones sum every bin ("bmin=N": a variant; 9 = never)
 BOUNDED_MIN = 5
+# A kept slice whose boundary bin is crowded (more than max(BIG_B1, BIG_RATIO x its own
+# count above that bin) of its tokens there: a recency bias puts thousands there, all but
+# ~n of them below the boundary score, in a few threads' units) counts its second
+# histogram in pass 2, drops from its mask every token below the boundary score once that
+# is known, and the compaction walks a list of the rest: their (ord16, token) words in index
+# order, in the mask's unused tail, split evenly over the threads.  Random scores stay off
+# this path (where their bin holds more than 512, at most 3.5x the count above it), on which
+# it cost ~3 us per CTA (eighth session, kernels/NOTES.md).  ("list=0": never; "big=N",
+# "ratio=N": other thresholds)
+LIST = 1
+BIG_B1 = 512
+BIG_RATIO = 8
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -109,7 +123,8 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                              f"known: {sorted(SKIPPABLE)}")
         continue
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
-               "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN"}[_k]] = int(_v)  # fmt: skip
+               "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
+               "big": "BIG_B1", "ratio": "BIG_RATIO"}[_k]] = int(_v)  # fmt: skip
 EXACT = not SKIP and not PROF  # False: a timing-only build (wrong outputs)
 assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
 assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary step: warp r sums CTA r
@@ -208,6 +223,14 @@ def red_smem_inc_if(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None) -> No
     """shared[addr] += 1 when a == b: a predicated red (no branch per token)."""
     _asm(None, [Int32(addr), Int32(a), Int32(b)],
          "{\n\t.reg .pred p;\n\tsetp.eq.u32 p, $1, $2;\n\t@p red.shared.add.u32 [$0], 1;\n\t}",
+         "r,r,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_smem_u32_if(addr: Int32, v: Int32, pred: Int32, *, loc=None, ip=None) -> None:
+    """shared[addr] = v when pred != 0 (no branch)."""
+    _asm(None, [Int32(addr), Int32(v), Int32(pred)],
+         "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t@p st.shared.u32 [$0], $1;\n\t}",
          "r,r,r,~{memory}", loc, ip)  # fmt: skip
 
 
@@ -493,6 +516,127 @@ _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
 
 
 @cute.jit
+def count_token(o: Uint32, v: Uint32, ngt: Int32, neq: Int32):
+    """The compaction's first walk, one token: (ngt, neq) + (o > v, o == v kept)."""
+    if o > v:
+        ngt = ngt + Int32(1)
+    if o == v and v != Uint32(0):
+        neq = neq + Int32(1)
+    return ngt, neq
+
+
+@cute.jit
+def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32,
+               n: cutlass.Constexpr, remote: Int32, dst_a: Int32, row: cute.Tensor, row_a: Int32):
+    """The compaction's second walk, one token (ord16 o, row index lu): its packed word at
+    its position in CTA 0's row when it is kept -> the advanced (gt_b, eq_b)."""
+    pos = Int32(-1)
+    if o > v:
+        pos = gt_b + cutlass.min(eq_b, need_eq)
+        gt_b = gt_b + Int32(1)
+    if o == v and v != Uint32(0):
+        if eq_b < need_eq:
+            pos = gt_b + eq_b
+        eq_b = eq_b + Int32(1)
+    if pos >= Int32(n):
+        # never write past the row: timing-only builds' counts overshoot, and so would exact
+        # ones on logits changed while the kernel reads them
+        pos = Int32(-1)
+    if pos >= Int32(0):
+        word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
+        hi = (lu >> Uint32(16)) != Uint32(0)
+        maddr = dst_a + (Int32(n) + (pos >> Int32(5))) * Int32(4)
+        mbit = Int32(1) << (pos & Int32(31))
+        if remote != Int32(0):
+            st_dsmem_u32(dst_a + pos * Int32(4), word)
+            if hi:
+                red_dsmem_or(maddr, mbit)
+        else:
+            # own shared memory by plain shared accesses (a cluster of one CTA too): what
+            # csync_end's relaxed barrier releases
+            row[pos] = word
+            if hi:
+                red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
+    return gt_b, eq_b
+
+
+@cute.jit
+def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, pos: Int32):
+    """mask[lw + pos ..] = (ord16 << 16) | token of every set bit of units [u0, u1), in index
+    order: a unit's 16 tokens' ord16 in two 16-byte loads, then one predicated store per bit
+    (no chain of dependent loads however dense the unit)."""
+    for u in cutlass.range(u0, u1, unroll=1):
+        m = ld_smem_u16(mask_a + u * Int32(2))
+        if m != Uint32(0):
+            xs = cute.make_rmem_tensor((8,), Int32)
+            for k in cutlass.range_constexpr(8):
+                xs[k] = Int32(0)
+            if (m & Uint32(0xFF)) != Uint32(0):
+                a, b, c, d = ld_smem_v4(cache_a + u * Int32(32))
+                xs[0] = a
+                xs[1] = b
+                xs[2] = c
+                xs[3] = d
+            if (m >> Uint32(8)) != Uint32(0):  # (a set bit: that vector is inside the slice)
+                a, b, c, d = ld_smem_v4(cache_a + u * Int32(32) + Int32(16))
+                xs[4] = a
+                xs[5] = b
+                xs[6] = c
+                xs[7] = d
+            for k in cutlass.range_constexpr(16):
+                o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                bit = Int32((m >> Uint32(k)) & Uint32(1))
+                st_smem_u32_if(mask_a + (lw + pos) * Int32(4),
+                               Int32((o << Uint32(16)) | Uint32(u * Int32(16) + Int32(k))), bit)
+                pos = pos + bit
+
+
+@cute.jit
+def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, lane, warp,
+              wt: cute.Tensor, tid):
+    """The mask's set bits as a list at mask[lw ..] (build_list) when they fit, each thread's
+    share of it: -> (1, r0, r1), thread tid walking entries [r0, r1); (0, 0, 0) when the
+    list does not fit (the walks then take the units).  Every thread of the CTA calls it."""
+    cnt = Int32(0)
+    for u in cutlass.range(u0, u1, unroll=1):
+        cnt = cnt + Int32(cute.arch.popc(ld_smem_u16(mask_a + u * Int32(2))))
+    icnt, _, nbits, _ = block_scan2(cnt, Int32(0), lane, warp, wt)
+    ok = Int32(0)
+    r0 = Int32(0)
+    r1 = Int32(0)
+    if nbits <= Int32(MASK_WORDS) - lw:
+        ok = Int32(1)
+        build_list(mask_a, cache_a, lw, u0, u1, icnt - cnt)
+        cute.arch.sync_threads()
+        q = (nbits + Int32(TB - 1)) // Int32(TB)
+        r0 = cutlass.min(tid * q, nbits)
+        r1 = cutlass.min(r0 + q, nbits)
+    return ok, r0, r1
+
+
+@cute.jit
+def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid):
+    """Clear the mask bit of every token whose ord16 is below v (the boundary score): what
+    stays is what the compaction keeps or ties.  Thread tid takes mask words tid, tid + TB,
+    ... (4 vectors each; a vector's ord16 loaded only when it has a set bit)."""
+    for wi in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
+        w = Uint32(mask[wi])
+        if w != Uint32(0):
+            nw = Uint32(0)
+            for j in cutlass.range_constexpr(4):
+                byte = (w >> Uint32(8 * j)) & Uint32(0xFF)
+                if byte != Uint32(0):
+                    a, b, c, d = ld_smem_v4(cache_a + (wi * Int32(4) + Int32(j)) * Int32(16))
+                    xs = (a, b, c, d)
+                    ge = Uint32(0)  # (selects, not a branch per token)
+                    for k in cutlass.range_constexpr(8):
+                        o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                        ge = ge | (Uint32(Int32(o >= v)) << Uint32(k))
+                    nw = nw | ((byte & ge) << Uint32(8 * j))
+            mask[wi] = Int32(nw)
+
+
+@cute.jit
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
                cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
@@ -739,6 +883,14 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         b1c = b1
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
     mask_a = smem_addr(mask)
+    # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
+    listed = cutlass.const_expr(cached and LIST and CACHE_MAX <= 65536 and "pass2" not in SKIP)
+    big = Int32(0)  # (LIST) a kept slice with a crowded boundary bin: see BIG_B1
+    if cutlass.const_expr(listed):
+        if keep != Int32(0) and total > Int32(n):
+            # this CTA's own counts in bin b1 and above it
+            if hist1[b1] > cutlass.max(Int32(BIG_B1), Int32(BIG_RATIO) * scal[_OWN_ABOVE1]):
+                big = Int32(1)
     if cutlass.const_expr("pass2" in SKIP):
         # timing only: no mask either (an unwritten one would send the compaction's walks
         # over stale shared memory and past the slice)
@@ -755,8 +907,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                         if o >= mthr:
                             mb = mb | Int32(1 << k)
                     # a slice re-read from global memory counts bin b1 here (its tokens are in
-                    # registers now); a kept one walks the mask's set bits below instead
-                    if keep == Int32(0) and mb != Int32(0):
+                    # registers now), and so does a big one (LIST); a kept one walks the
+                    # mask's set bits below instead
+                    if (keep == Int32(0) or big != Int32(0)) and mb != Int32(0):
                         for k in cutlass.range_constexpr(8):
                             o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                             # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
@@ -771,11 +924,19 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     upt = (nu + Int32(TB - 1)) // Int32(TB)
     u0 = cutlass.min(tid * upt, nu)
     u1 = cutlass.min(u0 + upt, nu)
+    # The walks below take a thread's units one set bit at a time, a chain of dependent
+    # loads per bit: where the kept tokens lie in one run (a recency bias) a few threads
+    # hold all of them (1.2-2x the kernel's time, seventh session); a big slice (BIG_B1)
+    # walks an even share of a list instead (make_list, after the second cluster barrier)
+    use_list = Int32(0)
+    lw = (nvec4 + Int32(15)) // Int32(16) * Int32(4)  # the list's first word in mask
+    r0 = Int32(0)
+    r1 = Int32(0)
     mk(5)
     if total > Int32(n):
         if tid == Int32(0):
             pub[0] = scal[_OWN_ABOVE1]
-        if keep != Int32(0) and cutlass.const_expr("pass2" not in SKIP):
+        if keep != Int32(0) and big == Int32(0) and cutlass.const_expr("pass2" not in SKIP):
             # the second histogram from the set bits only (a few % of the tokens): a
             # per-token predicated red compiled to a branch per token, taken by most warps
             cute.arch.sync_threads()  # the mask bytes of the other threads
@@ -856,6 +1017,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         if tid == Int32(0):
             scal[_GT_OWN] = pub[1]
     cute.arch.sync_threads()
+    if cutlass.const_expr(listed):
+        if big != Int32(0):
+            refine_mask(mask, cache_a, nvec4, v, tid)
+            cute.arch.sync_threads()
+            use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, wt, tid)
     mk(8)
     # ---- compaction in index order straight into CTA 0's row
     gt_run = scal[_GT_BEFORE]
@@ -874,59 +1040,40 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     # then walks them again and writes each kept word
     if cutlass.const_expr("compact" in SKIP):
         u1 = u0
+        r1 = r0
     if gt_run < gt_end or eq_run < eq_end:
         ngt = Int32(0)
         neq = Int32(0)
-        for u in cutlass.range(u0, u1, unroll=1):
-            m = ld_smem_u16(mask_a + u * Int32(2))
-            while m != Uint32(0):
-                lt = u * Int32(16) + low_bit(Int32(m))
-                m = m & (m - Uint32(1))
-                o = token_ord16(row_addr, s0, lt, cache_a, keep)
-                if o > v:
-                    ngt = ngt + Int32(1)
-                if o == v and v != Uint32(0):
-                    neq = neq + Int32(1)
+        if use_list != Int32(0):
+            for r in cutlass.range(r0, r1, unroll=1):
+                ngt, neq = count_token(Uint32(mask[lw + r]) >> Uint32(16), v, ngt, neq)
+        else:
+            for u in cutlass.range(u0, u1, unroll=1):
+                m = ld_smem_u16(mask_a + u * Int32(2))
+                while m != Uint32(0):
+                    lt = u * Int32(16) + low_bit(Int32(m))
+                    m = m & (m - Uint32(1))
+                    ngt, neq = count_token(token_ord16(row_addr, s0, lt, cache_a, keep), v, ngt, neq)
         mk(9)
         igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, wt)
         mk(10)
         gt_b = gt_run + igt - ngt
         eq_b = eq_run + ieq - neq
         if ngt + neq != Int32(0):
-            for u in cutlass.range(u0, u1, unroll=1):
-                m = ld_smem_u16(mask_a + u * Int32(2))
-                while m != Uint32(0):
-                    lt = u * Int32(16) + low_bit(Int32(m))
-                    m = m & (m - Uint32(1))
-                    o = token_ord16(row_addr, s0, lt, cache_a, keep)
-                    pos = Int32(-1)
-                    if o > v:
-                        pos = gt_b + cutlass.min(eq_b, need_eq)
-                        gt_b = gt_b + Int32(1)
-                    if o == v and v != Uint32(0):
-                        if eq_b < need_eq:
-                            pos = gt_b + eq_b
-                        eq_b = eq_b + Int32(1)
-                    if pos >= Int32(n):
-                        # never write past the row: timing-only builds' counts overshoot, and so
-                        # would exact ones on logits changed while the kernel reads them
-                        pos = Int32(-1)
-                    if pos >= Int32(0):
-                        lu = Uint32(s0 + lt)
-                        word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
-                        hi = (lu >> Uint32(16)) != Uint32(0)
-                        maddr = dst_a + (Int32(n) + (pos >> Int32(5))) * Int32(4)
-                        mbit = Int32(1) << (pos & Int32(31))
-                        if remote != Int32(0):
-                            st_dsmem_u32(dst_a + pos * Int32(4), word)
-                            if hi:
-                                red_dsmem_or(maddr, mbit)
-                        else:
-                            # own shared memory by plain shared accesses (a cluster of one
-                            # CTA too): what csync_end's relaxed barrier releases
-                            row[pos] = word
-                            if hi:
-                                red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
+            if use_list != Int32(0):
+                for r in cutlass.range(r0, r1, unroll=1):
+                    e = Uint32(mask[lw + r])
+                    gt_b, eq_b = emit_token(e >> Uint32(16), Uint32(s0) + (e & Uint32(0xFFFF)), v, gt_b,
+                                            eq_b, need_eq, n, remote, dst_a, row, row_a)  # fmt: skip
+            else:
+                for u in cutlass.range(u0, u1, unroll=1):
+                    m = ld_smem_u16(mask_a + u * Int32(2))
+                    while m != Uint32(0):
+                        lt = u * Int32(16) + low_bit(Int32(m))
+                        m = m & (m - Uint32(1))
+                        gt_b, eq_b = emit_token(token_ord16(row_addr, s0, lt, cache_a, keep),
+                                                Uint32(s0 + lt), v, gt_b, eq_b, need_eq, n, remote,
+                                                dst_a, row, row_a)  # fmt: skip
     mk(11)
     csync_end(clustered, csize)
     mk(12)

@@ -40,6 +40,18 @@ def copy_bandwidth(cp, nbytes=2 << 30, reps=10):
 PATTERNS = ("random", "recent")
 
 
+def pattern_scores(cp, R, L, pattern):
+    """float32 [R, L] scores of an input pattern (PATTERNS), on the current stream."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern {pattern!r}: one of {sorted(PATTERNS)}")
+    x = cp.random.standard_normal((R, L), dtype=cp.float32)
+    if pattern == "recent":
+        # the best scores at the end of the row (recent tokens): the kept tokens are
+        # contiguous, in the last slice of the row
+        x += cp.linspace(0.0, 8.0, L, dtype=cp.float32)[None, :]
+    return x
+
+
 class KernelTimer:
     """Device time of rank 0's select+push and merge, W ranks simulated in one process
     (testing.sim), CUDA events, inputs rotating over several sets."""
@@ -64,11 +76,7 @@ class KernelTimer:
         for s in range(nsets):
             per = []
             for q in range(W):
-                x = cp.random.standard_normal((R, L), dtype=cp.float32)
-                if self.pattern == "recent":
-                    # the best scores at the end of the row (recent tokens): the kept tokens
-                    # are contiguous, in the last slice of the row
-                    x += cp.linspace(0.0, 8.0, L, dtype=cp.float32)[None, :]
+                x = pattern_scores(cp, R, L, self.pattern)
                 if rescue and q == 0:
                     x += 100.0
                 bits = (x.view(cp.uint32) >> 16).astype(cp.uint16)  # bf16 (truncated)

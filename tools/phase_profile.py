@@ -7,6 +7,9 @@
         python -m jax_dsa_exchange.build --topk 2048 --local-topk 512 --world 8 --out .cubins
   run there (GPU, .cubins carried):
       JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins PYTHONPATH=. python3 tools/phase_profile.py [--only merge|select]
+  a select variant (built with JAX_DSA_EXCHANGE_SELECT_TUNE=prof=1,TUNE), other shapes / inputs:
+      ... tools/phase_profile.py --only select --select-tune big=0,ratio=0 --shapes 1,32768,1 \
+        --pattern recent
 
 The merge stores CTA 0's marks over ids[0, K-16:] (its last row); select_push stores each
 CTA's marks of row 0 over the rescue sequence words of rows max_rows - 128 .. (unused here).  Printed: the median over iterations of each mark minus mark 0 (cycles, and us at
@@ -22,7 +25,20 @@ import statistics
 import sys
 
 os.environ["JAX_DSA_EXCHANGE_MERGE_TUNE"] = "prof=1"
-os.environ["JAX_DSA_EXCHANGE_SELECT_TUNE"] = "prof=1"
+
+
+def _arg(name):
+    """An option's value from the command line before argparse runs ('' when absent)."""
+    for i, a in enumerate(sys.argv):
+        if a == name and i + 1 < len(sys.argv):
+            return sys.argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return ""
+
+
+# (set before the kernels are loaded: the tune string picks the cubins)
+os.environ["JAX_DSA_EXCHANGE_SELECT_TUNE"] = ",".join(filter(None, ["prof=1", _arg("--select-tune")]))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
@@ -91,11 +107,13 @@ def merge_profile(cp, W, K, N, R, L, rescue, iters, ghz):
     del b, sets
 
 
-def select_profile(cp, W, K, N, R, L, iters, ghz):
+def select_profile(cp, W, K, N, R, L, iters, ghz, C=None, pattern="random"):
     mr = -(-(R + 128) // 4) * 4  # the marks go to the seq words of rows mr - 128 ..
-    b = KernelTimer(cp, W, K, N, mr)
+    b = KernelTimer(cp, W, K, N, mr, pattern=pattern)
     sim = b.sim
-    C = layout.producer_cluster(R, L, dict(sim.images["select_push"].split or {}) or None)
+    forced = C
+    if C is None:
+        C = layout.producer_cluster(R, L, dict(sim.images["select_push"].split or {}) or None)
     sets = b.inputs(R, L, 1, False, 0)
     d = sets[0][0]
     per_cta = [[] for _ in range(C)]
@@ -104,7 +122,7 @@ def select_profile(cp, W, K, N, R, L, iters, ghz):
     for it in range(iters + 3):
         if it == 3:
             clock.__enter__()
-        sim.launch_rank(0, d, R, L, 64, merge=False)
+        sim.launch_rank(0, d, R, L, 64, merge=False, cluster=forced)
         cp.cuda.Device().synchronize()
         st = sim.states[0].get().view(np.uint32)
         off = mr * layout.STATE_SEQ_ROWS + mr - 128
@@ -118,7 +136,8 @@ def select_profile(cp, W, K, N, R, L, iters, ghz):
     ks = [dd for _, dd in clock.starts_and_durations("kernelsselect_push")]
     k = statistics.median(ks) if ks else float("nan")
     for c in range(C):
-        show(f"select_push N={N} R={R} L={L} C={C}: CTA {c} of row 0", SELECT_MARKS, per_cta[c], ghz, k)
+        show(f"select_push N={N} R={R} L={L} C={C} ({pattern}, tune "
+             f"{os.environ['JAX_DSA_EXCHANGE_SELECT_TUNE']}): CTA {c} of row 0", SELECT_MARKS, per_cta[c], ghz, k)
     sk = np.median(np.array(gts), axis=0)
     print(f"  start skew of the CTAs of row 0 (globaltimer, ns, median): {sk.astype(int).tolist()}")
     del b, sets
@@ -129,6 +148,9 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--ghz", type=float, default=1.98)
     ap.add_argument("--only", choices=["merge", "select"], default=None)
+    ap.add_argument("--select-tune", default="", help="select variant knobs beside prof=1 (read at import)")
+    ap.add_argument("--shapes", nargs="+", default=None, help="select shapes R,L[,C] (C: forced)")
+    ap.add_argument("--pattern", default="random", help="select inputs: random | recent")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -140,8 +162,11 @@ def main(argv=None):
             except FileNotFoundError as e:
                 print(f"merge W={W} N={N}: no prof build ({e})")
     if a.only != "merge":
-        for R, L in ((1, 8192), (1, 32768), (1, 131072), (16, 131072), (64, 131072)):
-            select_profile(cp, 8, 2048, 512, R, L, a.iters, a.ghz)
+        shapes = [tuple(int(x) for x in sh.split(",")) for sh in a.shapes] if a.shapes else [
+            (1, 8192), (1, 32768), (1, 131072), (16, 131072), (64, 131072)]
+        for sh in shapes:
+            select_profile(cp, 8, 2048, 512, sh[0], sh[1], a.iters, a.ghz, sh[2] if len(sh) > 2 else None,
+                           a.pattern)  # fmt: skip
 
 
 if __name__ == "__main__":

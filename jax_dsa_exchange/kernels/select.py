@@ -516,6 +516,13 @@ _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
 
 
 @cute.jit
+def pop_bit(m: Uint32, u: Int32):
+    """The walks' step over unit u's mask bits m: (the slice token of the lowest set bit, m
+    without it)."""
+    return u * Int32(16) + low_bit(Int32(m)), m & (m - Uint32(1))
+
+
+@cute.jit
 def count_token(o: Uint32, v: Uint32, ngt: Int32, neq: Int32):
     """The compaction's first walk, one token: (ngt, neq) + (o > v, o == v kept)."""
     if o > v:
@@ -943,8 +950,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             for u in cutlass.range(u0, u1, unroll=1):
                 m = ld_smem_u16(mask_a + u * Int32(2))
                 while m != Uint32(0):
-                    lt = u * Int32(16) + low_bit(Int32(m))
-                    m = m & (m - Uint32(1))
+                    lt, m = pop_bit(m, u)
                     o = ld_smem_u16(cache_a + lt * Int32(2))
                     red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                     Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
@@ -1051,8 +1057,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             for u in cutlass.range(u0, u1, unroll=1):
                 m = ld_smem_u16(mask_a + u * Int32(2))
                 while m != Uint32(0):
-                    lt = u * Int32(16) + low_bit(Int32(m))
-                    m = m & (m - Uint32(1))
+                    lt, m = pop_bit(m, u)
                     ngt, neq = count_token(token_ord16(row_addr, s0, lt, cache_a, keep), v, ngt, neq)
         mk(9)
         igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, wt)
@@ -1069,8 +1074,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 for u in cutlass.range(u0, u1, unroll=1):
                     m = ld_smem_u16(mask_a + u * Int32(2))
                     while m != Uint32(0):
-                        lt = u * Int32(16) + low_bit(Int32(m))
-                        m = m & (m - Uint32(1))
+                        lt, m = pop_bit(m, u)
                         gt_b, eq_b = emit_token(token_ord16(row_addr, s0, lt, cache_a, keep),
                                                 Uint32(s0 + lt), v, gt_b, eq_b, need_eq, n, remote,
                                                 dst_a, row, row_a)  # fmt: skip

@@ -54,7 +54,8 @@ MERGE_MARKS = {
 }
 SELECT_MARKS = {
     1: "zeroing barrier", 2: "pass 1", 3: "cluster barrier 1", 4: "DSMEM sums + scan",
-    5: "pass 2", 6: "hist2 walk", 7: "cluster barrier 2", 8: "boundary", 9: "compaction walk 1",
+    5: "pass 2", 6: "hist2 walk", 7: "cluster barrier 2", 14: "boundary + refine (big)",
+    8: "boundary (big: the list)", 9: "compaction walk 1",
     10: "compaction scan", 11: "compaction walk 2", 12: "cluster barrier 3", 13: "push",
 }
 

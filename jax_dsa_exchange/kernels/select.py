@@ -1027,6 +1027,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         if big != Int32(0):
             refine_mask(mask, cache_a, nvec4, v, tid)
             cute.arch.sync_threads()
+            mk(14)  # (prof=1: refine_mask's share of the boundary step; big CTAs only)
             use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, wt, tid)
     mk(8)
     # ---- compaction in index order straight into CTA 0's row

@@ -1,7 +1,9 @@
 """A NumPy model of the producer's split select (kernels/select.py, `select_row`),
 step by step as the kernel computes it: C slices, the 11-bit histograms summed over
 the cluster, the boundary bin, the 5-bit histograms inside it, the boundary score and
-need_eq, what precedes each slice, and every kept token's position.  Checked on CPU
+need_eq, what precedes each slice, and every kept token's position, computed per thread as
+the kernel partitions the compaction (contiguous 16-token units per thread, or, in a CTA
+with a crowded boundary bin, even shares of a list of its refined mask's bits).  Checked on CPU
 against reference.pack_local_topk for every cluster size the launcher can choose, on
 the shared kinds of hard rows.  (The GPU tests compare the kernel's bytes with the same
 reference: tests/test_select_gpu.py.)"""
@@ -16,10 +18,19 @@ from jax_dsa_exchange.testing import cases
 
 B1, NB1, NB2 = 11, 2048, 32
 BOUNDED_MIN = 2  # (the kernel's select.BOUNDED_MIN is larger; the model checks the bound at every C >= 2)
+TB = 512  # threads per CTA (kernels/common.TB)
+MASK_WORDS = layout.MAX_LOCAL_LEN // 32  # select.MASK_WORDS: the mask's words, its tail the list
+# select.BIG_B1 / BIG_RATIO (test_big_rule_constants checks them): a kept slice whose
+# boundary bin holds more than max(BIG_B1, BIG_RATIO x its count above the bin) refines its
+# mask and walks a list
+BIG_B1, BIG_RATIO = 512, 8
 
 
-def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np.ndarray:
-    """The packed row (layout.row_words(n) uint32 words) select_row builds in CTA 0."""
+def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int, cache_cap: int = 65536,
+                       big_b1: int = BIG_B1, big_ratio: int = BIG_RATIO, paths: list | None = None) -> np.ndarray:
+    """The packed row (layout.row_words(n) uint32 words) select_row builds in CTA 0.
+    ``cache_cap``: the launch's kept slice length (a longer slice is re-read, never "big");
+    ``paths``: gets each CTA's compaction path ("units", "list" or "refined units")."""
     end = int(np.clip(row_end, 0, min(bits.size, layout.MAX_LOCAL_LEN)))
     o = reference.ord16(bits[:end]).astype(np.int64)  # 0 = NaN
     S = -(-(-(-end // csize)) // 8) * 8
@@ -77,32 +88,76 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int) -> np
         for c in range(csize):
             gt_before[c] = per[:c].sum()
         gt_own[:] = per
-    # compaction: every CTA in index order, straight to the final positions, looking
-    # only at the tokens of pass 2's mask (a bit per token; the kernel walks its set bits)
+    # compaction, as the kernel partitions it: thread t of a CTA walks the mask bits of its
+    # contiguous 16-token units [t upt, (t + 1) upt) -- or, in a big CTA whose list fits,
+    # entries [t q, (t + 1) q) of the list of its (refined) mask's bits -- counts (> v, == v),
+    # one exclusive scan over the threads, then writes each kept token at its position
     row = np.zeros(layout.row_words(n), np.uint32)
     for c, (s0, x) in enumerate(zip(starts, slices)):
-        gt_b, eq_b = int(gt_before[c]), int(eq_before[c])
-        mask = x >= mthr
-        for i, oi in enumerate(x.tolist()):
-            if not mask[i]:
-                assert not oi > v and not (oi == v and v != 0)  # the mask misses no kept token
-                continue
-            pos = -1
-            if oi > v:
-                pos = gt_b + min(eq_b, need_eq)
-                gt_b += 1
-            if oi == v and v != 0:
-                if eq_b < need_eq:
-                    pos = gt_b + eq_b
-                eq_b += 1
-            if pos >= 0:
-                assert pos < n, (pos, n)
-                lu = s0 + i
-                row[pos] = (oi << 16) | (0xFFFF - (lu & 0xFFFF))
-                if lu >> 16:
-                    row[n + pos // 32] |= np.uint32(1 << (pos % 32))
-        assert gt_b - gt_before[c] == gt_own[c]  # the counts the kernel published
-        assert eq_b - eq_before[c] == eq_own[c]
+        s_len = x.size
+        nvec4 = -(-(-(-s_len // 8)) // 4) * 4
+        nu = nvec4 // 2
+        upt = -(-nu // TB)
+        mask = x >= mthr  # pass 2's mask (0 = NaN / invalid never reaches mthr >= 1)
+        if total > n:
+            assert not (x[~mask] >= v).any()  # the mask misses no kept or tied token
+        big = (S <= cache_cap and total > n
+               and h1[c][b1] > max(big_b1, big_ratio * int(own_above1[c])))  # fmt: skip
+        path = "units"
+        if big:
+            mask = mask & (x >= v)  # refine_mask
+            path = "refined units"
+        seq = np.flatnonzero(mask)  # the set bits in index order
+        # thread t's share: seq[lo[t]:hi[t]] (its units' bits; the list's entries below)
+        unit_of = seq // 16
+        ts = np.arange(TB)
+        lo = np.searchsorted(unit_of, np.minimum(ts * upt, nu))
+        hi = np.searchsorted(unit_of, np.minimum((ts + 1) * upt, nu))
+        if big:
+            # make_list: per-thread popcounts, an exclusive scan, each thread's bits written
+            # at its rank (build_list), then even shares of the list
+            cnt = hi - lo
+            base = np.concatenate([[0], np.cumsum(cnt)[:-1]])
+            nbits = int(cnt.sum())
+            lw = -(-nvec4 // 16) * 4
+            if nbits <= MASK_WORDS - lw:
+                lst = np.full(nbits, -1, np.int64)
+                for t in range(TB):
+                    lst[base[t]:base[t] + cnt[t]] = seq[lo[t]:hi[t]]
+                assert np.array_equal(lst, seq)  # the list is the bits in index order
+                q = -(-nbits // TB)
+                lo = np.minimum(ts * q, nbits)
+                hi = np.minimum(lo + q, nbits)
+                path = "list"
+        if paths is not None:
+            paths.append(path)
+        assert (lo <= hi).all() and (hi[:-1] <= lo[1:]).all() and hi[-1] == seq.size  # a partition
+        cgt = np.concatenate([[0], np.cumsum(x[seq] > v)])
+        ceq = np.concatenate([[0], np.cumsum(x[seq] == v)]) if v != 0 else np.zeros(seq.size + 1, np.int64)
+        ngt, neq = cgt[hi] - cgt[lo], ceq[hi] - ceq[lo]
+        gt_b0 = gt_before[c] + np.concatenate([[0], np.cumsum(ngt)[:-1]])
+        eq_b0 = eq_before[c] + np.concatenate([[0], np.cumsum(neq)[:-1]])
+        shares = [seq[lo[t]:hi[t]] for t in range(TB)]
+        for t in range(TB):
+            gt_b, eq_b = int(gt_b0[t]), int(eq_b0[t])
+            for i in shares[t].tolist():
+                oi = int(x[i])
+                pos = -1
+                if oi > v:
+                    pos = gt_b + min(eq_b, need_eq)
+                    gt_b += 1
+                if oi == v and v != 0:
+                    if eq_b < need_eq:
+                        pos = gt_b + eq_b
+                    eq_b += 1
+                if pos >= 0:
+                    assert pos < n, (pos, n)
+                    lu = s0 + i
+                    row[pos] = (oi << 16) | (0xFFFF - (lu & 0xFFFF))
+                    if lu >> 16:
+                        row[n + pos // 32] |= np.uint32(1 << (pos % 32))
+        assert ngt.sum() == gt_own[c]  # the counts the kernel published
+        assert neq.sum() == eq_own[c]
     return row
 
 
@@ -113,6 +168,16 @@ def _rows(kind, rng, L):
         return cases.random_logits(rng, 3, L, distinct_values=3)
     if kind == "equal":
         return np.full((3, L), -1.5, cases.BF16)
+    if kind in ("recent", "runs"):  # kept tokens in dense runs (as tests/test_select_gpu.py)
+        x = rng.standard_normal((3, L)).astype(np.float32)
+        if kind == "recent":
+            x += np.linspace(0.0, 8.0, L, dtype=np.float32)[None, :]
+        else:
+            for t in range(3):
+                for _ in range(int(rng.integers(1, 6))):
+                    a = int(rng.integers(0, L))
+                    x[t, a:a + int(rng.integers(40, 700))] += 6.0
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(cases.BF16)
     x = cases.random_logits(rng, 3, L).view(np.uint16).copy()
     specials = np.array([0x7FC0, 0xFFC1, 0x7F81, 0x0000, 0x8000, 0x7F80, 0xFF80], np.uint16)
     m = rng.random(x.shape) < 0.3
@@ -120,7 +185,7 @@ def _rows(kind, rng, L):
     return x.view(cases.BF16)
 
 
-@pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials"])
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials", "recent", "runs"])
 @pytest.mark.parametrize("n", [32, 512])
 def test_split_select_model_is_the_local_topk(kind, n):
     rng = np.random.default_rng(hash((kind, n)) % 2**32)
@@ -133,6 +198,44 @@ def test_split_select_model_is_the_local_topk(kind, n):
             for csize in range(1, layout.PRODUCER_CLUSTER_MAX + 1):
                 got = split_select_model(bits, end, n, csize)
                 assert np.array_equal(got, want), (kind, n, L, end, csize)
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "recent", "runs"])
+def test_crowded_bin_path_model(kind):
+    """The crowded-bin path (refine_mask, make_list, even shares) forced on every kept slice
+    (thresholds 0, as the GPU variant big=0,ratio=0) is the local top-K too; with the
+    kernel's thresholds it takes the list on the recent pattern and never on random scores."""
+    rng = np.random.default_rng(hash(("crowded", kind)) % 2**32)
+    seen = set()
+    for L in (4099, 70001):
+        logits = _rows(kind, rng, L)
+        for t, end in enumerate([L, L // 2 + 3, 600]):
+            bits = logits[t % 3].view(np.uint16)
+            for n in (32, 512):
+                want = reference.pack_local_topk(bits, end, n)
+                for csize in (1, 2, 3, 8):
+                    paths = []
+                    got = split_select_model(bits, end, n, csize, big_b1=0, big_ratio=0, paths=paths)
+                    assert np.array_equal(got, want), (kind, L, end, n, csize)
+                    seen.update(paths)
+                    paths = []
+                    assert np.array_equal(split_select_model(bits, end, n, csize, paths=paths), want)
+                    if kind == "random":
+                        assert set(paths) == {"units"}, (L, end, n, csize, paths)
+                    if kind == "recent" and L == 70001 and end == L and n == 512 and csize in (2, 3):
+                        assert "list" in paths, (csize, paths)
+    assert "list" in seen
+    if kind in ("ties", "equal"):
+        assert "refined units" in seen  # ties at v that do not fit the list
+
+
+def test_big_rule_constants():
+    """The model's thresholds and shapes are the kernel's (select.py needs the CuTe DSL)."""
+    pytest.importorskip("cutlass")
+    from jax_dsa_exchange.kernels import common, select
+
+    assert (select.BIG_B1, select.BIG_RATIO, select.MASK_WORDS, common.TB) == (
+        BIG_B1, BIG_RATIO, MASK_WORDS, TB)
 
 
 def test_model_covers_bit_16_of_l():

@@ -38,8 +38,9 @@ from jax_dsa_exchange.kernels import cache  # noqa: E402
 TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"  # = kernels/select.TUNE_ENV (select.py needs the CuTe DSL)
 PROBES = [(8192, 0, 1), (8192, 0, 8), (8192, 8192, 1), (8192, 8192, 8), (131072, 131072, 1),
           (131072, 131072, 8)]  # (L, row end, C)  # fmt: skip
-ROWS = [(1, 8192, None), (1, 131072, None), (16, 131072, None), (64, 131072, None), (64, 131072, 4),
-        (256, 32768, None), (256, 131072, None), (256, 131072, 4)]  # (R, L, C): None = the launcher's C
+ROWS = [(1, 8192, None), (1, 32768, None), (1, 131072, None), (16, 131072, None), (16, 131072, 8),
+        (64, 32768, None), (64, 131072, None), (64, 131072, 4), (256, 32768, None), (256, 131072, None),
+        (256, 131072, 4)]  # (R, L, C): None = the launcher's C
 DEFAULT_VARIANTS = ["default=", "norelax=relax=0", "nobulk=bulk=0", "cache32k=cache=32768",
                     "skip-hist1=skip=hist1", "skip-pass2=skip=pass2", "skip-dsmem=skip=dsmem",
                     "skip-compact=skip=compact", "skip-push=skip=push",

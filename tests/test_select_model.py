@@ -27,10 +27,13 @@ BIG_B1, BIG_RATIO = 512, 8
 
 
 def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int, cache_cap: int = 65536,
-                       big_b1: int = BIG_B1, big_ratio: int = BIG_RATIO, paths: list | None = None) -> np.ndarray:
+                       big_b1: int = BIG_B1, big_ratio: int = BIG_RATIO, paths: list | None = None,
+                       parts: list | None = None) -> np.ndarray:
     """The packed row (layout.row_words(n) uint32 words) select_row builds in CTA 0.
     ``cache_cap``: the launch's kept slice length (a longer slice is re-read, never "big");
-    ``paths``: gets each CTA's compaction path ("units", "list" or "refined units")."""
+    ``paths``: gets each CTA's compaction path ("units", "list" or "refined units");
+    ``parts``: gets what each CTA of select_push's own-part mode holds and returns, as
+    (its own row buffer, p0, p1, p_end, writer) (see own_part_push)."""
     end = int(np.clip(row_end, 0, min(bits.size, layout.MAX_LOCAL_LEN)))
     o = reference.ord16(bits[:end]).astype(np.int64)  # 0 = NaN
     S = -(-(-(-end // csize)) // 8) * 8
@@ -93,7 +96,11 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int, cache
     # entries [t q, (t + 1) q) of the list of its (refined) mask's bits -- counts (> v, == v),
     # one exclusive scan over the threads, then writes each kept token at its position
     row = np.zeros(layout.row_words(n), np.uint32)
+    p_end = min(total, n)
     for c, (s0, x) in enumerate(zip(starts, slices)):
+        own = np.zeros_like(row)  # this CTA's row buffer in own-part mode
+        p0 = min(int(gt_before[c]) + min(int(eq_before[c]), need_eq), n)
+        p1 = min(int(gt_before[c] + gt_own[c]) + min(int(eq_before[c] + eq_own[c]), need_eq), n)
         s_len = x.size
         nvec4 = -(-(-(-s_len // 8)) // 4) * 4
         nu = nvec4 // 2
@@ -152,13 +159,49 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int, cache
                     eq_b += 1
                 if pos >= 0:
                     assert pos < n, (pos, n)
+                    assert p0 <= pos < p1, (pos, p0, p1)  # the CTA's part is contiguous
                     lu = s0 + i
-                    row[pos] = (oi << 16) | (0xFFFF - (lu & 0xFFFF))
+                    row[pos] = own[pos] = (oi << 16) | (0xFFFF - (lu & 0xFFFF))
                     if lu >> 16:
                         row[n + pos // 32] |= np.uint32(1 << (pos % 32))
+                        own[n + pos // 32] |= np.uint32(1 << (pos % 32))
         assert ngt.sum() == gt_own[c]  # the counts the kernel published
         assert neq.sum() == eq_own[c]
+        if parts is not None:
+            writer = int(c == min((1 << 16) // max(S, 8), csize - 1))
+            parts.append((own, p0, p1, p_end, writer))
     return row
+
+
+def own_part_push(parts: list, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The LL row's words as select_push's own-part mode stores them (select_push.push_part):
+    -> (the words, how many times each was stored).  A one-CTA cluster stores its whole row
+    buffer; else CTA c stores positions [p0, p1) of its own buffer (the last CTA up to n: the
+    empty words), and the writer every mask word, from p_hi = its first own set mask bit (or
+    its hi) and p_end."""
+    rw = layout.row_words(n)
+    out = np.zeros(rw, np.uint32)
+    stores = np.zeros(rw, np.int64)
+    csize = len(parts)
+    for c, (own, p0, p1, p_end, writer) in enumerate(parts):
+        if csize == 1:
+            out[:], stores[:] = own, stores + 1
+            continue
+        hi = n if c == csize - 1 else p1
+        out[p0:hi] = own[p0:hi]
+        stores[p0:hi] += 1
+        if writer:
+            mw = own[n:n + n // 32]
+            nz = np.flatnonzero(mw)
+            f = n if nz.size == 0 else 32 * int(nz[0]) + int(np.flatnonzero(
+                (int(mw[nz[0]]) >> np.arange(32)) & 1)[0])  # fmt: skip
+            p_hi = min(f, hi)
+            for k in range(rw - n):
+                a = min(max(p_hi - 32 * k, 0), 32)
+                b = min(max(p_end - 32 * k, 0), 32)
+                out[n + k] = ((1 << b) - 1) ^ ((1 << a) - 1) if (b > a and k < n // 32) else 0
+            stores[n:] += 1
+    return out, stores
 
 
 def _rows(kind, rng, L):
@@ -196,8 +239,14 @@ def test_split_select_model_is_the_local_topk(kind, n):
             bits = logits[t % 3].view(np.uint16)
             want = reference.pack_local_topk(bits, end, n)
             for csize in range(1, layout.PRODUCER_CLUSTER_MAX + 1):
-                got = split_select_model(bits, end, n, csize)
+                parts = []
+                got = split_select_model(bits, end, n, csize, parts=parts)
                 assert np.array_equal(got, want), (kind, n, L, end, csize)
+                # select_push's own-part mode: every word stored exactly once, the same row
+                pushed, stores = own_part_push(parts, n)
+                assert (stores == 1).all(), (kind, n, L, end, csize)
+                assert np.array_equal(pushed, want), (kind, n, L, end, csize)
+                assert sum(p[4] for p in parts) == 1
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "recent", "runs"])
@@ -248,6 +297,18 @@ def test_model_covers_bit_16_of_l():
     assert want[64:66].any()
     for csize in (1, 3, 8):
         assert np.array_equal(split_select_model(bits, L, 64, csize), want)
+    # the own-part push's mask words (one writer, from its first set bit) on rows where the
+    # kept tokens past 2^16 start inside a slice, at a slice boundary, or in no slice
+    for end, tail in ((L, 40), (L - 5, 3000), (70001, 4460), (65536 + 8, 8), (65536, 40)):
+        b = bits.copy()
+        b[end - tail:end] = 0x7F00
+        for n in (64, 512):
+            want = reference.pack_local_topk(b, end, n)
+            for csize in range(2, layout.PRODUCER_CLUSTER_MAX + 1):
+                parts = []
+                assert np.array_equal(split_select_model(b, end, n, csize, parts=parts), want)
+                pushed, stores = own_part_push(parts, n)
+                assert (stores == 1).all() and np.array_equal(pushed, want), (end, tail, n, csize)
 
 
 def test_ord16_short_form_and_its_guard():

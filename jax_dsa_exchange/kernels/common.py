@@ -210,6 +210,23 @@ def st_ll_v4(addr: Int64, w0: Int32, e: Int32, w1: Int32, *, loc=None, ip=None) 
 
 
 @dsl_user_op
+def st_ll_v4_if(addr: Int64, w0: Int32, e: Int32, w1: Int32, pred: Int32, *, loc=None, ip=None) -> None:
+    """st_ll_v4 when ``pred`` != 0 (a predicated store, no branch)."""
+    _asm(None, [Int64(addr), Int32(w0), Int32(e), Int32(w1), Int32(pred)],
+         "{ .reg .pred p; setp.ne.s32 p, $4, 0; @p st.volatile.global.v4.u32 [$0], {$1, $2, $3, $2}; }",
+         "l,r,r,r,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def st_ll_v2_if(addr: Int64, w: Int32, e: Int32, pred: Int32, *, loc=None, ip=None) -> None:
+    """One 8-byte half (w, e) of an NCCL-LL record when ``pred`` != 0 (an edge word of a
+    CTA's part of a row)."""
+    _asm(None, [Int64(addr), Int32(w), Int32(e), Int32(pred)],
+         "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.volatile.global.v2.u32 [$0], {$1, $2}; }",
+         "l,r,r,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
 def st_v4(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
     """Plain 16-byte store (rescue rows: published by a release flag)."""
     _asm(None, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d)],

@@ -28,8 +28,12 @@ does the whole row, as the merge's rescue does).  Per CTA:
    written; a kept slice with a crowded boundary bin, ``BIG_B1``, first drops the tokens
    below the boundary score from its mask and walks an even share of a list of the rest)
    puts each kept token's packed word (docs/DESIGN.md §5) straight to its
-   final position in the row buffer of the cluster's CTA 0 (a DSMEM store) and bit 16
-   of l into the mask words (DSMEM ``red.or``);
+   final position: the slice's kept tokens are one contiguous range of positions, which
+   select_push (``own_part``) keeps in each CTA's own row buffer and pushes from there,
+   each CTA its own range (after a relaxed arrival at the cluster barrier once no CTA
+   reads another's shared memory; the wait before exit); otherwise (the merge's rescue,
+   or ``own=0``) into the row buffer of the cluster's CTA 0 (DSMEM stores, bit 16 of l by
+   DSMEM ``red.or``), then
 6. one **cluster barrier**: CTA 0's row buffer is the packed row, ascending l,
    empty words zero.
 
@@ -108,6 +112,11 @@ BOUNDED_MIN = 5
 LIST = 1
 BIG_B1 = 512
 BIG_RATIO = 8
+# Each CTA of a cluster keeps its own part of the packed row (a contiguous range of
+# positions: its slice's kept tokens) and pushes it itself, one CTA the bit-16 mask words
+# (select_row ``own_part``); 0: every CTA writes into CTA 0's row through DSMEM, a third
+# cluster barrier, then CTA 0 pushes the whole row ("own=0": the seventh session's way)
+OWN = 1
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -124,7 +133,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
         continue
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
-               "big": "BIG_B1", "ratio": "BIG_RATIO"}[_k]] = int(_v)  # fmt: skip
+               "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN"}[_k]] = int(_v)  # fmt: skip
 EXACT = not SKIP and not PROF  # False: a timing-only build (wrong outputs)
 assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
 assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary step: warp r sums CTA r
@@ -160,7 +169,7 @@ class SelectSmem:
         self.pub = arr(16)  # read by other CTAs: [0] own count above b1, [1] own valid count
         self.scal = arr(32)  # CTA-local scalars (see select_row)
         self.wt = arr(2 * NWARPS)  # warp totals of the pair scan
-        self.row = arr(rw)  # the packed row (CTA 0's is the cluster's result)
+        self.row = arr(rw)  # the packed row (CTA 0's; own_part: each CTA's range of it)
         # a bit per slice token, set by pass 2 for the tokens the compaction looks at
         self.mask = arr(MASK_WORDS)
         # the bulk copies' mbarriers (8 bytes each), one per TB vectors of the cache
@@ -309,6 +318,21 @@ def cluster_sync(*, loc=None, ip=None) -> None:
     shared and distributed-shared accesses across the cluster)."""
     _asm(None, [], "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
          "~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def cluster_arrive(*, loc=None, ip=None) -> None:
+    """This thread's relaxed arrival at the cluster barrier (no memory ordering: it says
+    only that this thread reads no other CTA's shared memory any more); ``cluster_wait``
+    completes it."""
+    _asm(None, [], "barrier.cluster.arrive.relaxed.aligned;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
+def cluster_wait(*, loc=None, ip=None) -> None:
+    """Until every thread of the cluster arrived (``cluster_arrive``): before a CTA exits,
+    no other CTA may still read its shared memory."""
+    _asm(None, [], "barrier.cluster.wait.aligned;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -647,7 +671,7 @@ def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid)
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
                cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
-               mk=None, span=None, early=None):
+               mk=None, span=None, early=None, own_part: cutlass.Constexpr = False):
     """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
     row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
     cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
@@ -661,7 +685,15 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     ``mk``: the common.Marks of a prof=1 build (timing only), else None.  ``end``: clamped
     to [0, 2**17] by the caller.  ``span``: the length the slices are cut from (>= end; None:
     ``end`` itself); ``end`` is clamped to [0, span] here.  ``early``: a callable (traced inline) right after the bulk
-    copies are issued."""
+    copies are issued.  ``own_part`` (with ``clustered`` and OWN): each CTA writes only its
+    own part of the packed row, into its own row buffer at the final positions, and returns
+    ``(p0, p1, p_end, writer)``: it holds positions [p0, p1) (its slice's kept tokens, in
+    index order; bit 16 of l in its own mask words), p_end = the row's kept count, and
+    ``writer`` (1 in exactly one CTA: the one whose slice holds token 2**16, else the last)
+    can derive every mask word from the first of its own set bits.  It then ends with a
+    block barrier and an ARRIVAL at the cluster barrier (no CTA reads another's shared
+    memory after it): the caller must ``cluster_wait()`` before the CTA exits."""
+    own = bool(clustered and own_part and OWN)
     if cutlass.const_expr(mk is None):
         mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
@@ -1023,6 +1055,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         if tid == Int32(0):
             scal[_GT_OWN] = pub[1]
     cute.arch.sync_threads()
+    if cutlass.const_expr(own):
+        cluster_arrive()  # every DSMEM load of this CTA was used above (own_part)
     if cutlass.const_expr(listed):
         if big != Int32(0):
             refine_mask(mask, cache_a, nvec4, v, tid)
@@ -1037,7 +1071,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     eq_end = cutlass.min(eq_run + scal[_EQ_OWN], need_eq)
     dst_a = row_a
     remote = Int32(0)  # the row lives in another CTA (DSMEM stores)
-    if cutlass.const_expr(clustered):
+    # (own_part: this CTA's positions [p0, p1) of the row, in its own row buffer)
+    p0 = cutlass.min(gt_run + cutlass.min(eq_run, need_eq), Int32(n))
+    p1 = cutlass.min(gt_end + eq_end, Int32(n))
+    if cutlass.const_expr(clustered and not own):
         dst_a = mapa(row_a, Int32(0))
         if csize > Int32(1):
             remote = Int32(1)
@@ -1080,5 +1117,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                                                 Uint32(s0 + lt), v, gt_b, eq_b, need_eq, n, remote,
                                                 dst_a, row, row_a)  # fmt: skip
     mk(11)
-    csync_end(clustered, csize)
+    if cutlass.const_expr(own):
+        cute.arch.sync_threads()  # this CTA's part of the row is complete
+    else:
+        csync_end(clustered, csize)
     mk(12)
+    # (own_part's results; the other callers drop them)
+    wc = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
+    return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)

@@ -7,8 +7,10 @@ ABI: ``abi.SELECT_PUSH`` (kernels/abi.py, the one declaration; ``kernel`` and
 Launch: grid (rows * C, 1, 1) in clusters of (C, 1, 1), C =
 ``layout.producer_cluster(rows, cols)`` (1 <= C <= 8); block (TB,).  Cluster b
 selects row b (kernels/select.py: each CTA reads its slice of the row once and
-keeps it on chip); CTA 0 of the cluster then pushes the packed row to every
-rank.  The producer never waits on a peer, so any grid is deadlock-free.
+keeps it on chip); each CTA then pushes its own part of the packed row (its slice's
+kept tokens: one range of positions; one CTA the bit-16 mask words) to every rank, a
+one-CTA cluster the whole row.  The producer never waits on a peer, so any grid is
+deadlock-free.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import functools
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32
+from cutlass import Int32, Int64, Uint32, Uint64
 
 from .. import layout
 from . import abi
@@ -61,6 +63,18 @@ def row_end(row_ends: Int64, t: Int32, cols: Int32) -> Int32:
     if end < Int32(0):
         end = Int32(0)
     return end
+
+
+@cute.jit
+def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> Int32:
+    """Mask word k of a packed row: bit j set for position 32 k + j in [p_hi, p_end); the
+    padding words past the nmw mask words are zero."""
+    a = cutlass.min(cutlass.max(p_hi - Int32(32) * k, Int32(0)), Int32(32))
+    b = cutlass.min(cutlass.max(p_end - Int32(32) * k, Int32(0)), Int32(32))
+    bits = Int32(0)
+    if b > a and k < Int32(nmw):
+        bits = Int32(Uint64(((Uint64(1) << Uint64(b)) - Uint64(1)) ^ ((Uint64(1) << Uint64(a)) - Uint64(1))))
+    return bits
 
 
 class SelectPush:
@@ -112,26 +126,42 @@ class SelectPush:
         # this load, measured no faster and made short rows read their whole buffer row:
         # the slices stay cut from the row's end)
         end = row_end(row_ends, t, cols)
+        own = cutlass.const_expr(S.OWN and "select" not in S.SKIP)
+        p0, p1, p_end, writer = Int32(0), Int32(self.n), Int32(0), Int32(1)
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
-            S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw,
-                         sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens,
-                         mk=mk, early=functools.partial(store_peers, psm, pv, tid, self.world))  # fmt: skip
+            p0, p1, p_end, writer = S.select_row(
+                logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(), tid,
+                lane, warp, csize, me, True, True, cache_tokens, mk=mk,
+                early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=True)  # fmt: skip
         else:
             store_peers(psm, pv, tid, self.world)
             cute.arch.sync_threads()  # psm is read by other threads of the CTA
-        # CTA 0 holds the packed row (select_row's barriers also published psm).  A
-        # failed or closed exchange (status word set) pushes nothing (layout.py); every
-        # CTA ran the select, so no cluster barrier was skipped.
+        # (select_row's barriers also published psm.)  A failed or closed exchange (status
+        # word set) pushes nothing (layout.py); every CTA ran the select, so no cluster
+        # barrier was skipped.
         if cutlass.const_expr("push" not in S.SKIP):  # skip=push: timing only
-            if me == Int32(0):
-                if status == Uint32(layout.STATUS_OK):
-                    e = e0 + Int32(1)
-                    off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
-                    for p in cutlass.range_constexpr(self.world):
-                        dst = psm[p] + off
-                        for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
-                            C.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e,
-                                       row[2 * i + 1])  # fmt: skip
+            if status == Uint32(layout.STATUS_OK):
+                e = e0 + Int32(1)
+                if csize == Int32(1) or cutlass.const_expr(not own):
+                    # CTA 0 holds the whole packed row (its mask words too)
+                    if me == Int32(0):
+                        off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
+                        for p in cutlass.range_constexpr(self.world):
+                            dst = psm[p] + off
+                            for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
+                                C.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e,
+                                           row[2 * i + 1])  # fmt: skip
+                else:
+                    # every CTA pushes its own positions [p0, p1) (the last one up to n: the
+                    # empty words), the writer the mask words: no cluster barrier after the
+                    # compaction, no DSMEM stores, C CTAs storing at once
+                    hi = p1
+                    if me == csize - Int32(1):
+                        hi = Int32(self.n)
+                    self.push_part(psm, row, e, rank, t, max_rows, p0, hi, p_end, writer, tid, lane,
+                                   warp)  # fmt: skip
+        if cutlass.const_expr(own):
+            S.cluster_wait()  # (select_row's arrival: no CTA still reads this one's DSMEM)
         if cutlass.const_expr(not S.EARLY_TRIGGER):
             C.pdl_launch_dependents()
         if cutlass.const_expr(S.PROF):
@@ -141,6 +171,74 @@ class SelectPush:
             mk.store(C.state_seq(epoch, max_rows, max_rows - Int32(128) + me * Int32(C.Marks.N)),
                      Int32(t == Int32(0)) & Int32(tid == Int32(0)) & Int32(max_rows - rows >= Int32(128))
                      & Int32((max_rows & Int32(3)) == Int32(0)))  # fmt: skip
+
+    @cute.jit
+    def push_part(self, psm: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32,
+                  max_rows: Int32, lo: Int32, hi: Int32, p_end: Int32, mw: Int32, tid, lane,
+                  warp):  # fmt: skip
+        """Words [lo, hi) of the packed row (this CTA's row buffer) to every rank: whole LL
+        records, and an edge word in its record's 8-byte half (the merge reads each half
+        with its own tag, so two CTAs may write one record).  ``mw``: this CTA also writes
+        the mask words, derived here: bit 16 of l is set at every position in [p_hi,
+        p_end) (positions ascend with l; p_hi, the first of this CTA's own set mask bits,
+        or hi when it has none, is the first l >= 2**16)."""
+        n = self.n
+        nmw = n // 32  # mask words
+        mrec = (self.rw - n) // 2  # their records (with the padding words): <= 32
+        assert mrec <= 32, mrec
+        m0 = Int32(0)
+        m1 = Int32(0)
+        if mw != Int32(0) and warp == Int32(0):
+            f = Int32(n)
+            for k in cutlass.range_constexpr(0, nmw, 32):
+                w = Int32(0)
+                if lane + Int32(k) < Int32(nmw):
+                    w = row[n + k + lane]
+                if w != Int32(0):
+                    f = cutlass.min(f, (lane + Int32(k)) * Int32(32) + S.low_bit(w))
+            p_hi = cutlass.min(cute.arch.warp_redux_sync(f, "min"), hi)
+            if lane < Int32(mrec):
+                m0 = mask_bits(p_hi, p_end, Int32(2) * lane, nmw)
+                m1 = mask_bits(p_hi, p_end, Int32(2) * lane + Int32(1), nmw)
+        # each thread's words are loaded once, then stored to every peer by predicated
+        # stores (a loop per peer over dynamic bounds measured +0.5 us at C = 1, ninth session)
+        wm = Int32(mw != Int32(0)) & Int32(tid < Int32(mrec))
+        # the edge words: thread TB - 1 the one at lo (odd lo), TB - 2 the one before hi (odd hi)
+        e_lo = Int32(lo < hi) & Int32(tid == Int32(C.TB - 1)) & (lo & Int32(1))
+        e_hi = Int32(lo < hi) & Int32(tid == Int32(C.TB - 2)) & (hi & Int32(1))
+        ew = Int32(0)
+        eo = Int64(0)
+        if e_lo != Int32(0):
+            ew = row[lo]
+            eo = Int64(lo >> Int32(1)) * Int64(layout.LL_RECORD_BYTES) + Int64(layout.LL_HALF_BYTES)
+        if e_hi != Int32(0):
+            ew = row[hi - Int32(1)]
+            eo = Int64(hi >> Int32(1)) * Int64(layout.LL_RECORD_BYTES)
+        ee = e_lo | e_hi
+        r_lo = (lo + Int32(1)) >> Int32(1)
+        r_hi = hi >> Int32(1)
+        nr = -(-(self.rw // 2) // C.TB)  # records per thread at most
+        ok = cute.make_rmem_tensor((nr,), Int32)
+        wa = cute.make_rmem_tensor((nr,), Int32)
+        wb = cute.make_rmem_tensor((nr,), Int32)
+        for j in cutlass.range_constexpr(nr):
+            i = r_lo + tid + Int32(j * C.TB)
+            ok[j] = Int32(i < r_hi)
+            wa[j] = Int32(0)
+            wb[j] = Int32(0)
+            if i < r_hi:
+                wa[j] = row[Int32(2) * i]
+                wb[j] = row[Int32(2) * i + Int32(1)]
+        off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
+        rb = Int64(layout.LL_RECORD_BYTES)
+        base = off + Int64(r_lo + tid) * rb
+        mo = off + Int64(n // 2 + tid) * rb
+        for p in cutlass.range_constexpr(self.world):
+            dst = psm[p]
+            for j in cutlass.range_constexpr(nr):
+                C.st_ll_v4_if(dst + base + Int64(j * C.TB) * rb, wa[j], e, wb[j], ok[j])
+            C.st_ll_v2_if(dst + off + eo, ew, e, ee)
+            C.st_ll_v4_if(dst + mo, m0, e, m1, wm)
 
     @cute.jit
     def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,

@@ -82,11 +82,17 @@ def test_ptx_protocol_instructions(images):
     # LL push: 16-byte volatile stores (w0, e, w1, e); PDL trigger + wait
     assert re.search(r"st\.volatile\.global\.v4\.u32", sp)
     assert "griddepcontrol.launch_dependents" in sp and "griddepcontrol.wait" in sp
-    # the row split over a cluster: histograms and the row through distributed shared
-    # memory, ordered by cluster barriers (release / acquire); 16-byte logits loads
-    assert "barrier.cluster.arrive.release" in sp and "barrier.cluster.wait.acquire" in sp
+    # the row split over a cluster: histograms through distributed shared memory, read
+    # after relaxed cluster barriers that release this CTA's own shared memory; each CTA
+    # pushes its own part of the row (edge words as one 8-byte store each), so no CTA stores
+    # into another's shared memory; the last barrier is an arrival + a wait before exit
+    assert "fence.release.sync_restrict::shared::cta.cluster" in sp
+    assert "barrier.cluster.arrive.relaxed.aligned" in sp and "barrier.cluster.wait.aligned" in sp
+    assert "barrier.cluster.arrive.release" not in sp
     assert "mapa.shared::cluster" in sp and "ld.shared::cluster.v4.u32" in sp
-    assert "st.shared::cluster.u32" in sp and "ld.global.nc.v4.u32" in sp
+    assert "st.shared::cluster" not in sp and "red.relaxed.cluster" not in sp
+    assert re.search(r"st\.volatile\.global\.u64", sp) and "ld.global.nc.v4.u32" in sp
+    assert not re.search(r"st\.volatile\.global\.v2\.u32", sp)
     # the rescue's select runs on one CTA of the merge: no cluster instruction there
     assert "barrier.cluster" not in mg and "shared::cluster" not in mg
     # merge: 8-byte LL halves, system-scope flag protocol, PDL wait, timeout clock
@@ -227,9 +233,12 @@ def test_layout_constants_used_by_kernels():
 
 
 def test_select_tune_variants(tmp_path):
-    """The exact speed-up knob (select.RELAX, on by default) and a timing-only skip build
-    compile (fresh processes: select.py reads JAX_DSA_EXCHANGE_SELECT_TUNE at import); RELAX
-    keeps arrive.release only for barrier 3 of a multi-CTA cluster; an unknown stage fails."""
+    """The exact speed-up knobs (select.RELAX and select.OWN, on by default) and a
+    timing-only skip build compile (fresh processes: select.py reads
+    JAX_DSA_EXCHANGE_SELECT_TUNE at import).  RELAX: cluster barriers 1 and 2 release only
+    the CTA's own shared memory; OWN: no barrier 3 (each CTA pushes its own part; a relaxed
+    arrival, the wait before exit); own=0 keeps arrive.release for barrier 3 of a
+    multi-CTA cluster; an unknown stage fails."""
     import os
     import subprocess
     import sys
@@ -248,12 +257,20 @@ def test_select_tune_variants(tmp_path):
     r = ptx("")  # the default: RELAX = 1
     assert r.returncode == 0, r.stderr[-2000:]
     sp = r.stdout
-    assert sp.count("fence.release.sync_restrict::shared::cta.cluster") == 3
+    assert sp.count("fence.release.sync_restrict::shared::cta.cluster") == 2
     assert sp.count("barrier.cluster.arrive.relaxed.aligned") == 3
-    assert sp.count("barrier.cluster.arrive.release.aligned") == 1
+    assert sp.count("barrier.cluster.arrive.release.aligned") == 0
+    r = ptx("own=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("fence.release.sync_restrict::shared::cta.cluster") == 3
+    assert r.stdout.count("barrier.cluster.arrive.relaxed.aligned") == 3
+    assert r.stdout.count("barrier.cluster.arrive.release.aligned") == 1
+    assert "st.shared::cluster.u32" in r.stdout  # (into CTA 0's row)
     r = ptx("relax=0")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "barrier.cluster.arrive.relaxed" not in r.stdout and "sync_restrict" not in r.stdout
+    assert "sync_restrict" not in r.stdout
+    assert r.stdout.count("barrier.cluster.arrive.relaxed.aligned") == 1  # (the own-part arrival)
+    assert r.stdout.count("barrier.cluster.arrive.release.aligned") == 2
     r = ptx("skip=pass2+push")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "st.volatile.global.v4.u32" not in r.stdout  # no push

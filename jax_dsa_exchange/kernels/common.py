@@ -218,11 +218,13 @@ def st_ll_v4_if(addr: Int64, w0: Int32, e: Int32, w1: Int32, pred: Int32, *, loc
 
 
 @dsl_user_op
-def st_ll_v2_if(addr: Int64, w: Int32, e: Int32, pred: Int32, *, loc=None, ip=None) -> None:
+def st_ll_half_if(addr: Int64, w: Int32, e: Int32, pred: Int32, *, loc=None, ip=None) -> None:
     """One 8-byte half (w, e) of an NCCL-LL record when ``pred`` != 0 (an edge word of a
-    CTA's part of a row)."""
+    CTA's part of a row): ONE 64-bit store, single-copy atomic like the merge's 8-byte
+    reads of a half (a v2.u32 store is two 32-bit accesses in the memory model)."""
     _asm(None, [Int64(addr), Int32(w), Int32(e), Int32(pred)],
-         "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.volatile.global.v2.u32 [$0], {$1, $2}; }",
+         "{ .reg .pred p; .reg .b64 h; setp.ne.s32 p, $3, 0; mov.b64 h, {$1, $2}; "
+         "@p st.volatile.global.u64 [$0], h; }",
          "l,r,r,r,~{memory}", loc, ip)  # fmt: skip
 
 

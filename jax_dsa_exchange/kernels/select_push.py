@@ -237,7 +237,7 @@ class SelectPush:
             dst = psm[p]
             for j in cutlass.range_constexpr(nr):
                 C.st_ll_v4_if(dst + base + Int64(j * C.TB) * rb, wa[j], e, wb[j], ok[j])
-            C.st_ll_v2_if(dst + off + eo, ew, e, ee)
+            C.st_ll_half_if(dst + off + eo, ew, e, ee)
             C.st_ll_v4_if(dst + mo, m0, e, m1, wm)
 
     @cute.jit

@@ -232,6 +232,19 @@ def test_layout_constants_used_by_kernels():
     assert m.smem <= 64 * 1024
 
 
+def test_select_push_beyond_the_own_part_push():
+    """Rows of more than 2048 candidates (up to N = K = 4096) have more mask records than one
+    warp's lanes: select_push keeps CTA 0's push there (own_part_ok), and still compiles."""
+    from jax_dsa_exchange.kernels import select_push
+
+    assert select_push.own_part_ok(2048) and not select_push.own_part_ok(2080)
+    for n in (2080, 4096):
+        layout.check_config(2, 4096, n)
+        ptx = str(cache.compile_kernel("select_push", "sm_90a", 2, 4096, n)[1].__ptx__)
+        assert "st.shared::cluster.u32" in ptx  # (into CTA 0's row)
+        assert "barrier.cluster.arrive.release.aligned" in ptx
+
+
 def test_select_tune_variants(tmp_path):
     """The exact speed-up knobs (select.RELAX and select.OWN, on by default) and a
     timing-only skip build compile (fresh processes: select.py reads

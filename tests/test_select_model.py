@@ -302,7 +302,7 @@ def test_model_covers_bit_16_of_l():
     for end, tail in ((L, 40), (L - 5, 3000), (70001, 4460), (65536 + 8, 8), (65536, 40)):
         b = bits.copy()
         b[end - tail:end] = 0x7F00
-        for n in (64, 512):
+        for n in (64, 512, 2048):  # (2048: 64 mask words, the most the own-part push serves)
             want = reference.pack_local_topk(b, end, n)
             for csize in range(2, layout.PRODUCER_CLUSTER_MAX + 1):
                 parts = []

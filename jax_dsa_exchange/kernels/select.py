@@ -39,7 +39,8 @@ does the whole row, as the merge's rescue does).  Per CTA:
 
 Every value a branch around a barrier depends on comes from shared memory after a
 barrier, so those branches are uniform over the CTA (and over the cluster where it
-matters: every CTA executes the same three cluster barriers); the walks over set bits
+matters: every CTA executes the same cluster barriers, three, or with ``own_part`` two and
+an arrival whose wait the caller executes); the walks over set bits
 diverge per thread and reconverge before the next barrier.  Exactness does not depend
 on C: the boundary, the counts and every position are computed from exact integer
 counts over the whole row.
@@ -677,7 +678,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
     the cluster's size and this CTA's rank in it (1 / 0 when not clustered).
     Ends with a cluster barrier: CTA 0's row is complete, and nothing in this
-    CTA's shared memory is read by another CTA after it.  ``cached``: keep the
+    CTA's shared memory is read by another CTA after it (``own_part``: see below).  ``cached``: keep the
     slice on chip when it has at most ``cache_cap`` tokens (ceil(end / csize) rounded
     up to 8; the launch's shared memory holds cache_cap <= CACHE_MAX of them); a longer
     slice is re-read from global memory (mostly L2) in every pass instead.  ``vpr``: vectors
@@ -691,8 +692,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     index order; bit 16 of l in its own mask words), p_end = the row's kept count, and
     ``writer`` (1 in exactly one CTA: the one whose slice holds token 2**16, else the last)
     can derive every mask word from the first of its own set bits.  It then ends with a
-    block barrier and an ARRIVAL at the cluster barrier (no CTA reads another's shared
-    memory after it): the caller must ``cluster_wait()`` before the CTA exits."""
+    block barrier, after a relaxed ARRIVAL at the cluster barrier placed once every DSMEM
+    load's value has been used (so no CTA reads another's shared memory after it): the
+    caller must ``cluster_wait()`` before the CTA exits."""
     own = bool(clustered and own_part and OWN)
     if cutlass.const_expr(mk is None):
         mk = C.Marks(False)

@@ -65,6 +65,12 @@ def row_end(row_ends: Int64, t: Int32, cols: Int32) -> Int32:
     return end
 
 
+def own_part_ok(n: int) -> bool:
+    """Whether push_part serves rows of n candidates: their mask records (with the padding
+    words) are derived by the lanes of one warp."""
+    return (layout.row_words(n) - n) // 2 <= 32
+
+
 @cute.jit
 def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> Int32:
     """Mask word k of a packed row: bit j set for position 32 k + j in [p_hi, p_end); the
@@ -126,13 +132,15 @@ class SelectPush:
         # this load, measured no faster and made short rows read their whole buffer row:
         # the slices stay cut from the row's end)
         end = row_end(row_ends, t, cols)
-        own = cutlass.const_expr(S.OWN and "select" not in S.SKIP)
+        # (the own-part push derives the mask records in warp 0: at most 32 of them, n <=
+        # 2048; a longer row keeps CTA 0's push)
+        own = cutlass.const_expr(S.OWN and "select" not in S.SKIP and own_part_ok(self.n))
         p0, p1, p_end, writer = Int32(0), Int32(self.n), Int32(0), Int32(1)
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
             p0, p1, p_end, writer = S.select_row(
                 logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(), tid,
                 lane, warp, csize, me, True, True, cache_tokens, mk=mk,
-                early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=True)  # fmt: skip
+                early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own)  # fmt: skip
         else:
             store_peers(psm, pv, tid, self.world)
             cute.arch.sync_threads()  # psm is read by other threads of the CTA
@@ -155,11 +163,12 @@ class SelectPush:
                     # every CTA pushes its own positions [p0, p1) (the last one up to n: the
                     # empty words), the writer the mask words: no cluster barrier after the
                     # compaction, no DSMEM stores, C CTAs storing at once
-                    hi = p1
-                    if me == csize - Int32(1):
-                        hi = Int32(self.n)
-                    self.push_part(psm, row, e, rank, t, max_rows, p0, hi, p_end, writer, tid, lane,
-                                   warp)  # fmt: skip
+                    if cutlass.const_expr(own):  # (the condition above is dynamic)
+                        hi = p1
+                        if me == csize - Int32(1):
+                            hi = Int32(self.n)
+                        self.push_part(psm, row, e, rank, t, max_rows, p0, hi, p_end, writer, tid,
+                                       lane, warp)  # fmt: skip
         if cutlass.const_expr(own):
             S.cluster_wait()  # (select_row's arrival: no CTA still reads this one's DSMEM)
         if cutlass.const_expr(not S.EARLY_TRIGGER):
@@ -184,8 +193,8 @@ class SelectPush:
         or hi when it has none, is the first l >= 2**16)."""
         n = self.n
         nmw = n // 32  # mask words
-        mrec = (self.rw - n) // 2  # their records (with the padding words): <= 32
-        assert mrec <= 32, mrec
+        mrec = (self.rw - n) // 2  # their records (with the padding words)
+        assert own_part_ok(n), n
         m0 = Int32(0)
         m1 = Int32(0)
         if mw != Int32(0) and warp == Int32(0):

@@ -1002,7 +1002,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         if r < csize:
             if cutlass.const_expr(clustered and "dsmem" not in SKIP):
                 x = ld_dsmem_u32(mapa(h2_a + j * Int32(4), r))
-                if j == Int32(0):
+                # (only CTAs up to this one count: no remote load whose value is dead, so
+                # every DSMEM load is used before own_part's relaxed arrival below)
+                if j == Int32(0) and r <= me:
                     above = ld_dsmem_u32(mapa(pub_a, r))
             else:
                 x = hist2[j]

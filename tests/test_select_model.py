@@ -174,33 +174,57 @@ def split_select_model(bits: np.ndarray, row_end: int, n: int, csize: int, cache
 
 
 def own_part_push(parts: list, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The LL row's words as select_push's own-part mode stores them (select_push.push_part):
-    -> (the words, how many times each was stored).  A one-CTA cluster stores its whole row
-    buffer; else CTA c stores positions [p0, p1) of its own buffer (the last CTA up to n: the
-    empty words), and the writer every mask word, from p_hi = its first own set mask bit (or
-    its hi) and p_end."""
+    """The LL row's words as select_push's own-part mode stores them, thread by thread as
+    select_push.push_part maps them (records r_lo + tid + j TB, the edge halves by threads
+    TB - 1 / TB - 2, the mask records by threads < mrec of the writer; a one-CTA cluster
+    the whole row by the old loop), as (byte offset of an 8-byte half, word) stores ->
+    (the words, how many times each 8-byte half was stored).  CTA c stores positions
+    [p0, p1) of its own buffer (the last CTA up to n: the empty words), the writer every
+    mask word, from p_hi = its first own set mask bit (or its hi) and p_end."""
     rw = layout.row_words(n)
+    half = layout.LL_HALF_BYTES
     out = np.zeros(rw, np.uint32)
     stores = np.zeros(rw, np.int64)
+    tids = np.arange(TB)
+
+    def store(offsets, words):
+        j = np.asarray(offsets, np.int64) // half  # word j's half lies at byte 8 j
+        assert (np.asarray(offsets) % half == 0).all()
+        np.add.at(stores, j, 1)
+        out[j] = words
+
     csize = len(parts)
     for c, (own, p0, p1, p_end, writer) in enumerate(parts):
-        if csize == 1:
-            out[:], stores[:] = own, stores + 1
+        if csize == 1:  # the whole-row loop: record i by thread i, both halves
+            i = tids[tids < rw // 2]
+            store(np.concatenate([16 * i, 16 * i + 8]), np.concatenate([own[2 * i], own[2 * i + 1]]))
             continue
-        hi = n if c == csize - 1 else p1
-        out[p0:hi] = own[p0:hi]
-        stores[p0:hi] += 1
+        lo, hi = p0, (n if c == csize - 1 else p1)
+        r_lo, r_hi = (lo + 1) >> 1, hi >> 1
+        for j in range(-(-(rw // 2) // TB)):  # nr: records per thread at most
+            i = r_lo + tids + j * TB
+            i = i[i < r_hi]
+            store(np.concatenate([16 * i, 16 * i + 8]), np.concatenate([own[2 * i], own[2 * i + 1]]))
+        if lo < hi and lo & 1:  # thread TB - 1: the word at an odd lo, its record's upper half
+            store([16 * (lo >> 1) + 8], [own[lo]])
+        if lo < hi and hi & 1:  # thread TB - 2: the word before an odd hi, the lower half
+            store([16 * (hi >> 1)], [own[hi - 1]])
         if writer:
             mw = own[n:n + n // 32]
-            nz = np.flatnonzero(mw)
-            f = n if nz.size == 0 else 32 * int(nz[0]) + int(np.flatnonzero(
-                (int(mw[nz[0]]) >> np.arange(32)) & 1)[0])  # fmt: skip
+            f = n
+            for k in np.flatnonzero(mw):  # (warp 0: lane k's word, its lowest set bit; a min)
+                f = min(f, 32 * int(k) + int(np.flatnonzero((int(mw[k]) >> np.arange(32)) & 1)[0]))
             p_hi = min(f, hi)
-            for k in range(rw - n):
+            mrec = (rw - n) // 2
+            assert mrec <= 32  # select_push.own_part_ok: one warp's lanes
+            words = []
+            for k in range(2 * mrec):  # thread t < mrec: mask words 2 t, 2 t + 1
                 a = min(max(p_hi - 32 * k, 0), 32)
                 b = min(max(p_end - 32 * k, 0), 32)
-                out[n + k] = ((1 << b) - 1) ^ ((1 << a) - 1) if (b > a and k < n // 32) else 0
-            stores[n:] += 1
+                words.append(((1 << b) - 1) ^ ((1 << a) - 1) if (b > a and k < n // 32) else 0)
+            t = np.arange(mrec)
+            store(np.concatenate([16 * (n // 2 + t), 16 * (n // 2 + t) + 8]),
+                  np.array(words[0::2] + words[1::2], np.uint32))
     return out, stores
 
 

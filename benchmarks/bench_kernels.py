@@ -181,16 +181,14 @@ def probe(cp, world, topk, n, reps=20):
 
 
 def cluster_sweep(cp, world, topk, n, rows, cols, clusters, iters):
-    """select_push time per forced cluster size (the policy's choice marked)."""
-    from jax_dsa_exchange import layout
-
+    """select_push time per forced cluster size (the policy's choice on this device marked)."""
     b = Bench(cp, world, topk, n, max(rows))
     out = []
     for R in rows:
         for L in cols:
             for c in clusters:
                 tp, _ = b.run(R, L, rescue=False, iters=iters, warm=2, cluster=c, merge=False)
-                pol = layout.producer_cluster(R, L)
+                pol = b.sim.producer_cluster(R, L)
                 out.append((n, R, L, c, tp, c == pol))
                 print(f"sweep N={n} R={R} L={L} C={c}{' (policy)' if c == pol else ''}: "
                       f"select+push {tp:.1f}us", flush=True)  # fmt: skip
@@ -290,9 +288,9 @@ def main(argv=None):
                                          else topk64_times(R, a.world * n, a.topk))  # fmt: skip
                 jm, tmk = base_cache[key64]["jax"], base_cache[key64]["torch"]
                 rows.append((n, R, L, tp, floor, goal, tl, jl, tm, tr, tmk, jm, sat0, sat1,
-                             layout.producer_cluster(R, L), kp))  # fmt: skip
+                             b.sim.producer_cluster(R, L), kp))  # fmt: skip
                 print(f"N={n} R={R} L={L}: select+push {tp:.1f}us (kernel {kp:.1f}us) (floor {floor:.2f}us, goal "
-                      f"{goal:.1f}us, C={layout.producer_cluster(R, L)}) torch.topk[R,L] {tl} "
+                      f"{goal:.1f}us, C={b.sim.producer_cluster(R, L)}) torch.topk[R,L] {tl} "
                       f"jax top_k[R,L] {jl}; merge {tm:.1f}us (rescued rows {sat0:.2f}) "
                       f"rescue-merge {tr:.1f}us torch.topk[R,W*N] {tmk} jax [R,W*N] {jm}",
                       flush=True)  # fmt: skip

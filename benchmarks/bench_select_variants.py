@@ -90,6 +90,20 @@ def parse_variants(specs):
     return out
 
 
+def split_launch(tune):
+    """TUNE -> (the cubin's tune string, launch smem floor in bytes).  ``lsmem=B`` (or
+    ``lsmem=full``: the kernel's largest) is not a kernel knob: the same cubin launched with
+    at least B bytes of shared memory, so fewer CTAs fit an SM (Sim.select_smem_floor)."""
+    keep, floor = [], 0
+    for kv in filter(None, tune.split(",")):
+        k, _, v = kv.partition("=")
+        if k == "lsmem":
+            floor = 1 << 30 if v == "full" else int(v)
+        else:
+            keep.append(kv)
+    return ",".join(keep), floor
+
+
 def with_tune(tune, fn, *a, **k):
     old = os.environ.get(TUNE_ENV)
     if tune:
@@ -106,7 +120,7 @@ def with_tune(tune, fn, *a, **k):
 
 
 def images_of(tune, arch, world, topk, n):
-    return with_tune(tune, cache.load_kernels, arch, world, topk, n, allow_compile=False)
+    return with_tune(split_launch(tune)[0], cache.load_kernels, arch, world, topk, n, allow_compile=False)
 
 
 def main(argv=None):
@@ -177,6 +191,7 @@ def main(argv=None):
     def use(name):
         sim.images = dict(base_images, select_push=imgs[name])
         sim.fns["select_push"] = fns[name]
+        sim.select_smem_floor = split_launch(dict(variants)[name])[1]
 
     def logits(R, L, nsets, seed):
         cp.random.seed(seed)
@@ -260,7 +275,7 @@ def main(argv=None):
             sets = logits(R, L, 2, seed=2)
             for name in names:
                 res[name][col].append(bench(name, R, L, c, sets))
-            print(f"round {rnd} {col} (C={c or layout.producer_cluster(R, L)}): "
+            print(f"round {rnd} {col} (C={c or sim.producer_cluster(R, L)}): "
                   + " ".join(f"{nm}={res[nm][col][-1]:.2f}" for nm in order), flush=True)  # fmt: skip
             del sets
             save()

@@ -47,6 +47,8 @@ struct Driver {
   CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
   CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int);
   CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**);
+  // optional (nullptr when the driver lacks it): the producer's count of co-resident clusters
+  CUresult (*OccupancyMaxActiveClusters)(int*, CUfunction, const CUlaunchConfig*);
 };
 
 std::mutex g_mu;  // guards everything below (loads, registry, driver init)
@@ -86,6 +88,8 @@ const Driver* GetDriverLocked() {
       return nullptr;
     }
   }
+  d.OccupancyMaxActiveClusters = reinterpret_cast<CUresult (*)(int*, CUfunction, const CUlaunchConfig*)>(
+      dlsym(h, "cuOccupancyMaxActiveClusters"));
   CUresult rc = d.Init(0);
   if (rc != CUDA_SUCCESS) {
     const char* name = nullptr;
@@ -218,7 +222,10 @@ std::string ParseParams(const std::string& kernel, const char* spec, int* slots,
   return "";
 }
 
-constexpr int kSplitWords = 6;
+// split words: slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide, then
+// the count of co-resident clusters of c = 1..kProducerClusterMax CTAs (-1: unknown)
+constexpr int kSplitBase = 6;
+constexpr int kSplitWords = kSplitBase + kProducerClusterMax;
 
 struct Kernel {
   CUfunction fn = nullptr;
@@ -229,10 +236,27 @@ struct Kernel {
   int nparams = 0;    // launch order: slot[i] indexes the launcher's param table
   int slot[kMaxParams] = {0};
   // select_push's row split (layout.producer_split(), from the kernel metadata):
-  // slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide; cluster_max == 0:
-  // no cluster launch.  smem is then the bytes with a cache of cache_max tokens.
-  int split[kSplitWords] = {0, 0, 0, 0, 0, 0};
+  // slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide, the cluster fit;
+  // cluster_max == 0: no cluster launch.  smem is then the bytes with a cache of cache_max
+  // tokens.
+  int split[kSplitWords] = {0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
 };
+
+// Rows that run at once, one CTA per SM, in clusters of c: the same rule as
+// layout.producer_cluster_fit() (CI-compared): fill_ctas / c, at most the device's count of
+// co-resident clusters where it is known (a cluster's CTAs share one GPC: an H200 holds at
+// most 120 CTAs in clusters of 4 or 8); unknown: clusters wider than kProducerWideCluster
+// only within fill_ctas / 2.
+long long ClusterFit(int c, const int split[kSplitWords]) {
+  const long long fill = split[3];
+  if (c < 1) c = 1;
+  long long f = fill / c;
+  if (c > kProducerClusterMax) return f;
+  const int m = split[kSplitBase + c - 1];
+  if (m >= 0) return f < m ? f : m;
+  if (c > kProducerWideCluster) return (fill / 2) / c;
+  return f;
+}
 
 // Tokens of a CTA's slice select_push may keep in shared memory (the kernel's
 // cache_tokens; its dynamic shared memory is sized for them): the same rule as
@@ -242,28 +266,28 @@ struct Kernel {
 long long SliceTokens(long long length, long long c) { return ((length + c - 1) / c + 7) / 8 * 8; }
 
 int ProducerCacheTokens(int rows, int cols, int c, const int split[kSplitWords]) {
-  const int slice_max = split[0], fill = split[3], cache_max = split[4], cache_wide = split[5];
+  const int slice_max = split[0], cache_max = split[4], cache_wide = split[5];
   long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
   if (c < 1) c = 1;
   long long s = SliceTokens(length, c);
   if (s <= slice_max) return static_cast<int>(s);
-  if (s <= cache_max && (s <= cache_wide || static_cast<long long>(rows) * c <= fill)) return static_cast<int>(s);
+  if (s <= cache_max && (s <= cache_wide || rows <= ClusterFit(c, split))) return static_cast<int>(s);
   return slice_max;
 }
 
 // CTAs per row of a select_push launch: the same rule as layout.producer_cluster()
 // (a CI test compares the two): one per min_slice tokens, at most cluster_max, fewer
-// while the grid would exceed fill_ctas CTAs (more than kProducerWideCluster only within
-// fill_ctas / 2), then more again (up to cluster_max) while
-// the slices would be longer than the launch keeps in shared memory.
+// while the rows would not run at once at one CTA per SM (ClusterFit), then more again
+// (up to cluster_max) while the slices would be longer than the launch keeps in shared
+// memory.
 int ProducerCluster(int rows, int cols, const int split[kSplitWords]) {
-  const int cluster_max = split[1], min_slice = split[2] < 1 ? 1 : split[2], fill = split[3];
+  const int cluster_max = split[1] > kProducerClusterMax ? kProducerClusterMax : split[1];
+  const int min_slice = split[2] < 1 ? 1 : split[2];
   if (cluster_max < 1) return 1;
   long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
   long long c = (length + min_slice - 1) / min_slice;
   if (c > cluster_max) c = cluster_max;
-  while (c > 1 && static_cast<long long>(rows) * c > fill) --c;
-  while (c > kProducerWideCluster && static_cast<long long>(rows) * c > fill / 2) --c;
+  while (c > 1 && rows > ClusterFit(static_cast<int>(c), split)) --c;
   if (c < 1) c = 1;
   while (c < cluster_max && ProducerCacheTokens(rows, cols, static_cast<int>(c), split) < SliceTokens(length, c)) ++c;
   return static_cast<int>(c);
@@ -691,8 +715,42 @@ int dsa_load_kernel(const char* key, const char* kernel, const char* params, con
   return k.source;
 }
 
+// Clusters of c = 1..cluster_max CTAs of `k` that `device` runs at once at the kernel's full
+// dynamic shared memory (one CTA per SM for select_push's builds: their smem holds a 64K-token
+// cache), by cuOccupancyMaxActiveClusters; -1 where unknown (no driver entry, an error).
+// Caller holds g_mu.
+void MeasureClusterFit(const Driver* d, int device, const Kernel& k, int cluster_max, int* fit) {
+  for (int c = 1; c <= kProducerClusterMax; ++c) fit[c - 1] = -1;
+  if (!d || !d->OccupancyMaxActiveClusters || !k.fn) return;
+  CUdevice dev;
+  CUcontext ctx, popped;
+  if (d->DeviceGet(&dev, device) != CUDA_SUCCESS || d->DevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS) return;
+  if (d->CtxPushCurrent(ctx) != CUDA_SUCCESS) return;
+  for (int c = 1; c <= cluster_max && c <= kProducerClusterMax; ++c) {
+    CUlaunchAttribute attr;
+    std::memset(&attr, 0, sizeof(attr));
+    attr.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = static_cast<unsigned>(c);
+    attr.value.clusterDim.y = 1;
+    attr.value.clusterDim.z = 1;
+    CUlaunchConfig cfg;
+    std::memset(&cfg, 0, sizeof(cfg));
+    cfg.gridDimX = static_cast<unsigned>(c);
+    cfg.gridDimY = cfg.gridDimZ = 1;
+    cfg.blockDimX = static_cast<unsigned>(k.block);
+    cfg.blockDimY = cfg.blockDimZ = 1;
+    cfg.sharedMemBytes = static_cast<unsigned>(k.smem);
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int n = -1;
+    if (d->OccupancyMaxActiveClusters(&n, k.fn, &cfg) == CUDA_SUCCESS && n >= 0) fit[c - 1] = n;
+  }
+  d->CtxPopCurrent(&popped);
+}
+
 // Sets the row split of a loaded select_push kernel (before dsa_register_exchange,
-// which copies the kernel).  All zero: no cluster launch.
+// which copies the kernel).  All zero: no cluster launch.  With clusters (cluster_max > 1)
+// the launcher also counts the device's co-resident clusters (MeasureClusterFit).
 int dsa_set_kernel_split(const char* key, int device, int slice_max, int cluster_max, int min_slice,
                          int fill_ctas, int cache_max, int cache_wide) {
   std::lock_guard<std::mutex> lock(g_mu);
@@ -704,23 +762,46 @@ int dsa_set_kernel_split(const char* key, int device, int slice_max, int cluster
     return Fail(where + ": bad split " + std::to_string(slice_max) + "/" + std::to_string(cluster_max) + "/" +
                 std::to_string(cache_max) + " for smem " + std::to_string(found->second.smem));
   int v[kSplitWords] = {slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide};
+  MeasureClusterFit(cluster_max > 1 ? GetDriverLocked() : nullptr, device, found->second, cluster_max,
+                    v + kSplitBase);
   std::memcpy(found->second.split, v, sizeof(v));
   return 0;
 }
 
-// The launcher's cluster size for [rows, cols] under a split (for the CI test that
-// compares it with layout.producer_cluster).
+// The co-resident cluster counts the launcher measured for a loaded select_push kernel
+// (layout.producer_cluster_fit's ``cluster_fit``): kProducerClusterMax ints into `out`.
+int dsa_kernel_cluster_fit(const char* key, int device, int* out) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto found = g_kernels.find({key, device});
+  if (found == g_kernels.end())
+    return Fail(std::string("kernel '") + key + "' on device " + std::to_string(device) + " is not loaded");
+  std::memcpy(out, found->second.split + kSplitBase, sizeof(int) * kProducerClusterMax);
+  return 0;
+}
+
+static void SplitOf(int slice_max, int cluster_max, int min_slice, int fill_ctas, int cache_max, int cache_wide,
+             const int* fit, int* v) {
+  const int base[kSplitBase] = {slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide};
+  std::memcpy(v, base, sizeof(base));
+  for (int c = 0; c < kProducerClusterMax; ++c) v[kSplitBase + c] = fit ? fit[c] : -1;
+}
+
+// The launcher's cluster size for [rows, cols] under a split and a cluster fit
+// (kProducerClusterMax ints, or null: unknown) (for the CI test that compares it with
+// layout.producer_cluster).
 int dsa_producer_cluster(int rows, int cols, int slice_max, int cluster_max, int min_slice, int fill_ctas,
-                         int cache_max, int cache_wide) {
-  int v[kSplitWords] = {slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide};
+                         int cache_max, int cache_wide, const int* fit) {
+  int v[kSplitWords];
+  SplitOf(slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide, fit, v);
   return ProducerCluster(rows, cols, v);
 }
 
 // The launcher's cache_tokens for [rows, cols] at cluster size c (CI: equal to
 // layout.producer_cache_tokens).
 int dsa_producer_cache_tokens(int rows, int cols, int c, int slice_max, int cluster_max, int min_slice,
-                              int fill_ctas, int cache_max, int cache_wide) {
-  int v[kSplitWords] = {slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide};
+                              int fill_ctas, int cache_max, int cache_wide, const int* fit) {
+  int v[kSplitWords];
+  SplitOf(slice_max, cluster_max, min_slice, fill_ctas, cache_max, cache_wide, fit, v);
   return ProducerCacheTokens(rows, cols, c, v);
 }
 

@@ -88,9 +88,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_set_kernel_split.restype = i32
     lib.dsa_set_kernel_split.argtypes = [cp, i32, i32, i32, i32, i32, i32, i32]
     lib.dsa_producer_cluster.restype = i32
-    lib.dsa_producer_cluster.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32]
+    ip = ctypes.POINTER(ctypes.c_int)
+    lib.dsa_producer_cluster.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32, ip]
     lib.dsa_producer_cache_tokens.restype = i32
-    lib.dsa_producer_cache_tokens.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32, i32]
+    lib.dsa_producer_cache_tokens.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32, i32, ip]
+    lib.dsa_kernel_cluster_fit.restype = i32
+    lib.dsa_kernel_cluster_fit.argtypes = [cp, i32, ip]
     lib.dsa_register_exchange.restype = i32
     lib.dsa_register_exchange.argtypes = [i64, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i32, i32, cp, cp,
                                           i64]
@@ -319,17 +322,41 @@ def set_kernel_split(key: str, device: int, split: dict) -> None:
     _check(lib, lib.dsa_set_kernel_split(key.encode(), int(device), *vals))
 
 
+def _fit_arg(split: dict):
+    """The split's ``cluster_fit`` as the launcher's int[PRODUCER_CLUSTER_MAX] (-1 padded), or
+    None (unknown)."""
+    from . import layout
+
+    fit = split.get("cluster_fit")
+    if fit is None:
+        return None
+    vals = [int(x) for x in fit][: layout.PRODUCER_CLUSTER_MAX]
+    vals += [-1] * (layout.PRODUCER_CLUSTER_MAX - len(vals))
+    return (ctypes.c_int * layout.PRODUCER_CLUSTER_MAX)(*vals)
+
+
 def producer_cluster(rows: int, cols: int, split: dict) -> int:
     """The launcher's CTAs per row for [rows, cols] (must equal layout.producer_cluster)."""
     vals = [int(split[k]) for k in _SPLIT_KEYS] + [int(split.get(k, 0)) for k in _CACHE_KEYS]
-    return int(_require().dsa_producer_cluster(int(rows), int(cols), *vals))
+    return int(_require().dsa_producer_cluster(int(rows), int(cols), *vals, _fit_arg(split)))
 
 
 def producer_cache_tokens(rows: int, cols: int, c: int, split: dict) -> int:
     """The launcher's cache_tokens for [rows, cols] at cluster size c (must equal
     layout.producer_cache_tokens)."""
     vals = [int(split[k]) for k in _SPLIT_KEYS] + [int(split.get(k, 0)) for k in _CACHE_KEYS]
-    return int(_require().dsa_producer_cache_tokens(int(rows), int(cols), int(c), *vals))
+    return int(_require().dsa_producer_cache_tokens(int(rows), int(cols), int(c), *vals, _fit_arg(split)))
+
+
+def kernel_cluster_fit(key: str, device: int) -> tuple:
+    """The co-resident cluster counts the launcher measured for a loaded select_push kernel
+    when its split was set (layout.producer_cluster_fit's ``cluster_fit``; -1 = unknown)."""
+    from . import layout
+
+    lib = _require()
+    out = (ctypes.c_int * layout.PRODUCER_CLUSTER_MAX)()
+    _check(lib, lib.dsa_kernel_cluster_fit(key.encode(), int(device), out))
+    return tuple(int(x) for x in out)
 
 
 def register_exchange(

@@ -71,9 +71,10 @@ PRODUCER_SLICE_MAX = 16384  # tokens (their ord16) always kept in shared memory:
 PRODUCER_CLUSTER_MAX = 8  # the portable cluster size limit
 PRODUCER_MIN_SLICE = 8192  # no slice shorter than this (unless the row is); 4096 until session 6
 PRODUCER_FILL_CTAS = 132  # split only while the grid keeps within this many CTAs
-# Clusters of more than this many CTAs only while the grid keeps within fill_ctas / 2 CTAs
-# (H200, N = 512, L = 64K / 128K: R = 16 16.8 / 18.6 us with C = 8, 13.4 / 16.5 with C = 4;
-# R = 8 12.8 / 14.2 with C = 8, 13.0 / 15.6 with C = 4; sixth session)
+# Without the launcher's count of co-resident clusters (producer_cluster_fit): clusters of
+# more than this many CTAs only while the grid keeps within fill_ctas / 2 CTAs (H200, N =
+# 512, L = 64K / 128K: R = 16 16.8 / 18.6 us with C = 8, 13.4 / 16.5 with C = 4; R = 8 12.8 /
+# 14.2 with C = 8, 13.0 / 15.6 with C = 4; sixth session: the GPC limit, not yet known then)
 PRODUCER_WIDE_CLUSTER = 4
 # Longer slices kept on chip too (the launch's dynamic shared memory sized for them,
 # producer_cache_tokens): up to PRODUCER_CACHE_WIDE tokens at any grid size (64 KB: two
@@ -91,34 +92,62 @@ def producer_split() -> dict:
             "cache_max": PRODUCER_CACHE_MAX, "cache_wide": PRODUCER_CACHE_WIDE}  # fmt: skip
 
 
+def producer_cluster_fit(split: dict | None = None) -> tuple:
+    """Rows the policy lets run at once, one CTA per SM, with clusters of c CTAs, for
+    c = 1..PRODUCER_CLUSTER_MAX (entry c - 1): fill_ctas // c, and where the split carries
+    ``cluster_fit`` (the launcher's count of clusters of c that the device runs at once at
+    the kernel's full shared memory, cuOccupancyMaxActiveClusters; -1 = unknown) at most
+    that.  Without it, clusters of more than PRODUCER_WIDE_CLUSTER only within fill_ctas / 2
+    CTAs (the rule before the count).  Why the count: a cluster's CTAs share one GPC, and
+    an H200's 132 SMs hold at most 120 CTAs in clusters of 4 or 8 at one CTA per SM (a
+    larger grid puts two CTAs on some SMs: R = 16, L = 128K with C = 8 17.2 us, C = 6 15.2,
+    C = 4 16.3; R = 32, L = 128K with C = 4 22.0, C = 3 19.3; tenth session, NOTES.md)."""
+    sp = split or producer_split()
+    fill = int(sp["fill_ctas"])
+    fit = sp.get("cluster_fit")
+    out = []
+    for c in range(1, PRODUCER_CLUSTER_MAX + 1):
+        f = fill // c
+        m = int(fit[c - 1]) if fit is not None and c - 1 < len(fit) else -1
+        if m >= 0:
+            f = min(f, m)
+        elif c > PRODUCER_WIDE_CLUSTER:
+            f = (fill // 2) // c
+        out.append(f)
+    return tuple(out)
+
+
 def producer_cache_tokens(rows: int, cols: int, c: int, split: dict | None = None) -> int:
     """Tokens of a CTA's slice select_push keeps in shared memory in a launch over
     [rows, cols] with clusters of c (its ``cache_tokens``; the C++ launcher computes the
     same, CI-compared, and sizes the launch's shared memory for it): S = the longest slice
     of the launch, kept up to slice_max always, up to cache_wide at any grid size, up to
-    cache_max while rows * c <= fill_ctas; else slice_max (rows with slices that short)."""
+    cache_max while the rows run at once at one CTA per SM (producer_cluster_fit); else
+    slice_max (rows with slices that short)."""
     sp = split or producer_split()
     length = max(1, min(int(cols), MAX_LOCAL_LEN))
-    s = _round_up(-(-length // max(1, int(c))), 8)
+    c = max(1, int(c))
+    s = _round_up(-(-length // c), 8)
     if s <= sp["slice_max"]:
         return s
-    if s <= sp["cache_max"] and (s <= sp["cache_wide"] or rows * c <= sp["fill_ctas"]):
+    fit = producer_cluster_fit(sp)[c - 1] if c <= PRODUCER_CLUSTER_MAX else int(sp["fill_ctas"]) // c
+    if s <= sp["cache_max"] and (s <= sp["cache_wide"] or rows <= fit):
         return s
     return sp["slice_max"]
 
 
 def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:
     """CTAs per row (the cluster size) of a select_push launch over [rows, cols]:
-    one per min_slice tokens, at most cluster_max, and fewer while the grid would
-    exceed fill_ctas CTAs (more than PRODUCER_WIDE_CLUSTER only within fill_ctas / 2); then more again (up to cluster_max) while the slices would
-    be longer than the launch keeps in shared memory (producer_cache_tokens)."""
+    one per min_slice tokens, at most cluster_max, and fewer while the rows would not run
+    at once at one CTA per SM (producer_cluster_fit); then more again (up to cluster_max)
+    while the slices would be longer than the launch keeps in shared memory
+    (producer_cache_tokens)."""
     s = split or producer_split()
     length = max(1, min(int(cols), MAX_LOCAL_LEN))
-    cmax = s["cluster_max"]
+    cmax = min(int(s["cluster_max"]), PRODUCER_CLUSTER_MAX)
+    fit = producer_cluster_fit(s)
     c = min(cmax, -(-length // max(1, s["min_slice"])))
-    while c > 1 and rows * c > s["fill_ctas"]:
-        c -= 1
-    while c > PRODUCER_WIDE_CLUSTER and rows * c > s["fill_ctas"] // 2:
+    while c > 1 and rows > fit[c - 1]:
         c -= 1
     c = max(1, c)
     # A slice kept on chip is read from HBM once; a longer one is re-read in every pass

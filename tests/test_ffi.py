@@ -22,9 +22,14 @@ FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
 SYMBOLS = [
     "DsaSelectPush", "DsaMerge", "DsaSelectPushNoGraph", "DsaMergeNoGraph", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
-    "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_producer_cache_tokens", "dsa_launcher_params",
+    "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_producer_cache_tokens", "dsa_kernel_cluster_fit", "dsa_launcher_params",
     "dsa_layout_constant",
 ]
+
+# clusters of c = 1..8 CTAs an H200 runs at once at select_push's full shared memory (the
+# launcher's and the sim's cuOccupancyMaxActiveClusters, tenth session; tools/smid_probe.cu:
+# 128 CTAs in clusters of 4 or 8 land on 120 SMs, two on some)
+H200_FIT = (132, 66, 39, 30, 22, 17, 15, 15)
 
 needs_lib = pytest.mark.skipif(not _ffi.available(), reason=f"FFI library not built: {_ffi.load_error()}")
 
@@ -182,8 +187,12 @@ def test_fake_kernels_have_the_abi():
 def test_launcher_splits_rows_like_layout():
     """The C++ launcher's cluster size (from the metadata's split) equals
     layout.producer_cluster for every shape, default and other splits."""
-    splits = [layout.producer_split(), dict(slice_max=4096, cluster_max=8, min_slice=512, fill_ctas=132),
-              dict(slice_max=16384, cluster_max=1, min_slice=2048, fill_ctas=264)]  # fmt: skip
+    base = layout.producer_split()
+    splits = [base, dict(slice_max=4096, cluster_max=8, min_slice=512, fill_ctas=132),
+              dict(slice_max=16384, cluster_max=1, min_slice=2048, fill_ctas=264),
+              dict(base, cluster_fit=H200_FIT), dict(base, cluster_fit=(132, 66, 44, 33, 0, 2, -1, 9)),
+              dict(base, cluster_fit=(200, 100, 60, 50, 40, 30, 20, 20)),
+              dict(base, cluster_max=1, fill_ctas=0, cluster_fit=H200_FIT)]  # fmt: skip
     cols = [1, 7, 8, 100, 2047, 2048, 2049, 4096, 8191, 8192, 16383, 16384, 16385, 32768, 40000,
             65536, 100000, 131071, 131072, 1 << 18]  # fmt: skip
     for split in splits:
@@ -192,18 +201,31 @@ def test_launcher_splits_rows_like_layout():
                 want = layout.producer_cluster(rows, c, split)
                 assert _ffi.producer_cluster(rows, c, split) == want, (rows, c, split)
                 assert 1 <= want <= split["cluster_max"]
-                if (want > 1 and rows * want > split["fill_ctas"]) or (
-                        want > layout.PRODUCER_WIDE_CLUSTER and rows * want > split["fill_ctas"] // 2):
-                    # past fill_ctas (or a wide cluster past fill_ctas / 2) only because one CTA
-                    # fewer leaves its slice uncached
+                if want > 1 and rows > layout.producer_cluster_fit(split)[want - 1]:
+                    # more rows than run at once only because one CTA fewer leaves its slice
+                    # uncached
                     sp = dict(split, cache_max=split.get("cache_max", 0), cache_wide=split.get("cache_wide", 0))
                     longer = -(-(-(-min(c, layout.MAX_LOCAL_LEN) // (want - 1))) // 8) * 8
                     assert layout.producer_cache_tokens(rows, c, want - 1, sp) < longer, (rows, c, split)
     # what the policy gives at the benchmark's shapes (sixth session's H200 sweep, NOTES.md)
+    # without the device's cluster counts
     for (rows, cols), want in {(1, 8192): 1, (1, 32768): 4, (1, 131072): 8, (8, 131072): 8, (16, 32768): 4, (16, 131072): 4,
                                (64, 32768): 2, (64, 131072): 2, (128, 131072): 4, (256, 32768): 1,
                                (256, 131072): 4}.items():  # fmt: skip
         assert layout.producer_cluster(rows, cols) == want, (rows, cols)
+    # and with an H200's (tenth session's sweep, NOTES.md): the widest cluster whose rows all
+    # run at once at one CTA per SM
+    h200 = dict(base, cluster_fit=H200_FIT)
+    for (rows, cols), want in {(1, 131072): 8, (12, 131072): 8, (15, 131072): 8, (16, 131072): 6,
+                               (16, 65536): 6, (16, 32768): 4, (24, 131072): 4, (32, 131072): 3,
+                               (32, 32768): 3, (64, 131072): 2, (128, 131072): 4, (256, 131072): 4,
+                               (256, 32768): 1}.items():  # fmt: skip
+        assert layout.producer_cluster(rows, cols, h200) == want, (rows, cols)
+        assert _ffi.producer_cluster(rows, cols, h200) == want, (rows, cols)
+    # the rule before the counts is the same rule with unknown counts
+    assert layout.producer_cluster_fit(base) == (132, 66, 44, 33, 13, 11, 9, 8)
+    assert layout.producer_cluster_fit(dict(base, cluster_fit=(-1,) * 8)) == layout.producer_cluster_fit(base)
+    assert layout.producer_cluster_fit(h200) == H200_FIT
 
 
 @needs_lib
@@ -212,7 +234,9 @@ def test_launcher_caches_slices_like_layout():
     layout.producer_cache_tokens for every shape and cluster size; it always covers the
     launch's longest slice or is slice_max, and never exceeds cache_max."""
     base = layout.producer_split()
-    splits = [base, dict(base, cache_max=32768, cache_wide=16384), dict(base, cache_max=16384, cache_wide=16384)]
+    splits = [base, dict(base, cache_max=32768, cache_wide=16384), dict(base, cache_max=16384, cache_wide=16384),
+              dict(base, cluster_fit=H200_FIT), dict(base, cache_max=32768, cache_wide=16384, cluster_fit=H200_FIT),
+              dict(base, cluster_fit=(10, 5, 3, 2, 1, 1, 0, 0))]
     cols = [1, 7, 8, 100, 4096, 16383, 16384, 16385, 32768, 32769, 40000, 65536, 65537, 100000, 131072]
     for split in splits:
         for rows in (1, 2, 16, 64, 66, 132, 133, 256):

@@ -79,8 +79,10 @@ def test_cubin_resources_reads_regcount_and_frame():
 
 def test_ptx_protocol_instructions(images):
     sp, mg = images["select_push"][0].ptx, images["merge"][0].ptx
-    # LL push: 16-byte volatile stores (w0, e, w1, e); PDL trigger + wait
-    assert re.search(r"st\.volatile\.global\.v4\.u32", sp)
+    # LL push: 16-byte volatile stores (w0, e, w1, e) as two 64-bit elements (each half
+    # single-copy atomic, as the merge reads it); never 32-bit elements; PDL trigger + wait
+    assert re.search(r"st\.volatile\.global\.v2\.u64", sp)
+    assert not re.search(r"st\.volatile\.global\.v4\.u32", sp + mg)
     assert "griddepcontrol.launch_dependents" in sp and "griddepcontrol.wait" in sp
     # the row split over a cluster: histograms through distributed shared memory, read
     # after relaxed cluster barriers that release this CTA's own shared memory; each CTA
@@ -286,7 +288,7 @@ def test_select_tune_variants(tmp_path):
     assert r.stdout.count("barrier.cluster.arrive.release.aligned") == 2
     r = ptx("skip=pass2+push")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "st.volatile.global.v4.u32" not in r.stdout  # no push
+    assert "st.volatile.global.v2.u64" not in r.stdout  # no push
     r = ptx("skip=nothing")
     assert r.returncode != 0 and "unknown stage" in r.stderr
 

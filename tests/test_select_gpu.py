@@ -121,11 +121,35 @@ def test_policy_split_and_mixed_lengths_in_one_call():
     rng = np.random.default_rng(9)
     world, topk, n = 2, 2048, 512
     sim = sim_for(world, topk, n)
-    for rows, L in ((1, L_MAX), (3, 65537), (16, 8192), (64, 4096)):
-        assert layout.producer_cluster(rows, L) >= 1
+    for rows, L in ((1, L_MAX), (3, 65537), (16, 8192), (64, 4096), (12, L_MAX), (16, L_MAX), (32, 65536)):
+        assert sim.producer_cluster(rows, L) >= 1
         case = cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows, cols=L,
                                  row_ends="uniform")  # fmt: skip
-        check(case, sim.call(case), what=f"R={rows} L={L} C={layout.producer_cluster(rows, L)}")
+        check(case, sim.call(case), what=f"R={rows} L={L} C={sim.producer_cluster(rows, L)}")
+
+
+def test_cluster_fit_is_the_launchers():
+    """The device's count of co-resident clusters (which caps the split policy): the sim
+    measures it as the C++ launcher does when the split is set, and both agree; up to 32
+    rows the policy's clusters all run at once at one CTA per SM."""
+    from jax_dsa_exchange import _ffi
+
+    sim = sim_for(8, 2048, 512)
+    fit = sim.split["cluster_fit"]
+    assert len(fit) == layout.PRODUCER_CLUSTER_MAX and fit[0] >= 1 and min(fit) >= 0, fit
+    assert all(fit[c - 1] * c <= fit[0] for c in range(1, len(fit) + 1)), fit
+    for rows in (1, 8, 12, 16, 24, 32):  # (one wave: the rows fit at the policy's C)
+        for L in (8192, 65536, L_MAX):
+            c = sim.producer_cluster(rows, L)
+            assert rows <= layout.producer_cluster_fit(sim.split)[c - 1], (rows, L, c, fit)
+    if not _ffi.available():
+        pytest.skip(f"FFI library not loadable: {_ffi.load_error()}")
+    img = sim.images["select_push"]
+    key = f"fit_probe/{img.source_hash}"
+    _ffi.load_kernel(key, img.kernel, img.params, img.cubin, img.ptx, img.entry, 0, img.block, img.smem)
+    _ffi.set_kernel_split(key, 0, dict(img.split))
+    assert _ffi.kernel_cluster_fit(key, 0) == tuple(fit)
+    print(f"cluster fit (clusters of 1..8 CTAs at once, one CTA per SM): {fit}")
 
 
 def test_rescue_select_on_long_rows():

@@ -114,7 +114,7 @@ def select_profile(cp, W, K, N, R, L, iters, ghz, C=None, pattern="random"):
     sim = b.sim
     forced = C
     if C is None:
-        C = layout.producer_cluster(R, L, dict(sim.images["select_push"].split or {}) or None)
+        C = sim.producer_cluster(R, L)
     sets = b.inputs(R, L, 1, False, 0)
     d = sets[0][0]
     per_cta = [[] for _ in range(C)]

@@ -202,10 +202,13 @@ def st_volatile_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
 
 @dsl_user_op
 def st_ll_v4(addr: Int64, w0: Int32, e: Int32, w1: Int32, *, loc=None, ip=None) -> None:
-    """NCCL-LL store (w0, e, w1, e): one 16-byte volatile store, so each
-    8-byte half (word, epoch) lands at once and bypasses L1 on the peer."""
+    """NCCL-LL store (w0, e, w1, e): one 16-byte volatile store of two 64-bit elements,
+    so each 8-byte half (word, epoch) is one single-copy-atomic access in the PTX memory
+    model, like the merge's 8-byte reads of a half (a v4.u32 store is four 32-bit
+    elements there, even though the hardware writes the 16 bytes at once)."""
     _asm(None, [Int64(addr), Int32(w0), Int32(e), Int32(w1)],
-         "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $2};",
+         "{ .reg .b64 h0, h1; mov.b64 h0, {$1, $2}; mov.b64 h1, {$3, $2}; "
+         "st.volatile.global.v2.u64 [$0], {h0, h1}; }",
          "l,r,r,r,~{memory}", loc, ip)  # fmt: skip
 
 
@@ -213,7 +216,8 @@ def st_ll_v4(addr: Int64, w0: Int32, e: Int32, w1: Int32, *, loc=None, ip=None) 
 def st_ll_v4_if(addr: Int64, w0: Int32, e: Int32, w1: Int32, pred: Int32, *, loc=None, ip=None) -> None:
     """st_ll_v4 when ``pred`` != 0 (a predicated store, no branch)."""
     _asm(None, [Int64(addr), Int32(w0), Int32(e), Int32(w1), Int32(pred)],
-         "{ .reg .pred p; setp.ne.s32 p, $4, 0; @p st.volatile.global.v4.u32 [$0], {$1, $2, $3, $2}; }",
+         "{ .reg .pred p; .reg .b64 h0, h1; setp.ne.s32 p, $4, 0; mov.b64 h0, {$1, $2}; "
+         "mov.b64 h1, {$3, $2}; @p st.volatile.global.v2.u64 [$0], {h0, h1}; }",
          "l,r,r,r,r,~{memory}", loc, ip)  # fmt: skip
 
 

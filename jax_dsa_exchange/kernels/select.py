@@ -715,7 +715,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     S = ((span + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
     keep = Int32(0)  # the slice stays in shared memory
     if cutlass.const_expr(cached):
-        if S <= cache_cap:
+        # (clamped: the cache holds CACHE_MAX tokens at most and a kept slice's tokens are
+        # 16-bit list entries, whatever a caller passes)
+        if S <= cutlass.min(cache_cap, Int32(CACHE_MAX)):
             keep = Int32(1)
     aligned = Int32(0)
     if (row_addr & Int64(15)) == Int64(0):

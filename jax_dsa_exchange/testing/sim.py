@@ -77,6 +77,36 @@ def launch_cluster(fn, grid, block, smem, stream, params, values, cluster):
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid}, cluster {cluster})")
 
 
+def cluster_fit(fn, block, smem, cluster_max):
+    """Clusters of c = 1..PRODUCER_CLUSTER_MAX CTAs of CuPy function ``fn`` the device runs at
+    once at ``smem`` bytes of dynamic shared memory (cuOccupancyMaxActiveClusters; -1 past
+    cluster_max or on an error): the launcher's MeasureClusterFit, for the same policy."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = ctypes.CDLL("libcuda.so.1")
+        _LIBCUDA.cuLaunchKernelEx.restype = ctypes.c_int
+    out = [-1] * layout.PRODUCER_CLUSTER_MAX
+    query = getattr(_LIBCUDA, "cuOccupancyMaxActiveClusters", None)
+    if query is None:
+        return tuple(out)
+    handle = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr
+    for c in range(1, min(int(cluster_max), layout.PRODUCER_CLUSTER_MAX) + 1):
+        attr = _LaunchAttr()
+        attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.dim[0], attr.value.dim[1], attr.value.dim[2] = c, 1, 1
+        cfg = _LaunchConfig()
+        cfg.grid[0], cfg.grid[1], cfg.grid[2] = c, 1, 1
+        cfg.block[0], cfg.block[1], cfg.block[2] = int(block), 1, 1
+        cfg.smem = int(smem)
+        cfg.stream = None
+        cfg.attrs = ctypes.pointer(attr)
+        cfg.nattrs = 1
+        n = ctypes.c_int(-1)
+        if query(ctypes.byref(n), ctypes.c_void_p(int(handle)), ctypes.byref(cfg)) == 0 and n.value >= 0:
+            out[c - 1] = n.value
+    return tuple(out)
+
+
 def _load_function(img, tmpdir):
     """cubin first; if the driver refuses it (newer toolkit), the PTX (JIT)."""
     import cupy as cp
@@ -122,7 +152,26 @@ class Sim:
         for h in self._host_status:
             np.frombuffer(h, np.int32, layout.STATUS_REPORT_WORDS)[:] = 0
         self.cta_budget = cta_budget
+        # select_push's launch shared memory is at least this many bytes (timing experiments:
+        # fewer CTAs per SM; benchmarks/bench_select_variants.py ``lsmem=``); 0 = the launcher's
+        self.select_smem_floor = 0
+        # the split the launcher would use: the metadata's plus the device's co-resident
+        # cluster counts (the C++ launcher measures the same when the split is set)
+        sp = self.images["select_push"]
+        self.split = dict(sp.split) if sp.split else None
+        if self.split and self.split.get("cluster_max", 0) > 1:
+            self.split["cluster_fit"] = cluster_fit(self.fns["select_push"], sp.block, sp.smem,
+                                                    self.split["cluster_max"])
         cp.cuda.Device().synchronize()
+
+    def producer_cluster(self, rows, cols, split=None):
+        """CTAs per row the launcher picks for [rows, cols] on this device (the split of
+        ``split`` or of the loaded select_push, with this device's cluster counts)."""
+        if split is None:
+            split = self.split
+        elif split and self.split and "cluster_fit" not in split:
+            split = dict(split, cluster_fit=self.split.get("cluster_fit"))
+        return layout.producer_cluster(rows, cols, split or None)
 
     def merge_grid(self, rows):
         return max(1, min(rows, self.cta_budget // self.world))
@@ -165,11 +214,14 @@ class Sim:
                 # the split, the slice cache and the shared memory for it as the C++ launcher
                 # derives them from the metadata (a cache=N variant build has its own cache_max)
                 split = dict(sp.split or {})
+                if split and self.split and "cluster_fit" in self.split:
+                    split["cluster_fit"] = self.split["cluster_fit"]  # (a variant: the same device)
                 c = cluster or layout.producer_cluster(rows, cols, split or None)
                 cache, smem = 0, sp.smem  # (a build without a slice cache: the launcher's case too)
                 if split.get("cache_max", 0) > 0:
                     cache = layout.producer_cache_tokens(rows, cols, c, split)
                     smem = sp.smem - 2 * (split["cache_max"] - cache)
+                smem = min(sp.smem, max(smem, self.select_smem_floor))
                 values = abi.SELECT_PUSH.pack(dict(
                     logits=d["logits"].data.ptr, row_ends=d["row_ends"].data.ptr, rows=rows, cols=cols,
                     epoch=self.states[q].data.ptr, peers=self.peers.data.ptr, rank=q,

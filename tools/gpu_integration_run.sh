@@ -17,8 +17,19 @@ if [ "$1" = "--build" ]; then
     set -- $cfg
     $PY -m jax_dsa_exchange.build --world $1 --topk $2 --local-topk $3 --out .cubins || exit 1
   done
-  mkdir -p build/ffi_lib && cp "$($PY -c 'import jax_dsa_exchange._ffi as f; print(f.library_path())')" build/ffi_lib/
-  exit $?
+  # The GPU machine's jax (0.11.2) speaks XLA FFI API 0.4: a library built against newer jax
+  # headers is refused there (_ffi._compatible).  FFI_INCLUDE = a jax 0.11 jaxlib/include
+  # (e.g. of a venv with jax==0.11.2) builds it against those; else the installed one is copied.
+  mkdir -p build/ffi_lib
+  if [ -n "$FFI_INCLUDE" ]; then
+    cmake -S ffi -B build/ffi011 -DJAX_FFI_INCLUDE_DIR="$FFI_INCLUDE" > /dev/null && cmake --build build/ffi011 > /dev/null \
+      && cp build/ffi011/libdsa_exchange_ffi.so build/ffi_lib/ || exit 1
+  else
+    cp "$($PY -c 'import jax_dsa_exchange._ffi as f; print(f.library_path())')" build/ffi_lib/ || exit 1
+  fi
+  api=$($PY -c 'import ctypes; print(ctypes.CDLL("build/ffi_lib/libdsa_exchange_ffi.so").dsa_ffi_api_version())')
+  echo "build/ffi_lib: XLA FFI API 0.$api"
+  [ "$api" -le 4 ] || { echo "built against XLA FFI API 0.$api > 0.4 (jax 0.11.2 on the GPU machine refuses it): set FFI_INCLUDE"; exit 1; }
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=. JAX_DSA_EXCHANGE_CUBIN_DIR=${JAX_DSA_EXCHANGE_CUBIN_DIR:-.cubins}
 export JAX_DSA_EXCHANGE_FFI_LIB=$PWD/build/ffi_lib/libdsa_exchange_ffi.so XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -41,6 +41,7 @@ struct Driver {
   CUresult (*GetErrorString)(CUresult, const char**);
   CUresult (*DeviceGet)(CUdevice*, int);
   CUresult (*DevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*DevicePrimaryCtxRelease)(CUdevice);
   CUresult (*CtxPushCurrent)(CUcontext);
   CUresult (*CtxPopCurrent)(CUcontext*);
   CUresult (*ModuleLoadDataEx)(CUmodule*, const void*, unsigned int, CUjit_option*, void**);
@@ -74,6 +75,7 @@ const Driver* GetDriverLocked() {
       {(void**)&d.GetErrorString, "cuGetErrorString"},
       {(void**)&d.DeviceGet, "cuDeviceGet"},
       {(void**)&d.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"},
+      {(void**)&d.DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2"},
       {(void**)&d.CtxPushCurrent, "cuCtxPushCurrent_v2"},
       {(void**)&d.CtxPopCurrent, "cuCtxPopCurrent_v2"},
       {(void**)&d.ModuleLoadDataEx, "cuModuleLoadDataEx"},
@@ -247,22 +249,28 @@ struct Kernel {
 // co-resident clusters where it is known (a cluster's CTAs share one GPC: an H200 holds at
 // most 120 CTAs in clusters of 4 or 8); unknown: clusters wider than kProducerWideCluster
 // only within fill_ctas / 2.
-long long ClusterFit(int c, const int split[kSplitWords]) {
-  const long long fill = split[3];
+// Rows of clusters of c that run at once at one CTA per SM: fill_ctas / c, at most the
+// device's count where known (layout.producer_rows_at_once: the slice-cache rule's test).
+long long RowsAtOnce(int c, const int split[kSplitWords]) {
+  const long long fill = split[3] < 0 ? 0 : split[3];
   if (c < 1) c = 1;
-  long long f = fill / c;
-  if (c > kProducerClusterMax) return f;
-  const int m = split[kSplitBase + c - 1];
-  if (m >= 0) return f < m ? f : m;
-  if (c > kProducerWideCluster) return (fill / 2) / c;
-  return f;
+  const long long f = fill / c;
+  const int m = c <= kProducerClusterMax ? split[kSplitBase + c - 1] : -1;
+  return m >= 0 && m < f ? m : f;
+}
+
+long long ClusterFit(int c, const int split[kSplitWords]) {
+  if (c < 1) c = 1;
+  const long long fill = split[3] < 0 ? 0 : split[3];
+  if (c <= kProducerClusterMax && split[kSplitBase + c - 1] < 0 && c > kProducerWideCluster) return (fill / 2) / c;
+  return RowsAtOnce(c, split);
 }
 
 // Tokens of a CTA's slice select_push may keep in shared memory (the kernel's
 // cache_tokens; its dynamic shared memory is sized for them): the same rule as
 // layout.producer_cache_tokens() (CI-compared).  S = the longest slice of this launch;
 // kept up to slice_max always, up to cache_wide while two CTAs still fit an SM, up to
-// cache_max while the grid keeps within fill_ctas CTAs (one CTA per SM).
+// cache_max while the rows run at once at one CTA per SM (RowsAtOnce).
 long long SliceTokens(long long length, long long c) { return ((length + c - 1) / c + 7) / 8 * 8; }
 
 int ProducerCacheTokens(int rows, int cols, int c, const int split[kSplitWords]) {
@@ -271,7 +279,7 @@ int ProducerCacheTokens(int rows, int cols, int c, const int split[kSplitWords])
   if (c < 1) c = 1;
   long long s = SliceTokens(length, c);
   if (s <= slice_max) return static_cast<int>(s);
-  if (s <= cache_max && (s <= cache_wide || rows <= ClusterFit(c, split))) return static_cast<int>(s);
+  if (s <= cache_max && (s <= cache_wide || rows <= RowsAtOnce(c, split))) return static_cast<int>(s);
   return slice_max;
 }
 
@@ -719,13 +727,16 @@ int dsa_load_kernel(const char* key, const char* kernel, const char* params, con
 // dynamic shared memory (one CTA per SM for select_push's builds: their smem holds a 64K-token
 // cache), by cuOccupancyMaxActiveClusters; -1 where unknown (no driver entry, an error).
 // Caller holds g_mu.
-void MeasureClusterFit(const Driver* d, int device, const Kernel& k, int cluster_max, int* fit) {
+static void MeasureClusterFit(const Driver* d, int device, const Kernel& k, int cluster_max, int* fit) {
   for (int c = 1; c <= kProducerClusterMax; ++c) fit[c - 1] = -1;
   if (!d || !d->OccupancyMaxActiveClusters || !k.fn) return;
   CUdevice dev;
   CUcontext ctx, popped;
   if (d->DeviceGet(&dev, device) != CUDA_SUCCESS || d->DevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS) return;
-  if (d->CtxPushCurrent(ctx) != CUDA_SUCCESS) return;
+  if (d->CtxPushCurrent(ctx) != CUDA_SUCCESS) {
+    d->DevicePrimaryCtxRelease(dev);
+    return;
+  }
   for (int c = 1; c <= cluster_max && c <= kProducerClusterMax; ++c) {
     CUlaunchAttribute attr;
     std::memset(&attr, 0, sizeof(attr));
@@ -746,6 +757,7 @@ void MeasureClusterFit(const Driver* d, int device, const Kernel& k, int cluster
     if (d->OccupancyMaxActiveClusters(&n, k.fn, &cfg) == CUDA_SUCCESS && n >= 0) fit[c - 1] = n;
   }
   d->CtxPopCurrent(&popped);
+  d->DevicePrimaryCtxRelease(dev);  // (the kernel's load keeps its own retain)
 }
 
 // Sets the row split of a loaded select_push kernel (before dsa_register_exchange,

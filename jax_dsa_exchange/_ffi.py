@@ -330,7 +330,7 @@ def _fit_arg(split: dict):
     fit = split.get("cluster_fit")
     if fit is None:
         return None
-    vals = [int(x) for x in fit][: layout.PRODUCER_CLUSTER_MAX]
+    vals = [max(-1, min(int(x), 2**31 - 1)) for x in fit][: layout.PRODUCER_CLUSTER_MAX]
     vals += [-1] * (layout.PRODUCER_CLUSTER_MAX - len(vals))
     return (ctypes.c_int * layout.PRODUCER_CLUSTER_MAX)(*vals)
 

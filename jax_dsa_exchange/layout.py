@@ -92,6 +92,22 @@ def producer_split() -> dict:
             "cache_max": PRODUCER_CACHE_MAX, "cache_wide": PRODUCER_CACHE_WIDE}  # fmt: skip
 
 
+def _cluster_count(sp: dict, c: int) -> int:
+    """The device's count of co-resident clusters of c CTAs in ``sp`` (-1: unknown)."""
+    fit = sp.get("cluster_fit")
+    if fit is None or not 1 <= c <= min(len(fit), PRODUCER_CLUSTER_MAX):
+        return -1
+    return max(-1, min(int(fit[c - 1]), 2**31 - 1))
+
+
+def producer_rows_at_once(split: dict, c: int) -> int:
+    """Rows of clusters of c that run at once at one CTA per SM: fill_ctas // c, at most the
+    device's count where the split has one (the slice-cache rule's test, producer_cache_tokens)."""
+    f = max(0, int(split["fill_ctas"])) // max(1, int(c))
+    m = _cluster_count(split, int(c))
+    return min(f, m) if m >= 0 else f
+
+
 def producer_cluster_fit(split: dict | None = None) -> tuple:
     """Rows the policy lets run at once, one CTA per SM, with clusters of c CTAs, for
     c = 1..PRODUCER_CLUSTER_MAX (entry c - 1): fill_ctas // c, and where the split carries
@@ -103,17 +119,13 @@ def producer_cluster_fit(split: dict | None = None) -> tuple:
     larger grid puts two CTAs on some SMs: R = 16, L = 128K with C = 8 17.2 us, C = 6 15.2,
     C = 4 16.3; R = 32, L = 128K with C = 4 22.0, C = 3 19.3; tenth session, NOTES.md)."""
     sp = split or producer_split()
-    fill = int(sp["fill_ctas"])
-    fit = sp.get("cluster_fit")
+    fill = max(0, int(sp["fill_ctas"]))
     out = []
     for c in range(1, PRODUCER_CLUSTER_MAX + 1):
-        f = fill // c
-        m = int(fit[c - 1]) if fit is not None and c - 1 < len(fit) else -1
-        if m >= 0:
-            f = min(f, m)
-        elif c > PRODUCER_WIDE_CLUSTER:
-            f = (fill // 2) // c
-        out.append(f)
+        if _cluster_count(sp, c) < 0 and c > PRODUCER_WIDE_CLUSTER:
+            out.append((fill // 2) // c)
+        else:
+            out.append(producer_rows_at_once(sp, c))
     return tuple(out)
 
 
@@ -122,7 +134,7 @@ def producer_cache_tokens(rows: int, cols: int, c: int, split: dict | None = Non
     [rows, cols] with clusters of c (its ``cache_tokens``; the C++ launcher computes the
     same, CI-compared, and sizes the launch's shared memory for it): S = the longest slice
     of the launch, kept up to slice_max always, up to cache_wide at any grid size, up to
-    cache_max while the rows run at once at one CTA per SM (producer_cluster_fit); else
+    cache_max while the rows run at once at one CTA per SM (producer_rows_at_once); else
     slice_max (rows with slices that short)."""
     sp = split or producer_split()
     length = max(1, min(int(cols), MAX_LOCAL_LEN))
@@ -130,8 +142,7 @@ def producer_cache_tokens(rows: int, cols: int, c: int, split: dict | None = Non
     s = _round_up(-(-length // c), 8)
     if s <= sp["slice_max"]:
         return s
-    fit = producer_cluster_fit(sp)[c - 1] if c <= PRODUCER_CLUSTER_MAX else int(sp["fill_ctas"]) // c
-    if s <= sp["cache_max"] and (s <= sp["cache_wide"] or rows <= fit):
+    if s <= sp["cache_max"] and (s <= sp["cache_wide"] or rows <= producer_rows_at_once(sp, c)):
         return s
     return sp["slice_max"]
 

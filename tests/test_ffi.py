@@ -236,12 +236,15 @@ def test_launcher_caches_slices_like_layout():
     base = layout.producer_split()
     splits = [base, dict(base, cache_max=32768, cache_wide=16384), dict(base, cache_max=16384, cache_wide=16384),
               dict(base, cluster_fit=H200_FIT), dict(base, cache_max=32768, cache_wide=16384, cluster_fit=H200_FIT),
-              dict(base, cluster_fit=(10, 5, 3, 2, 1, 1, 0, 0))]
+              dict(base, cluster_fit=(10, 5, 3, 2, 1, 1, 0, 0)),
+              dict(base, slice_max=4096, cache_max=32768, cache_wide=8192),
+              dict(base, slice_max=4096, cache_max=32768, cache_wide=8192, cluster_fit=H200_FIT),
+              dict(base, fill_ctas=0, cluster_max=1)]
     cols = [1, 7, 8, 100, 4096, 16383, 16384, 16385, 32768, 32769, 40000, 65536, 65537, 100000, 131072]
     for split in splits:
-        for rows in (1, 2, 16, 64, 66, 132, 133, 256):
+        for rows in (1, 2, 6, 16, 20, 31, 64, 66, 132, 133, 256):
             for c in cols:
-                for cl in (1, 2, 3, 8):
+                for cl in range(1, 11):
                     want = layout.producer_cache_tokens(rows, c, cl, split)
                     assert _ffi.producer_cache_tokens(rows, c, cl, split) == want, (rows, c, cl, split)
                     longest = -(-(-(-min(c, layout.MAX_LOCAL_LEN) // cl)) // 8) * 8
@@ -251,6 +254,55 @@ def test_launcher_caches_slices_like_layout():
     assert layout.producer_cache_tokens(64, 131072, layout.producer_cluster(64, 131072)) == 65536
     assert layout.producer_cache_tokens(256, 131072, layout.producer_cluster(256, 131072)) == 32768
     assert layout.producer_cache_tokens(256, 32768, layout.producer_cluster(256, 32768)) == 32768
+
+
+def _old_cluster(rows, cols, sp):
+    """The ninth session's rule (before the device's cluster counts), for the test below."""
+    length = max(1, min(cols, layout.MAX_LOCAL_LEN))
+    c = min(sp["cluster_max"], -(-length // max(1, sp["min_slice"])))
+    while c > 1 and rows * c > sp["fill_ctas"]:
+        c -= 1
+    while c > layout.PRODUCER_WIDE_CLUSTER and rows * c > sp["fill_ctas"] // 2:
+        c -= 1
+    c = max(1, c)
+    while c < sp["cluster_max"] and _old_cache(rows, cols, c, sp) < -(-(-(-length // c)) // 8) * 8:
+        c += 1
+    return c
+
+
+def _old_cache(rows, cols, c, sp):
+    length = max(1, min(cols, layout.MAX_LOCAL_LEN))
+    c = max(1, c)
+    s = -(-(-(-length // c)) // 8) * 8
+    if s <= sp["slice_max"]:
+        return s
+    if s <= sp["cache_max"] and (s <= sp["cache_wide"] or rows * c <= sp["fill_ctas"]):
+        return s
+    return sp["slice_max"]
+
+
+@needs_lib
+def test_policy_without_cluster_counts_is_the_old_rule():
+    """No count of co-resident clusters (CI, a driver without cuOccupancyMaxActiveClusters,
+    or every entry -1): the cluster size and the slice cache are the ninth session's rule,
+    for every shape and the splits that differ from the default in each parameter."""
+    base = layout.producer_split()
+    splits = [base, dict(base, cache_max=32768, cache_wide=16384), dict(base, cache_max=24576, cache_wide=16384),
+              dict(base, slice_max=4096, min_slice=512), dict(base, fill_ctas=0, cluster_max=1),
+              dict(base, fill_ctas=264), dict(base, cluster_max=4)]
+    cols = [1, 100, 8191, 8192, 16385, 32768, 40000, 65536, 100000, 131072]
+    for split in splits:
+        for fit in (None, (-1,) * layout.PRODUCER_CLUSTER_MAX):
+            sp = dict(split) if fit is None else dict(split, cluster_fit=fit)
+            for rows in range(1, 270, 3):
+                for c in cols:
+                    want = _old_cluster(rows, c, split)
+                    assert layout.producer_cluster(rows, c, sp) == want, (rows, c, split)
+                    assert _ffi.producer_cluster(rows, c, sp) == want, (rows, c, split)
+                    for cl in range(1, 11):
+                        want = _old_cache(rows, c, cl, split)
+                        assert layout.producer_cache_tokens(rows, c, cl, sp) == want, (rows, c, cl, split)
+                        assert _ffi.producer_cache_tokens(rows, c, cl, sp) == want, (rows, c, cl, split)
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -28,8 +28,10 @@ if [ "$1" = "--build" ]; then
     cp "$($PY -c 'import jax_dsa_exchange._ffi as f; print(f.library_path())')" build/ffi_lib/ || exit 1
   fi
   api=$($PY -c 'import ctypes; print(ctypes.CDLL("build/ffi_lib/libdsa_exchange_ffi.so").dsa_ffi_api_version())')
+  [ -n "$api" ] || { echo "build/ffi_lib/libdsa_exchange_ffi.so does not load here"; exit 1; }
   echo "build/ffi_lib: XLA FFI API 0.$api"
   [ "$api" -le 4 ] || { echo "built against XLA FFI API 0.$api > 0.4 (jax 0.11.2 on the GPU machine refuses it): set FFI_INCLUDE"; exit 1; }
+  exit 0
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=. JAX_DSA_EXCHANGE_CUBIN_DIR=${JAX_DSA_EXCHANGE_CUBIN_DIR:-.cubins}
 export JAX_DSA_EXCHANGE_FFI_LIB=$PWD/build/ffi_lib/libdsa_exchange_ffi.so XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -53,7 +53,8 @@ ENV_CACHE = "JAX_DSA_EXCHANGE_CACHE"
 
 GRID_DOC = {
     "select_push": "(rows * C, 1, 1) in clusters of (C, 1, 1), C = layout.producer_cluster(rows, "
-    "cols) from the metadata's split: cluster b selects and pushes row b",
+    "cols, split) from the metadata's split and the device's count of co-resident clusters: "
+    "cluster b selects and pushes row b",
     "merge": "(G, 1, 1), 1 <= G <= rows, small enough that the W ranks' merge grids "
     "are co-resident on their GPUs (docs/DESIGN.md §6.7): CTA b does rows b, b+G, ...",
 }

@@ -5,7 +5,8 @@ ABI: ``abi.SELECT_PUSH`` (kernels/abi.py, the one declaration; ``kernel`` and
 ``entry`` spell it out and tests/test_kernels_compile.py checks them against it).
 
 Launch: grid (rows * C, 1, 1) in clusters of (C, 1, 1), C =
-``layout.producer_cluster(rows, cols)`` (1 <= C <= 8); block (TB,).  Cluster b
+``layout.producer_cluster(rows, cols, split)`` (1 <= C <= 8; the split with the device's
+count of co-resident clusters, which the launcher measures); block (TB,).  Cluster b
 selects row b (kernels/select.py: each CTA reads its slice of the row once and
 keeps it on chip); each CTA then pushes its own part of the packed row (its slice's
 kept tokens: one range of positions; one CTA the bit-16 mask words) to every rank, a

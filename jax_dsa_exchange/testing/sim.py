@@ -164,14 +164,18 @@ class Sim:
                                                     self.split["cluster_max"])
         cp.cuda.Device().synchronize()
 
-    def producer_cluster(self, rows, cols, split=None):
-        """CTAs per row the launcher picks for [rows, cols] on this device (the split of
-        ``split`` or of the loaded select_push, with this device's cluster counts)."""
-        if split is None:
-            split = self.split
-        elif split and self.split and "cluster_fit" not in split:
-            split = dict(split, cluster_fit=self.split.get("cluster_fit"))
-        return layout.producer_cluster(rows, cols, split or None)
+    def launch_split(self):
+        """The split select_push launches with: the loaded image's metadata (a variant may
+        differ from the first) with this device's cluster counts (measured once: the same
+        GPU), or None (a build without a split)."""
+        split = dict(self.images["select_push"].split or {})
+        if split and self.split and "cluster_fit" in self.split:
+            split["cluster_fit"] = self.split["cluster_fit"]
+        return split or None
+
+    def producer_cluster(self, rows, cols):
+        """CTAs per row the launcher picks for [rows, cols] on this device."""
+        return layout.producer_cluster(rows, cols, self.launch_split())
 
     def merge_grid(self, rows):
         return max(1, min(rows, self.cta_budget // self.world))
@@ -213,9 +217,7 @@ class Sim:
             if producer:
                 # the split, the slice cache and the shared memory for it as the C++ launcher
                 # derives them from the metadata (a cache=N variant build has its own cache_max)
-                split = dict(sp.split or {})
-                if split and self.split and "cluster_fit" in self.split:
-                    split["cluster_fit"] = self.split["cluster_fit"]  # (a variant: the same device)
+                split = self.launch_split() or {}
                 c = cluster or layout.producer_cluster(rows, cols, split or None)
                 cache, smem = 0, sp.smem  # (a build without a slice cache: the launcher's case too)
                 if split.get("cache_max", 0) > 0:

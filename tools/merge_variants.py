@@ -71,6 +71,7 @@ VARIANTS = [
     ("nosel", "nosel=1", "norm"),
     ("notie", "notie=1", "norm"),
     ("noout", "noout=1", "norm"),
+    ("norescue", "norescue=1", "norm"),
     ("rnosel", "rnosel=1", "resc"),
     ("rnopush", "rnopush=1", "resc"),
     ("rnofence", "rnofence=1", "resc"),

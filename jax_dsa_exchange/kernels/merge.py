@@ -73,6 +73,9 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #   rnoflag  rescue: no fence, no flag stores, no wait for the flags
 #   rnowait  rescue: flags stored, but no wait for the saturated ranks' flags
 #   rnor2    rescue: no round 2 (the outputs stay round 1's)
+#   norescue no rescue at all: its code (the local select, round 2) compiled out, so the
+#            cubin holds the normal path alone (what the rescue's code costs the hot path:
+#            instruction fetch); outputs wrong only where a rank saturates
 # The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
 # breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
@@ -82,7 +85,7 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 # variants, third round") were measured within noise and removed (their code: commit 08ca710).
 TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
-               "rnoflag", "rnowait", "rnor2", "prof")
+               "rnoflag", "rnowait", "rnor2", "norescue", "prof")
 TUNE = dict.fromkeys(TIMING_ONLY, 0)
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
@@ -90,7 +93,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
         raise ValueError(f"{TUNE_ENV}: unknown knob {_k.strip()!r} (known: {sorted(TUNE)})")
     TUNE[_k.strip()] = int(_v)
 # a normal-path skip makes the saturation test meaningless: no rescue then
-NO_RESCUE = any(TUNE[k] for k in ("noload", "nosel", "notie", "noout"))
+NO_RESCUE = any(TUNE[k] for k in ("noload", "nosel", "notie", "noout", "norescue"))
 
 
 @dsl_user_op

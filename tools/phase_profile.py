@@ -10,6 +10,8 @@
   a select variant (built with JAX_DSA_EXCHANGE_SELECT_TUNE=prof=1,TUNE), other shapes / inputs:
       ... tools/phase_profile.py --only select --select-tune big=0,ratio=0 --shapes 1,32768,1 \
         --pattern recent
+  a merge variant (built with JAX_DSA_EXCHANGE_MERGE_TUNE=prof=1,TUNE), e.g. the normal path
+  without the rescue's code:  ... tools/phase_profile.py --only merge --merge-tune norescue=1
 
 The merge stores CTA 0's marks over ids[0, K-16:] (its last row); select_push stores each
 CTA's marks of row 0 over the rescue sequence words of rows max_rows - 128 .. (unused here).  Printed: the median over iterations of each mark minus mark 0 (cycles, and us at
@@ -24,9 +26,6 @@ import os
 import statistics
 import sys
 
-os.environ["JAX_DSA_EXCHANGE_MERGE_TUNE"] = "prof=1"
-
-
 def _arg(name):
     """An option's value from the command line before argparse runs ('' when absent)."""
     for i, a in enumerate(sys.argv):
@@ -37,7 +36,9 @@ def _arg(name):
     return ""
 
 
-# (set before the kernels are loaded: the tune string picks the cubins)
+# (set before the kernels are loaded: the tune strings pick the cubins; a merge variant, e.g.
+# --merge-tune norescue=1, is built with JAX_DSA_EXCHANGE_MERGE_TUNE=prof=1,norescue=1)
+os.environ["JAX_DSA_EXCHANGE_MERGE_TUNE"] = ",".join(filter(None, ["prof=1", _arg("--merge-tune")]))
 os.environ["JAX_DSA_EXCHANGE_SELECT_TUNE"] = ",".join(filter(None, ["prof=1", _arg("--select-tune")]))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -150,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--ghz", type=float, default=1.98)
     ap.add_argument("--only", choices=["merge", "select"], default=None)
     ap.add_argument("--select-tune", default="", help="select variant knobs beside prof=1 (read at import)")
+    ap.add_argument("--merge-tune", default="", help="merge variant knobs beside prof=1 (read at import), "
+                    "e.g. norescue=1: the normal path without the rescue's code")
     ap.add_argument("--shapes", nargs="+", default=None, help="select shapes R,L[,C] (C: forced)")
     ap.add_argument("--pattern", default="random", help="select inputs: random | recent")
     a = ap.parse_args(argv)
@@ -158,6 +161,8 @@ def main(argv=None):
     if a.only != "select":
         for W, N, R, rescue in ((8, 512, 1, False), (8, 512, 64, False), (8, 512, 1, True),
                                 (16, 1024, 64, False)):  # fmt: skip
+            if rescue and "norescue=1" in os.environ["JAX_DSA_EXCHANGE_MERGE_TUNE"]:
+                continue  # (that build has no rescue)
             try:
                 merge_profile(cp, W, 2048, N, R, 8192, rescue, a.iters, a.ghz)
             except FileNotFoundError as e:

@@ -127,6 +127,41 @@ def test_large_configs(world, topk, n, cols, rows):
                                               cols=max(n, min(cols, 3 * topk))))  # fmt: skip
 
 
+def _mixed_rescue_case(rng, world, topk, n, rows, cols, saturated_rows):
+    """Rows of a saturating case (1..3 saturated ranks, cycling) where ``saturated_rows``
+    says so, the rest random rows (no rescue) of the same length and block tables."""
+    cs = [cases.saturating_case(rng, world, topk, n, s, rows=rows, cols=cols)
+          for s in range(1, min(3, world, layout.rescue_slots(topk, n, world)) + 1)]  # fmt: skip
+    rnd = cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows, cols=cols,
+                            row_ends="full")
+    logits = [x.copy() for x in rnd.logits]
+    ends = [x.copy() for x in rnd.row_ends]
+    for r in range(rows):
+        if saturated_rows[r]:
+            c = cs[r % len(cs)]
+            for q in range(world):
+                logits[q][r], ends[q][r] = c.logits[q][r], c.row_ends[q][r]
+    return cases.Case("mixed_rescues", world, topk, n, rnd.block_size, logits, ends, rnd.req_id,
+                      rnd.block_tables)  # fmt: skip
+
+
+@pytest.mark.parametrize("world,topk,n", [(8, SMALL_K, SMALL_N), (8, 2048, 512)])
+def test_rescued_and_plain_rows_in_one_cta(world, topk, n):
+    """One merge CTA (and three) walking 43 rows: every row rescued, or rescued and plain
+    rows interleaved or in runs of 9; bit-identical to the model, call after call on the same
+    buffers (every row's epoch and rescue sequence number carried on)."""
+    rows = 43
+    sim = sim_for(world, topk, n, max_rows=rows)
+    rng = np.random.default_rng(31 + world)
+    cols = max(n, 3 * topk) if topk > SMALL_K else 400
+    patterns = [np.ones(rows, bool), np.arange(rows) % 3 != 1, (np.arange(rows) // 9) % 2 == 0]
+    for grid in (1, 3):
+        for pat in patterns:
+            case = _mixed_rescue_case(rng, world, topk, n, rows, cols, pat)
+            got = _run_check(sim, case, grid=grid)
+            assert ((got[0]["saturated"] != 0) == pat).all(), (grid, got[0]["saturated"])
+
+
 def test_delayed_rank():
     world = 4
     sim = sim_for(world, SMALL_K, SMALL_N)

@@ -76,6 +76,10 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #   norescue no rescue at all: its code (the local select, round 2) compiled out, so the
 #            cubin holds the normal path alone (what the rescue's code costs the hot path:
 #            instruction fetch); outputs wrong only where a rank saturates
+#   epijump  (exact; a code-layout comparison) one row end for every row, after the
+#            rescue's code (the layout before the eleventh session)
+#   tailout  (exact; a code-layout comparison) the launch's end only after the row loop
+#            (after the rescue's code), not also after a CTA's last row without a rescue
 # The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
 # breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
@@ -85,7 +89,7 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 # variants, third round") were measured within noise and removed (their code: commit 08ca710).
 TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
-               "rnoflag", "rnowait", "rnor2", "norescue", "prof")
+               "rnoflag", "rnowait", "rnor2", "norescue", "prof", "epijump", "tailout")
 TUNE = dict.fromkeys(TIMING_ONLY, 0)
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
@@ -226,6 +230,11 @@ class Merge:
         # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
         # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
         self.rescue_u1 = 4 if self.kp1 > BRANCH_FREE_KP else S.U1
+        # A row without a rescue ends (and the launch after such a last row) before the
+        # rescue's code, not after its ~100 KB (W = 8, N = 512: -0.6..-0.9 us, cold instruction
+        # fetch); the large configurations keep one end after it (there ptxas then spilled
+        # more: W = 16, N = 1024 +3.5 us).
+        self.end_first = self.kp1 <= BRANCH_FREE_KP and not TUNE["epijump"]
 
     # ---------------------------------------------------------------- keys
 
@@ -1239,6 +1248,7 @@ class Merge:
         self.mk(1)
         rowi = Int32(0)
         last_f = Int32(0)
+        finished = Int32(0)  # the launch's end done (after a last row without a rescue)
         t = Int32(bid)
         refused = Int32(0)
         # epoch of the first row, loaded together with the status word (a plain load of
@@ -1328,44 +1338,52 @@ class Merge:
             if cutlass.const_expr(NO_RESCUE):
                 mask = Int32(0)  # timing-only variants of the normal path
             self.mk(11)
-            if mask != Int32(0):
-                self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
-                            rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
-                            status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
-                            bt_row, req_ok, bt_cols, block_size, keys, words, hb,
-                            slot1 + Int32(1))  # fmt: skip
-                if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
-                    C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
-            if saturated != Int64(0):
-                if tid == Int32(0):
-                    C.st_u32(saturated + Int64(t) * Int64(4), mask)
-            if t + Int32(nblk) < rows:
-                epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
-            # ---- every word of the row was read; the producer grid is done
-            self.mk(12)
-            C.pdl_wait()
-            self.mk(13)
-            # A failure anywhere in the grid (status set) voids this row: waits that gave
-            # up read stale words, so the row gets empty outputs, never a guess.
-            # (failed() starts with a barrier: every thread is done reading the row.)
-            # Fast path without a rescue: the status word read after the row's last wait,
-            # during the outputs (sc[7], published by the outputs' final barrier).
-            f = Int32(0)
-            if cutlass.const_expr(self.fast1):
-                if mask == Int32(0):
-                    f = sm.sc[7]
-                else:
-                    f = self.failed(status, sm_seg, tid)
+            if cutlass.const_expr(not self.end_first):
+                if mask != Int32(0):
+                    self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
+                                rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
+                                status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
+                                bt_row, req_ok, bt_cols, block_size, keys, words, hb,
+                                slot1 + Int32(1))  # fmt: skip
+                    if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
+                        C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
+                epn, last_f = self.row_epilogue(t, ep, mask, None, epn, nblk, rows, state, max_rows,
+                                                saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
             else:
-                f = self.failed(status, sm_seg, tid)
-            last_f = f
-            if f != Int32(0):
-                self.empty_row(t, tid, kv_rows, counts, ids, saturated)
-            if tid == Int32(0):
-                C.st_u32(C.state_epoch(state, max_rows, t), ep)
+                # The row's end for rows without a rescue sits here, before the rescue's code
+                # (a one-CTA select and a second round, ~100 KB of SASS): when it sat after it,
+                # the normal path fetched its end cold on every launch (ncu, eleventh session:
+                # most of the extra no-instruction stalls against a build without the rescue).
+                if mask == Int32(0):
+                    epn, last_f = self.row_epilogue(t, ep, mask, True, epn, nblk, rows, state, max_rows,
+                                                    saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
+                    if cutlass.const_expr(self.end_first and not TUNE["tailout"]):
+                        if t + Int32(nblk) >= rows:  # this CTA's last row: its end here too
+                            self.finish(refused, last_f, rowi + Int32(1), status, sm_seg, tid, peers,
+                                        state, rank, max_rows, host_status, ids, bid)  # fmt: skip
+                            finished = Int32(1)
+                else:
+                    self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
+                                rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
+                                status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
+                                bt_row, req_ok, bt_cols, block_size, keys, words, hb,
+                                slot1 + Int32(1))  # fmt: skip
+                    if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
+                        C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
+                    epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nblk, rows, state, max_rows,
+                                                    saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
             self.mk(14)
             t = t + Int32(nblk)
             rowi = rowi + Int32(1)
+        if finished == Int32(0):
+            self.finish(refused, last_f, rowi, status, sm_seg, tid, peers, state, rank, max_rows,
+                        host_status, ids, bid)  # fmt: skip
+
+    @cute.jit
+    def finish(self, refused: Int32, last_f: Int32, rowi: Int32, status: Int64, sm_seg: cute.Tensor,
+               tid: Int32, peers: Int64, state: Int64, rank: Int32, max_rows: Int32,
+               host_status: Int64, ids: Int64, bid):
+        """The launch's end for this CTA: withdraw on a failure, the host's status copy."""
         report = refused
         if refused == Int32(0):
             # This call failed here or elsewhere in the grid: withdraw this rank's pushed
@@ -1393,6 +1411,45 @@ class Merge:
             self.mk(15)
             self.mk.store(ids + Int64(self.topk - C.Marks.N) * Int64(4),
                           Int32(Int32(bid) == Int32(0)) & Int32(tid == Int32(0)) & Int32(ids != Int64(0)))
+
+    @cute.jit
+    def row_epilogue(self, t: Int32, ep: Int32, mask: Int32, plain: cutlass.Constexpr, epn: Int32,
+                     nblk, rows: Int32, state: Int64, max_rows: Int32, saturated: Int64,
+                     status: Int64, sm: MergeSmem, tid: Int32, kv_rows: Int64, counts: Int64,
+                     ids: Int64):
+        """Row t's end: its saturated mask, the next row's epoch loaded, the producer grid
+        waited for, the row voided on a failure, the epoch bumped.  ``plain``: True for a row
+        without a rescue, False for one with, None: decided by ``mask`` here (the fast path
+        without a rescue reuses the status word read after the row's last wait, during the
+        outputs: sc[7], published by the outputs' final barrier).  Returns (the next row's
+        epoch, the failure flag)."""
+        if saturated != Int64(0):
+            if tid == Int32(0):
+                C.st_u32(saturated + Int64(t) * Int64(4), mask)
+        if t + Int32(nblk) < rows:
+            epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
+        # ---- every word of the row was read; the producer grid is done
+        self.mk(12)
+        C.pdl_wait()
+        self.mk(13)
+        # A failure anywhere in the grid (status set) voids this row: waits that gave
+        # up read stale words, so the row gets empty outputs, never a guess.
+        # (failed() starts with a barrier: every thread is done reading the row.)
+        f = Int32(0)
+        if cutlass.const_expr(self.fast1 and plain is None):
+            if mask == Int32(0):
+                f = sm.sc[7]
+            else:
+                f = self.failed(status, sm.seg, tid)
+        elif cutlass.const_expr(self.fast1 and plain):
+            f = sm.sc[7]
+        else:
+            f = self.failed(status, sm.seg, tid)
+        if f != Int32(0):
+            self.empty_row(t, tid, kv_rows, counts, ids, saturated)
+        if tid == Int32(0):
+            C.st_u32(C.state_epoch(state, max_rows, t), ep)
+        return epn, f
 
     @cute.jit
     def report(self, status: Int64, host_status: Int64):

@@ -147,19 +147,49 @@ def _mixed_rescue_case(rng, world, topk, n, rows, cols, saturated_rows):
 
 @pytest.mark.parametrize("world,topk,n", [(8, SMALL_K, SMALL_N), (8, 2048, 512)])
 def test_rescued_and_plain_rows_in_one_cta(world, topk, n):
-    """One merge CTA (and three) walking 43 rows: every row rescued, or rescued and plain
-    rows interleaved or in runs of 9; bit-identical to the model, call after call on the same
-    buffers (every row's epoch and rescue sequence number carried on)."""
+    """One merge CTA (and three) walking 43 rows: every row rescued, rescued and plain rows
+    alternating (a CTA's last row plain after a rescued one: the launch then ends after that
+    row, before the rescue's code), two of every three rescued, or runs of 9; bit-identical to
+    the model, call after call on the same buffers (every row's epoch and rescue sequence
+    number carried on)."""
     rows = 43
     sim = sim_for(world, topk, n, max_rows=rows)
     rng = np.random.default_rng(31 + world)
     cols = max(n, 3 * topk) if topk > SMALL_K else 400
-    patterns = [np.ones(rows, bool), np.arange(rows) % 3 != 1, (np.arange(rows) // 9) % 2 == 0]
+    patterns = [np.ones(rows, bool), np.arange(rows) % 2 == 1, np.arange(rows) % 3 != 1,
+                (np.arange(rows) // 9) % 2 == 0]
     for grid in (1, 3):
         for pat in patterns:
             case = _mixed_rescue_case(rng, world, topk, n, rows, cols, pat)
             got = _run_check(sim, case, grid=grid)
             assert ((got[0]["saturated"] != 0) == pat).all(), (grid, got[0]["saturated"])
+
+
+def test_failed_call_over_rescued_and_plain_rows_in_one_cta():
+    """One merge CTA over rows alternating rescued / plain, rank 3 pushing only the first 3:
+    the others time out at row 3 or later naming rank 3, and every row of every rank is right
+    or empty (the CTA's last row is plain: its launch end, the withdraw included, runs after
+    that row)."""
+    from jax_dsa_exchange.testing.sim import Sim
+
+    world, rows = 8, 9
+    sim = Sim(world, SMALL_K, SMALL_N, 16)  # fresh buffers: this call leaves them stale
+    rng = np.random.default_rng(14)
+    case = _mixed_rescue_case(rng, world, SMALL_K, SMALL_N, rows, 400, np.arange(rows) % 2 == 1)
+    ref = reference.protocol_merge(*case.args, topk=SMALL_K, local_topk=SMALL_N,
+                                   block_size=case.block_size)
+    got = sim.call(case, short_rank=3, short_rows=3, timeout_us=200_000, grid=1)
+    for q in range(world):
+        st = got[q]["status"]
+        if q != 3:
+            assert st[0] in (layout.STATUS_TIMEOUT_ROUND1, layout.STATUS_TIMEOUT_RESCUE), (q, st)
+            assert st[1] >= 3 and st[3] == 3, (q, st)
+            np.testing.assert_array_equal(got[q]["host_status"], st[:layout.STATUS_REPORT_WORDS])
+        for r in range(rows if q != 3 else 3):
+            g = {k: got[q][k][r] for k in ("kv_rows", "counts", "ids")}
+            right = all(np.array_equal(g[k], getattr(ref[q], k)[r]) for k in g)
+            empty = g["counts"] == 0 and (g["kv_rows"] == -1).all() and (g["ids"] == -1).all()
+            assert right or empty, (q, r)
 
 
 def test_delayed_rank():

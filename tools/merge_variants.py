@@ -66,6 +66,8 @@ _this_tree()
 # 08ca710): a new one goes here as ("name", "knob=1", "exact") once merge.py has it.
 VARIANTS = [
     ("default", "", "exact"),
+    ("epijump", "epijump=1", "exact"),  # the layout before the eleventh session (row end after the rescue)
+    ("tailout", "tailout=1", "exact"),  # the launch's end only after the row loop
     ("noload", "noload=1", "norm"),
     ("nobt", "nobt=1", "norm"),
     ("nosel", "nosel=1", "norm"),

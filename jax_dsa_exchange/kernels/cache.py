@@ -140,18 +140,25 @@ def source_hash(files=SOURCE_FILES) -> str:
     return h.hexdigest()
 
 
+# JAX_DSA_EXCHANGE_MERGE_TUNE knobs that change the merge's code layout only (kernels/merge.py):
+# their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
+# timing-only (merge.TIMING_ONLY)
+MERGE_EXACT_KNOBS = ("epijump", "tailout")
+
+
 def tune_exact() -> bool:
     """False when the tune strings select a timing-only build: ``JAX_DSA_EXCHANGE_SELECT_TUNE``
     with ``skip=...`` (select.SKIP leaves a stage out) or ``prof=1`` (phase marks over row 0's
     logits) or ``JAX_DSA_EXCHANGE_MERGE_TUNE``
-    with any knob on (every merge knob is timing-only, merge.TIMING_ONLY): the outputs are
+    with any knob of merge.TIMING_ONLY on (all but MERGE_EXACT_KNOBS): the outputs are
     wrong; the GPU tests and ``Exchange`` refuse those builds."""
     tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")
     if any(kv.split("=")[0].strip() in ("skip", "prof") and kv.split("=", 1)[1].strip() not in ("", "0")
            for kv in tune.split(",") if "=" in kv):  # fmt: skip
         return False
     mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")
-    return not any(kv.split("=", 1)[1].strip() not in ("", "0") for kv in mtune.split(",") if "=" in kv)
+    return not any(kv.split("=", 1)[0].strip() not in MERGE_EXACT_KNOBS and kv.split("=", 1)[1].strip() not in ("", "0")
+                   for kv in mtune.split(",") if "=" in kv)  # fmt: skip
 
 
 def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str) -> str:

@@ -63,7 +63,7 @@ def test_timing_only_builds_are_not_exact(monkeypatch):
     for sel, mer, exact in [("", "", True), ("relax=1,cache=32768", "", True), ("skip=pass2", "", False),
                             ("", "rnor2=1", False), ("", "noout=0", True), ("prof=1", "", False),
                             ("", "prof=1", False), ("bmin=2", "", True), ("prof=0", "", True),
-                            ("", "epijump=1", True), ("", "tailout=1", True),  # code layout only
+                            ("", "epijump=1", True), ("", "tailout=1", True), ("", "r2radix=1", True),  # exact
                             ("", "epijump=1,norescue=1", False)]:
         monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", sel)
         monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", mer)

@@ -68,6 +68,7 @@ VARIANTS = [
     ("default", "", "exact"),
     ("epijump", "epijump=1", "exact"),  # the layout before the eleventh session (row end after the rescue)
     ("tailout", "tailout=1", "exact"),  # the launch's end only after the row loop
+    ("r2radix", "r2radix=1", "exact"),  # a rescue's round 2 by the radix walk (fewer registers)
     ("noload", "noload=1", "norm"),
     ("nobt", "nobt=1", "norm"),
     ("nosel", "nosel=1", "norm"),

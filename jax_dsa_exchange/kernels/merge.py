@@ -83,6 +83,8 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #   tailout  (exact by construction: a code-layout comparison) the launch's end only after
 #            the row loop (after the rescue's code), not also after a CTA's last plain row
 #            (both in cache.MERGE_EXACT_KNOBS: the GPU tests accept them)
+#   r2radix  (exact) round 2 of a rescue by the radix walk (radix_select / emit) instead of the
+#            register fast path: less register pressure on the whole kernel, a slower rescue
 # The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
 # breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
@@ -220,7 +222,9 @@ class Merge:
         self.fast1 = self.kp1 <= KP_MAX
         self.nk2max = self.slots * topk + (world - self.slots) * n
         self.kp2 = 2 * -(-self.nk2max // (2 * C.TB))
-        self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX
+        # (r2radix=1, exact: round 2 by the radix walk from memory; W = 8 N = 512: 124 registers
+        # without a frame instead of 128 + 0 B at the cap, .text 93 instead of 150 KB; not measured)
+        self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX and not TUNE["r2radix"]
         self.kp = max([2] + [k for k, f in ((self.kp1, self.fast1), (self.kp2, self.fast2)) if f])
         self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX  # block-table prefetch in round 1
         self.use_regs = self.fast1  # round-1 keys in registers (else re-read from memory)

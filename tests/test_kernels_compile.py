@@ -247,6 +247,19 @@ def test_select_push_beyond_the_own_part_push():
         assert "barrier.cluster.arrive.release.aligned" in ptx
 
 
+def _in_fresh_process(code: str, **env_vars):
+    """Run ``code`` in a new Python process of this tree with the given environment variables
+    (the kernels read their tune strings at import); -> CompletedProcess (text)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root, **env_vars)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=root)  # fmt: skip
+
+
 def test_select_tune_variants(tmp_path):
     """The exact speed-up knobs (select.RELAX and select.OWN, on by default) and a
     timing-only skip build compile (fresh processes: select.py reads
@@ -254,20 +267,12 @@ def test_select_tune_variants(tmp_path):
     the CTA's own shared memory; OWN: no barrier 3 (each CTA pushes its own part; a relaxed
     arrival, the wait before exit); own=0 keeps arrive.release for barrier 3 of a
     multi-CTA cluster; an unknown stage fails."""
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import sys; from jax_dsa_exchange.kernels import cache, select; "
             "imgs = cache.compile_images('sm_90a', 2, 256, 64); "
             "sys.stdout.write(imgs['select_push'][0].ptx)")  # fmt: skip
 
     def ptx(tune):
-        env = dict(os.environ, JAX_DSA_EXCHANGE_SELECT_TUNE=tune, PYTHONPATH=root)
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           timeout=300, cwd=root)  # fmt: skip
-        return r
+        return _in_fresh_process(code, JAX_DSA_EXCHANGE_SELECT_TUNE=tune)
 
     r = ptx("")  # the default: RELAX = 1
     assert r.returncode == 0, r.stderr[-2000:]
@@ -289,8 +294,58 @@ def test_select_tune_variants(tmp_path):
     r = ptx("skip=pass2+push")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "st.volatile.global.v2.u64" not in r.stdout  # no push
+    # cid=1 (exact candidate): the row from %clusterid.x, the slice length by an unsigned
+    # division: no signed division left on the path to the first loads
+    assert sp.count("div.s32") >= 1 and "%clusterid.x" not in sp
+    r = ptx("cid=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "%clusterid.x" in r.stdout and r.stdout.count("div.s32") == sp.count("div.s32") - 2
+    # one=1 (exact candidate): a one-CTA cluster takes block barriers for cluster barriers 1
+    # and 2 (a uniform branch: the cluster barriers stay for csize > 1)
+    r = ptx("one=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("bar.sync") == sp.count("bar.sync") + 2
+    assert r.stdout.count("barrier.cluster.arrive.relaxed.aligned") == 3
     r = ptx("skip=nothing")
     assert r.returncode != 0 and "unknown stage" in r.stderr
+
+
+def test_merge_exact_candidates_compile(tmp_path):
+    """The merge's exact candidate knobs (cache.MERGE_EXACT_KNOBS; off by default, not yet
+    timed on a GPU) compile for W = 8, N = 512 without a stack frame (spec=1: at most 8 B)
+    and change what they say (fresh processes: merge.py reads JAX_DSA_EXCHANGE_MERGE_TUNE at import).  spec=1:
+    round 1's LL records are loaded by predicated loads before the row's epoch is known
+    (both parities for the first row, the next row's at the end of a row: 3 x kp1 / 2 more
+    of them, no unpredicated record load left); rpush=1: the rescue's push takes the W
+    peers' addresses by shuffles (two per peer); ru1=4: the rescue select's 4 vectors per
+    round."""
+    code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
+            "imgs = cache.compile_images('sm_90a', 8, 2048, 512); m = imgs['merge'][0]; "
+            "sys.stdout.write(json.dumps([m.ptx, cache.cubin_resources(m.cubin)]))")  # fmt: skip
+
+    def build(tune, frame=0):
+        r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE=tune, JAX_DSA_EXCHANGE_SELECT_TUNE="")
+        assert r.returncode == 0, (tune, r.stderr[-2000:])
+        ptx, res = json.loads(r.stdout)
+        assert res["frame_bytes"] <= frame, (tune, res)
+        return ptx
+
+    def count(ptx, s):
+        return ptx.count(s)
+
+    base = build("")
+    pv2 = "@p ld.volatile.global.v2.u64"
+    # (spec=1: 128 registers + 8 B, one spill / refill pair in the rescue's round 2, none on
+    # the normal path (SASS, twelfth session); with r2radix=1 126 registers, no frame)
+    spec = build("spec=1", frame=8)
+    build("spec=1,r2radix=1")
+    kp1 = 2 * -(-(8 * 512) // (2 * 512))
+    assert count(spec, pv2) == count(base, pv2) + 3 * kp1 // 2
+    assert count(spec, "ld.volatile.global.v2.u64") - count(spec, pv2) == 0
+    assert count(base, "ld.volatile.global.v2.u64") - count(base, pv2) == kp1 // 2
+    rpush = build("rpush=1")
+    assert count(rpush, "shfl.sync.idx") == count(base, "shfl.sync.idx") + 2 * 8
+    build("ru1=4")
 
 
 def test_page_magic_is_exact_division():

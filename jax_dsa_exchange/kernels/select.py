@@ -118,6 +118,17 @@ BIG_RATIO = 8
 # (select_row ``own_part``); 0: every CTA writes into CTA 0's row through DSMEM, a third
 # cluster barrier, then CTA 0 pushes the whole row ("own=0": the seventh session's way)
 OWN = 1
+# "cid=1" (exact, not measured yet): select_push's row from %clusterid.x instead of a signed
+# division of the block index by the cluster size, and the slice length by an unsigned
+# division (both ran on the path from the kernel's start to its first loads / bulk copies:
+# ~30 and ~25 dependent instructions in the SASS)
+CID = 0
+# "one=1" (exact, not measured yet): a one-CTA cluster (csize == 1, uniform) takes block
+# barriers for cluster barriers 1 and 2 and its own shared memory for the DSMEM loads, and
+# skips the own-part arrival / wait (a cluster barrier is a fence + arrive + wait in SASS; at
+# C = 1, the rows of R >= 64 or L <= 8K, that is 2 of them and the DSMEM loads of its own
+# histograms); the end barrier after DSMEM stores (csync_end, rows of N > 2048) stays
+ONE = 0
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -134,8 +145,10 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
         continue
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
-               "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN"}[_k]] = int(_v)  # fmt: skip
+               "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE"}[_k]] = int(_v)  # fmt: skip
 EXACT = not SKIP and not PROF  # False: a timing-only build (wrong outputs)
+if ONE and BOUNDED_MIN < 2:  # (the bounded sums' DSMEM loads would then run at C = 1 unordered)
+    raise ValueError(f"{TUNE_ENV}: one=1 needs bmin >= 2 (bmin={BOUNDED_MIN})")
 assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
 assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary step: warp r sums CTA r
 
@@ -511,10 +524,31 @@ def csync(clustered: cutlass.Constexpr, own_only: cutlass.Constexpr = True):
 
 
 @cute.jit
+def one_cta(csize: Int32) -> Int32:
+    """1 where ONE treats this cluster as one CTA (csize == 1: uniform), else 0 (a constant
+    0 without ONE, so those branches fold away)."""
+    r = Int32(0)
+    if cutlass.const_expr(ONE):
+        r = Int32(csize == Int32(1))
+    return r
+
+
+@cute.jit
+def csync_n(clustered: cutlass.Constexpr, csize: Int32, own_only: cutlass.Constexpr = True):
+    """csync; with ONE a one-CTA cluster takes a block barrier (uniform branch)."""
+    if one_cta(csize) != Int32(0):  # (never without ONE)
+        cute.arch.sync_threads()
+    else:
+        csync(clustered, own_only)
+
+
+@cute.jit
 def csync_end(clustered: cutlass.Constexpr, csize: Int32):
     if cutlass.const_expr(clustered and RELAX):
         if csize == Int32(1):
-            cluster_sync_local()  # one CTA: every store went to its own shared memory
+            # one CTA: every store went to its own shared memory (DSMEM stores there too, so
+            # ONE keeps this fence + barrier: a bar.sync is not shown to order them)
+            cluster_sync_local()
         else:
             cluster_sync()
     else:
@@ -712,7 +746,12 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     # buffer row; tokens at or past the end are invalid either way.
     if cutlass.const_expr(span is None):
         span = end
-    S = ((span + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
+    S = Int32(0)
+    if cutlass.const_expr(CID):
+        # (span >= 0 and csize >= 1: the unsigned quotient is the same)
+        S = Int32((Uint32(span + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
+    else:
+        S = ((span + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
     keep = Int32(0)  # the slice stays in shared memory
     if cutlass.const_expr(cached):
         # (clamped: the cache holds CACHE_MAX tokens at most and a kept slice's tokens are
@@ -857,7 +896,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     pub[5] = Int32(0)
                 if tl0 == Int32(0):
                     pub[6] = Int32(0)
-    csync(clustered, True)
+    csync_n(clustered, csize)
     mk(3)
     # ---- the cluster's first histogram; boundary bin b1
     for p in cutlass.range_constexpr(BPT):
@@ -881,6 +920,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             hi = cute.arch.warp_redux_sync(ph, "max")
             if hb + Int32(BPT - 1) >= lo and hb <= hi:
                 sum_cluster_bins(h1_a, hb, csize, gc)
+        elif one_cta(csize) != Int32(0):
+            for p in cutlass.range_constexpr(BPT):
+                gc[p] = lc[p]
         else:
             sum_cluster_bins(h1_a, hb, csize, gc)  # every bin
     elif cutlass.const_expr(clustered and "dsmem" not in SKIP):
@@ -991,7 +1033,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                     Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
     mk(6)
-    csync(clustered, True)
+    csync_n(clustered, csize)
     mk(7)
     # ---- boundary score v, need_eq, and what precedes this slice
     v = Uint32(0)
@@ -1003,11 +1045,16 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
         if r < csize:
             if cutlass.const_expr(clustered and "dsmem" not in SKIP):
-                x = ld_dsmem_u32(mapa(h2_a + j * Int32(4), r))
-                # (only CTAs up to this one count: no remote load whose value is dead, so
-                # every DSMEM load is used before own_part's relaxed arrival below)
-                if j == Int32(0) and r <= me:
-                    above = ld_dsmem_u32(mapa(pub_a, r))
+                if one_cta(csize) != Int32(0):  # (ONE, r == me == 0: its own histogram)
+                    x = hist2[j]
+                    if j == Int32(0):
+                        above = pub[0]
+                else:
+                    x = ld_dsmem_u32(mapa(h2_a + j * Int32(4), r))
+                    # (only CTAs up to this one count: no remote load whose value is dead, so
+                    # every DSMEM load is used before own_part's relaxed arrival below)
+                    if j == Int32(0) and r <= me:
+                        above = ld_dsmem_u32(mapa(pub_a, r))
             else:
                 x = hist2[j]
                 above = pub[0]
@@ -1062,7 +1109,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             scal[_GT_OWN] = pub[1]
     cute.arch.sync_threads()
     if cutlass.const_expr(own):
-        cluster_arrive()  # every DSMEM load of this CTA was used above (own_part)
+        # every DSMEM load of this CTA was used above (own_part); (ONE: a one-CTA cluster
+        # neither arrives nor waits)
+        if one_cta(csize) == Int32(0):
+            cluster_arrive()
     if cutlass.const_expr(listed):
         if big != Int32(0):
             refine_mask(mask, cache_a, nvec4, v, tid)

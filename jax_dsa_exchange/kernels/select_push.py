@@ -118,7 +118,11 @@ class SelectPush:
             # never hold an SM a producer CTA still needs); it waits for this grid's
             # completion (griddepcontrol.wait) before it bumps an epoch or reads logits.
             C.pdl_launch_dependents()
-        t = Int32(bid) // csize
+        t = Int32(0)
+        if cutlass.const_expr(S.CID):
+            t = cute.arch.cluster_idx()[0]  # (= bid // csize: clusters of (csize, 1, 1))
+        else:
+            t = Int32(bid) // csize
         # Everything the push needs is loaded now, beside the row's length: each is a
         # memory round trip, and a chain of them (peer by peer) cost microseconds.
         # (the peers' addresses are stored into psm by select_row's ``early`` hook, after its
@@ -171,7 +175,8 @@ class SelectPush:
                         self.push_part(psm, row, e, rank, t, max_rows, p0, hi, p_end, writer, tid,
                                        lane, warp)  # fmt: skip
         if cutlass.const_expr(own):
-            S.cluster_wait()  # (select_row's arrival: no CTA still reads this one's DSMEM)
+            if S.one_cta(csize) == Int32(0):  # (ONE: a one-CTA cluster did not arrive)
+                S.cluster_wait()  # (select_row's arrival: no CTA still reads this one's DSMEM)
         if cutlass.const_expr(not S.EARLY_TRIGGER):
             C.pdl_launch_dependents()
         if cutlass.const_expr(S.PROF):

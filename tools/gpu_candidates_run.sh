@@ -1,0 +1,56 @@
+#!/bin/bash
+# The exact candidate knobs not yet measured on a GPU (kernels/NOTES.md "Twelfth session"):
+# merge spec=1 / rpush=1 / ru1=4 (and r2radix=1), select cid=1 / one=1.  ONE call on the GPU machine
+# tests the combination and times every variant against the default.
+#   build here (CuTe DSL; ~6 min on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
+#       -> .cubins: the default and the combination "spec=1,rpush=1" + "cid=1,one=1" for every test
+#          configuration; each variant of tools/candidates_time.py for W=8 K=2048 N=512; the
+#          prof=1 builds for the phase profile of spec; carry .cubins and build/ffi_lib
+#          (FFI library: tools/gpu_integration_run.sh --build with FFI_INCLUDE, jax 0.11 headers)
+#   run there (~5 min):  OUT=dir bash tools/gpu_candidates_run.sh
+#       -> 1. the GPU kernel + select tests with the combination (exactness; a failure names
+#             the knob to drop: rerun with one knob)   2. phase profiles, default vs spec=1
+#          3. tools/candidates_time.py (the table last)
+set -o pipefail
+cd "$(dirname "$0")/.."
+COMBO_M="spec=1,rpush=1"
+COMBO_S="cid=1,one=1"
+if [ "$1" = "--build" ]; then
+  PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # (absolute, the venv link kept)
+  full() {  # every test configuration, with merge tune $1 and select tune $2
+    JAX_DSA_EXCHANGE_MERGE_TUNE="$1" JAX_DSA_EXCHANGE_SELECT_TUNE="$2" PY=$PY bash tools/gpu_kernels_run.sh --build \
+      > /tmp/cand_build_full.log 2>&1 || { echo "build [$1|$2] failed: /tmp/cand_build_full.log"; exit 1; }
+  }
+  one() {  # $1 merge tune, $2 select tune, then the build's arguments (a cwd of its own)
+    local mt="$1" st="$2" d; shift 2; d=$(mktemp -d)
+    (cd $d && JAX_DSA_EXCHANGE_MERGE_TUNE="$mt" JAX_DSA_EXCHANGE_SELECT_TUNE="$st" $PY -m jax_dsa_exchange.build "$@" \
+       --out "$OLDPWD/.cubins" > $d/log 2>&1) || { echo "build [$mt|$st] $* failed: $d/log"; exit 1; }
+  }
+  full "" "" && full "$COMBO_M" "$COMBO_S" || exit 1
+  tunes=$($PY -c 'import sys; sys.path.insert(0, "tools"); import candidates_time as c
+print("\n".join(sorted({f"{mt}|{st}" for _, mt, st, _ in c.VARIANTS})))') || exit 1
+  while IFS='|' read -r mt st; do
+    one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 || exit 1
+  done <<< "$tunes"
+  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,spec=1" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
+  echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
+  exit 0
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=. JAX_DSA_EXCHANGE_CUBIN_DIR=${JAX_DSA_EXCHANGE_CUBIN_DIR:-.cubins}
+export JAX_DSA_EXCHANGE_FFI_LIB=$PWD/build/ffi_lib/libdsa_exchange_ffi.so
+OUT=${OUT:-/tmp/candidates_out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+python3 tools/candidates_time.py --check || exit 3  # (cubins of another source tree: rebuild here)
+rc=0
+echo "== GPU tests with merge [$COMBO_M] select [$COMBO_S]"
+JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout 200 python3 -m pytest -q -p no:cacheprovider \
+  -rfEs tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
+tail -4 "$OUT/tests.log"
+echo "== phase profiles (merge): default, spec=1"
+timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
+timeout 90 python3 tools/phase_profile.py --only merge --merge-tune spec=1 >> "$OUT/prof.log" 2>&1
+grep -E "^== |words in" "$OUT/prof.log" | cut -c1-120
+echo "== timing"
+timeout 330 python3 tools/candidates_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1
+tail -28 "$OUT/time.log"
+exit $rc

@@ -1,20 +1,21 @@
 #!/bin/bash
-# The exact candidate knobs not yet measured on a GPU (kernels/NOTES.md "Twelfth session"):
-# merge spec=1 / rpush=1 / ru1=4 (and r2radix=1), select cid=1 / one=1.  ONE call on the GPU machine
-# tests the combination and times every variant against the default.
-#   build here (CuTe DSL; ~6 min on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
-#       -> .cubins: the default and the combination "spec=1,rpush=1" + "cid=1,one=1" for every test
-#          configuration; each variant of tools/candidates_time.py for W=8 K=2048 N=512; the
-#          prof=1 builds for the phase profile of spec; carry .cubins and build/ffi_lib
+# Exact candidate knobs timed against the default in ONE call on the GPU machine (thirteenth
+# session: merge spec / rpush / ru1 measured and removed, select cid / one adopted; kernels/NOTES.md
+# "Thirteenth session").  What is left to compare: merge r2radix=1, the producer before
+# (select cid=0,one=0), the rescue's breakdown.  Add a candidate to tools/candidates_time.py VARIANTS.
+#   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
+#       -> .cubins: the default and the combination COMBO_M + COMBO_S for every test configuration;
+#          each variant of tools/candidates_time.py for W=8 K=2048 N=512; the prof=1 builds for
+#          the phase profiles; carry .cubins and build/ffi_lib
 #          (FFI library: tools/gpu_integration_run.sh --build with FFI_INCLUDE, jax 0.11 headers)
-#   run there (~5 min):  OUT=dir bash tools/gpu_candidates_run.sh
+#   run there (~2-5 min):  OUT=dir bash tools/gpu_candidates_run.sh
 #       -> 1. the GPU kernel + select tests with the combination (exactness; a failure names
-#             the knob to drop: rerun with one knob)   2. phase profiles, default vs spec=1
+#             the knob to drop: rerun with one knob)   2. phase profiles, default vs COMBO_M
 #          3. tools/candidates_time.py (the table last)
 set -o pipefail
 cd "$(dirname "$0")/.."
-COMBO_M="spec=1,rpush=1"
-COMBO_S="cid=1,one=1"
+COMBO_M="rcache=16384"
+COMBO_S=""
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # (absolute, the venv link kept)
   full() {  # every test configuration, with merge tune $1 and select tune $2
@@ -32,7 +33,7 @@ print("\n".join(sorted({f"{mt}|{st}" for _, mt, st, _ in c.VARIANTS})))') || exi
   while IFS='|' read -r mt st; do
     one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 || exit 1
   done <<< "$tunes"
-  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,spec=1" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
+  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,rcache=16384" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi
@@ -46,9 +47,9 @@ echo "== GPU tests with merge [$COMBO_M] select [$COMBO_S]"
 JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout 200 python3 -m pytest -q -p no:cacheprovider \
   -rfEs tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
 tail -4 "$OUT/tests.log"
-echo "== phase profiles (merge): default, spec=1"
+echo "== phase profiles (merge): default, rcache=16384"
 timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
-timeout 90 python3 tools/phase_profile.py --only merge --merge-tune spec=1 >> "$OUT/prof.log" 2>&1
+timeout 90 python3 tools/phase_profile.py --only merge --merge-tune rcache=16384 >> "$OUT/prof.log" 2>&1
 grep -E "^== |words in" "$OUT/prof.log" | cut -c1-120
 echo "== timing"
 timeout 330 python3 tools/candidates_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1

@@ -85,6 +85,11 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #            (both in cache.MERGE_EXACT_KNOBS: the GPU tests accept them)
 #   r2radix  (exact) round 2 of a rescue by the radix walk (radix_select / emit) instead of the
 #            register fast path: less register pressure on the whole kernel, a slower rescue
+#   rcache=N (exact) the rescue's local select keeps a row of at most N tokens (a multiple of
+#            8) in shared memory, as the producer does (read from HBM once, by bulk copies;
+#            2 N bytes more shared memory): the first rescue of each CTA of a launch only,
+#            so no mbarrier or cache is reused within a launch (a later one reads global
+#            memory in every pass, as without the knob)
 # The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
 # breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
@@ -101,6 +106,9 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     if _k.strip() not in TUNE:
         raise ValueError(f"{TUNE_ENV}: unknown knob {_k.strip()!r} (known: {sorted(TUNE)})")
     TUNE[_k.strip()] = int(_v)
+RCACHE = TUNE["rcache"]  # tokens of the rescue select's shared cache (0: none)
+if RCACHE and (RCACHE % 8 or not 0 < RCACHE <= S.CACHE_MAX):
+    raise ValueError(f"{TUNE_ENV}: rcache={RCACHE}: a multiple of 8 in (0, {S.CACHE_MAX}]")
 # a normal-path skip makes the saturation test meaningless: no rescue then
 NO_RESCUE = any(TUNE[k] for k in ("noload", "nosel", "notie", "noout", "norescue"))
 
@@ -158,7 +166,8 @@ def smem_bytes(topk: int) -> int:
     rw = layout.row_words(topk)
     # the rescue's select (its row is buf), hist, warp_totals, scalars, rcnt, seg
     # (MergeSmem order), fast-path tensors + slack
-    return (S.smem_bytes(rw, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4
+    sel = S.smem_bytes(rw, cached=True, cache_tokens=RCACHE) + 16 if RCACHE else S.smem_bytes(rw, cached=False)
+    return (sel + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4
             + FAST_WORDS * 4 + 7 * 16 + 128)
 
 
@@ -166,7 +175,11 @@ class MergeSmem:
     def __init__(self, rw: int, stage_words: int = 0):
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K: the producer's select on one CTA (its row is buf)
-        self.sel = S.SelectSmem(smem, rw, False)
+        if RCACHE:
+            self.sel = S.SelectSmem(smem, rw, True, RCACHE)
+            self.rflag = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)  # [0]: cache used
+        else:
+            self.sel = S.SelectSmem(smem, rw, False)
         self.buf = self.sel.row
         self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
@@ -237,18 +250,11 @@ class Merge:
         # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
         # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
         self.rescue_u1 = 4 if self.kp1 > BRANCH_FREE_KP else S.U1
-        if TUNE["ru1"]:  # (exact: another count of loads in flight)
-            self.rescue_u1 = TUNE["ru1"]
         # A row without a rescue ends (and the launch after such a last row) before the
         # rescue's code, not after its ~100 KB (W = 8, N = 512: -0.6..-0.9 us, cold instruction
         # fetch); the large configurations keep one end after it (there ptxas then spilled
         # more: W = 16, N = 1024 +3.5 us).
         self.end_first = self.kp1 <= BRANCH_FREE_KP and not TUNE["epijump"]
-        # spec=1 (exact): a row's round-1 LL records are loaded before its epoch is known: the
-        # first row's of both parities together with its epoch and the status word, a later
-        # row's at the end of the row before (its epoch is loaded one row ahead), so round 1
-        # no longer waits for the epoch load and then for the records (two L2 round trips)
-        self.spec = bool(TUNE["spec"]) and self.fast1 and self.kp1 <= PRE_BT_MAX
 
     # ---------------------------------------------------------------- keys
 
@@ -601,20 +607,16 @@ class Merge:
 
     @cute.jit
     def load_r1_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, ll0: Int64,
-                     ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64,
-                     pre=None):
+                     ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64):
         """Round-1 words into registers.  Every 16-byte LL record (a pair of words) of a
         batch, and the mask halves, are loaded before any tag is checked (loads in
         flight together); then only halves whose tag is not ep are spun on (8-byte
         volatile loads).  Mask words: the 32 positions of a half-warp in a pair group
         share one mask word, so lane k < kp loads the one of (group k >> 1, half
-        k & 1) and the warp shuffles it to the lanes that need it.  ``pre`` (spec): the
-        records and mask half as issue_r1 loaded them earlier (one batch), used in place of
-        loads here; their tags are checked the same way."""
+        k & 1) and the warp shuffles it to the lanes that need it."""
         kp = self.kp1
         np_ = kp // 2
         B = min(np_, LOAD_BATCH)
-        assert pre is None or np_ <= LOAD_BATCH, "pre: one batch of records (self.spec: kp1 <= PRE_BT_MAX)"
         d0 = cute.make_rmem_tensor((B,), Uint64)
         d1 = cute.make_rmem_tensor((B,), Uint64)
         good = Uint64(ep) << Uint64(32)  # past the end: an empty word with the right tag
@@ -622,12 +624,9 @@ class Merge:
         mh = good
         vm = warp * Int32(32 * kp) + (lane >> Int32(1)) * Int32(64) + (lane & Int32(1)) * Int32(32)
         if lane < Int32(kp) and vm < Int32(self.nk1):
-            if cutlass.const_expr(pre is not None):
-                mh = pre[2][0]
-            else:
-                q, j = self.owner(vm, False, None)
-                mh = C.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
-                                                         Int32(self.n) + (j >> Int32(5))))  # fmt: skip
+            q, j = self.owner(vm, False, None)
+            mh = C.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
+                                                     Int32(self.n) + (j >> Int32(5))))  # fmt: skip
         hbits = Uint32(0)
         mword = Uint32(0)
         for b0 in cutlass.range_constexpr(0, np_, B):
@@ -637,13 +636,9 @@ class Merge:
                     d0[k] = good
                     d1[k] = good
                     if v < Int32(self.nk1):
-                        if cutlass.const_expr(pre is not None):
-                            d0[k] = pre[0][k]
-                            d1[k] = pre[1][k]
-                        else:
-                            a, c = ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp))
-                            d0[k] = a
-                            d1[k] = c
+                        a, c = ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp))
+                        d0[k] = a
+                        d1[k] = c
             # One test of every tag of the batch; the waits (spin code per half) sit behind one
             # rarely taken branch, not inline after each record: the hot path stays short
             # and straight (cold instruction fetch was a measured stall of this kernel).
@@ -689,24 +684,6 @@ class Merge:
                     hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
                         ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
         hb[0] = hbits
-
-    @cute.jit
-    def issue_r1(self, d0: cute.Tensor, d1: cute.Tensor, mh: cute.Tensor, ll0: Int64,
-                 ll_stride: Int64, lane, warp, pred: Int32):
-        """spec: this lane's round-1 LL records (d0, d1) and mask half (mh[0]) of the row at
-        ``ll0``, loaded where ``pred`` (predicated loads, 0 elsewhere; nothing waits for them
-        here).  The positions past the lists are left 0: load_r1_fast gives them the good tag."""
-        kp = self.kp1
-        vm = warp * Int32(32 * kp) + (lane >> Int32(1)) * Int32(64) + (lane & Int32(1)) * Int32(32)
-        qm, jm = self.owner(vm, False, None)
-        mh[0] = C.ld_volatile_u64_if(self.ll_word_addr(ll0 + Int64(qm) * ll_stride, Int32(self.n) + (jm >> Int32(5))),
-                                     pred & Int32(lane < Int32(kp)) & Int32(vm < Int32(self.nk1)))  # fmt: skip
-        for k in cutlass.range_constexpr(kp // 2):
-            v = self.pair_pos(k, kp, lane, warp)
-            a, c = ld_volatile_v2_u64_if(self.pair_addr(k, v, ll0, ll_stride, lane, warp),
-                                         pred & Int32(v < Int32(self.nk1)))  # fmt: skip
-            d0[k] = a
-            d1[k] = c
 
     @cute.jit
     def fake_r1(self, words: cute.Tensor, hb: cute.Tensor, lane, warp):
@@ -1287,6 +1264,10 @@ class Merge:
             sm_st[tid] = Int32(0)
             if (tid & Int32(3)) == Int32(2):
                 sm_st[tid] = Int32(0xFFFF)
+        if cutlass.const_expr(RCACHE):
+            rflag0 = sm.rflag  # (a tensor local: the DSL carries it through the if)
+            if tid == Int32(0):
+                rflag0[0] = Int32(0)  # this CTA's rescue cache not used yet
         cute.arch.sync_threads()
         self.mk(1)
         rowi = Int32(0)
@@ -1303,28 +1284,6 @@ class Merge:
         # A failed or closed exchange (status set before this launch) does no exchange
         # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
         stw0 = C.ld_volatile_u32(status)
-        # spec: the first row's round-1 records of both parities, in flight with its epoch
-        # (loads of this rank's own buffer before the status word is known: harmless when a
-        # failure refuses the call, NOT after Exchange.close(), which frees the buffer while
-        # CUDA graphs may still replay this kernel: spec must not become the default before
-        # close() keeps the LL buffer alive or the loads get another guard, kernels/NOTES.md)
-        npr = self.kp1 // 2 if self.spec else 1
-        r1a = cute.make_rmem_tensor((npr,), Uint64)
-        r1b = cute.make_rmem_tensor((npr,), Uint64)
-        r1m = cute.make_rmem_tensor((1,), Uint64)
-        # (and its request id, which the block-table prefetch waits for, so that it does not
-        # wait behind the parity choice below; later rows: loaded at the end of the row before;
-        # the rescue sequence word is off that path)
-        req_n = Int32(0)
-        if cutlass.const_expr(self.spec):
-            q0a = cute.make_rmem_tensor((npr,), Uint64)
-            q0b = cute.make_rmem_tensor((npr,), Uint64)
-            q0m = cute.make_rmem_tensor((1,), Uint64)
-            llt = local + Int64(t) * Int64(self.ll_row_bytes)
-            self.issue_r1(q0a, q0b, q0m, llt, ll_stride, lane, warp, Int32(t < rows))
-            self.issue_r1(r1a, r1b, r1m, llt + Int64(W) * ll_stride, ll_stride, lane, warp,
-                          Int32(t < rows))  # fmt: skip
-            req_n = C.ld_u32_if(req_id + Int64(t) * Int64(4), Int32(t < rows))
         # page_of's multiplier: one 64-bit division per launch, while the loads above are in
         # flight (block_size < 1 never reaches a lookup: req_ok is 0 then)
         self.pdiv = (Uint64(1) << Uint64(PAGE_SHIFT)) // Uint64(cutlass.max(block_size, Int32(1))) + Uint64(1)
@@ -1333,13 +1292,6 @@ class Merge:
             while t < rows:
                 self.empty_row(t, tid, kv_rows, counts, ids, saturated)
                 t = t + Int32(nblk)
-        if cutlass.const_expr(self.spec):
-            # the first row's parity, now that its epoch is here (r1*: parity 1, q0*: parity 0)
-            if ((epn + Int32(1)) & Int32(1)) == Int32(0):
-                for k in cutlass.range_constexpr(npr):
-                    r1a[k] = q0a[k]
-                    r1b[k] = q0b[k]
-                r1m[0] = q0m[0]
         while t < rows:
             ep = epn + Int32(1)
             seq = C.ld_u32(C.state_seq(state, max_rows, t))
@@ -1347,9 +1299,7 @@ class Merge:
             ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)
             # rescue row [t, 0] (layout.rescue_row_offset with slot 0)
             resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rescue_row_bytes)
-            req = req_n
-            if cutlass.const_expr(not self.spec):
-                req = C.ld_u32(req_id + Int64(t) * Int64(4))
+            req = C.ld_u32(req_id + Int64(t) * Int64(4))
             req_ok = Int32(0)
             bt_row = block_table
             if req >= Int32(0) and req < bt_rows and block_size > Int32(0):
@@ -1369,8 +1319,7 @@ class Merge:
                 if cutlass.const_expr(TUNE["noload"]):
                     self.fake_r1(words, hb, lane, warp)
                 else:
-                    self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns,
-                                      (r1a, r1b, r1m) if self.spec else None)  # fmt: skip
+                    self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
                 self.mk(2)
                 if cutlass.const_expr(TUNE["nobt"]):
                     for i in cutlass.range_constexpr(self.kp1 if self.pre_bt else 1):
@@ -1449,14 +1398,6 @@ class Merge:
                         C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
                     epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nblk, rows, state, max_rows,
                                                     saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
-            if cutlass.const_expr(self.spec):
-                # the next row's records, while this row's end drains (its epoch: epn, loaded
-                # by row_epilogue)
-                tn = t + Int32(nblk)
-                lln = (local + Int64((epn + Int32(1)) & Int32(1)) * Int64(W) * ll_stride
-                       + Int64(tn) * Int64(self.ll_row_bytes))  # fmt: skip
-                self.issue_r1(r1a, r1b, r1m, lln, ll_stride, lane, warp, Int32(tn < rows))
-                req_n = C.ld_u32_if(req_id + Int64(tn) * Int64(4), Int32(tn < rows))
             t = t + Int32(nblk)
             rowi = rowi + Int32(1)
         if finished == Int32(0):
@@ -1597,6 +1538,7 @@ class Merge:
                keys: cute.Tensor, words: cute.Tensor, hb: cute.Tensor, slot2: Int32):  # fmt: skip
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         sel = sm.sel.parts()
+        rflag = sm.rflag if RCACHE else None
         W = self.world
         flag_val = seq + Int32(1)
         if ((mask >> rank) & Int32(1)) != Int32(0):
@@ -1605,32 +1547,25 @@ class Merge:
             C.pdl_wait()
             end = row_end(row_ends, t, cols)
             if cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
-                S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
-                             sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
-                             self.rescue_u1)  # fmt: skip
+                if cutlass.const_expr(RCACHE):
+                    # the cache (and its mbarriers) at most once per launch: a row longer
+                    # than RCACHE, or this CTA's later rescues, take select_row's global path
+                    cap = Int32(0)
+                    if rflag[0] == Int32(0):
+                        cap = Int32(RCACHE)
+                    S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
+                                 sel, tid, lane, warp, Int32(1), Int32(0), False, True, cap,
+                                 self.rescue_u1)  # fmt: skip
+                    if tid == Int32(0):  # (every thread read the flag before select_row's barriers)
+                        rflag[0] = Int32(1)
+                else:
+                    S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
+                                 sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
+                                 self.rescue_u1)  # fmt: skip
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
             off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
             if cutlass.const_expr(TUNE["rnopush"]):
                 pass  # timing only: the K-list is not stored
-            elif cutlass.const_expr(TUNE["rpush"]):
-                # rpush=1 (exact): the W peers' addresses loaded at once (lane p of every warp),
-                # shuffled (the loop below loads each peer's address after the stores to the
-                # one before: W round trips); (the branch is uniform: mask is)
-                pq = Int64(0)
-                if lane < Int32(W):
-                    pq = Int64(C.ld_u64(peers + Int64(lane) * Int64(8)))
-                pa_lo = Int32(pq & Int64(0xFFFFFFFF))
-                pa_hi = Int32(pq >> Int64(32))
-                nv = self.rw_k // 4
-                for p in cutlass.range_constexpr(W):
-                    lo = cute.arch.shuffle_sync(pa_lo, Int32(p))
-                    hi = cute.arch.shuffle_sync(pa_hi, Int32(p))
-                    dst = ((Int64(hi) << Int64(32)) | (Int64(lo) & Int64(0xFFFFFFFF))) + off
-                    for j in cutlass.range_constexpr(-(-nv // C.TB)):
-                        i = tid + Int32(j * C.TB)
-                        if i < Int32(nv):
-                            C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
-                                    sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
             else:
                 for p in cutlass.range(W, unroll=1):
                     dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off

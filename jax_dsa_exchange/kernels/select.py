@@ -118,17 +118,19 @@ BIG_RATIO = 8
 # (select_row ``own_part``); 0: every CTA writes into CTA 0's row through DSMEM, a third
 # cluster barrier, then CTA 0 pushes the whole row ("own=0": the seventh session's way)
 OWN = 1
-# "cid=1" (exact, not measured yet): select_push's row from %clusterid.x instead of a signed
+# CID (exact; "cid=0" the old way): select_push's row from %clusterid.x instead of a signed
 # division of the block index by the cluster size, and the slice length by an unsigned
 # division (both ran on the path from the kernel's start to its first loads / bulk copies:
 # ~30 and ~25 dependent instructions in the SASS)
-CID = 0
-# "one=1" (exact, not measured yet): a one-CTA cluster (csize == 1, uniform) takes block
+CID = 1
+# ONE (exact; "one=0" the old way): a one-CTA cluster (csize == 1, uniform) takes block
 # barriers for cluster barriers 1 and 2 and its own shared memory for the DSMEM loads, and
 # skips the own-part arrival / wait (a cluster barrier is a fence + arrive + wait in SASS; at
 # C = 1, the rows of R >= 64 or L <= 8K, that is 2 of them and the DSMEM loads of its own
-# histograms); the end barrier after DSMEM stores (csync_end, rows of N > 2048) stays
-ONE = 0
+# histograms); the end barrier after DSMEM stores (csync_end, rows of N > 2048) stays.
+# Both measured together on one H200 (thirteenth session, kernels/NOTES.md): -0.3..-0.6 us
+# by events on the C = 1 shapes, -0.1..-0.3 on clustered ones, no shape slower.
+ONE = 1
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -158,22 +160,24 @@ MASK_WORDS = layout.MAX_LOCAL_LEN // 32
 NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
 
 
-def smem_words(rw: int, cached: bool) -> int:
+def smem_words(rw: int, cached: bool, cache_tokens: int = CACHE_MAX) -> int:
     """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts;
     the cache last, so a launch with a smaller cache needs that much less)."""
     parts = [NB1, NB2, NB2, 16, 32, 2 * NWARPS, rw, MASK_WORDS, 2 * NCHUNK if cached else 4,
-             CACHE_MAX // 2 if cached else 4]
+             cache_tokens // 2 if cached else 4]
     return sum(-(-p // 4) * 4 for p in parts)
 
 
-def smem_bytes(rw: int, cached: bool) -> int:
-    return smem_words(rw, cached) * 4 + 128  # + allocator alignment slack
+def smem_bytes(rw: int, cached: bool, cache_tokens: int = CACHE_MAX) -> int:
+    return smem_words(rw, cached, cache_tokens) * 4 + 128  # + allocator alignment slack
 
 
 class SelectSmem:
     """The select's shared arrays, allocated from ``smem`` (a SmemAllocator)."""
 
-    def __init__(self, smem, rw: int, cached: bool):
+    def __init__(self, smem, rw: int, cached: bool, cache_tokens: int = CACHE_MAX):
+        assert cache_tokens % 8 == 0 and 0 < cache_tokens <= CACHE_MAX, cache_tokens
+
         def arr(n):
             return smem.allocate_tensor(Int32, cute.make_layout((n,)), 16)
 
@@ -189,7 +193,7 @@ class SelectSmem:
         # the bulk copies' mbarriers (8 bytes each), one per TB vectors of the cache
         self.mbar = arr(2 * NCHUNK if cached else 4)
         # ord16 pairs of the slice, last: a launch's shared memory holds cache_tokens of them
-        self.cache = arr(CACHE_MAX // 2 if cached else 4)
+        self.cache = arr(cache_tokens // 2 if cached else 4)
 
     def parts(self):
         return (self.cache, self.hist1, self.hist2, self.gsum2, self.pub, self.scal, self.wt,

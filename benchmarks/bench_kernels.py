@@ -100,7 +100,7 @@ def merge_only(cp, a):
             print(f"N={n}: skipped (W*N = {a.world * n} <= K = {a.topk}: every row is rescued; "
                   f"the merge alone is timed only without a rescue)", flush=True)
             continue
-        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern)
+        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern, spacer_mb=a.spacer_mb)
         print(f"N={n} (inputs: {a.pattern}): loaded {b.sim.loaded_from}", flush=True)
         t0 = time.perf_counter()  # warm-up: the GPU busy for ~0.5 s before timing (clocks ramp)
         while time.perf_counter() - t0 < 0.5:
@@ -127,7 +127,7 @@ def merge_only(cp, a):
         del b
     if not a.no_rescue:
         try:
-            bk = Bench(cp, a.world, a.topk, a.topk, max(a.rows))
+            bk = Bench(cp, a.world, a.topk, a.topk, max(a.rows), spacer_mb=a.spacer_mb)
             for r in res:
                 # the local top-K of the same rows the forced rescue selects from (rank 0's
                 # logits + 100, as in time_merge): issue #12 compares the rescue with it
@@ -221,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--pattern", default="random", help="input scores: random | recent (kernels.timing.PATTERNS)")
     ap.add_argument("--merge-only", action="store_true",
                     help="merge alone vs top-k of 64-bit keys (torch, jax); rescue vs local top-K")
+    ap.add_argument("--spacer-mb", type=int, default=256,
+                    help="the memset before each timed launch (MB): 256 leaves the L2 cold; 1 keeps it warm")
     a = ap.parse_args(argv)
     import cupy as cp
 
@@ -268,7 +270,7 @@ def main(argv=None):
         return base_cache[key]
 
     for n in a.n:
-        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern)
+        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern, spacer_mb=a.spacer_mb)
         print(f"N={n} (inputs: {a.pattern}): loaded {b.sim.loaded_from}, smem {[i.smem for i in b.sim.images.values()]}",
               flush=True)  # fmt: skip
         for R in a.rows:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Exact candidate knobs timed against the default in ONE call on the GPU machine (thirteenth
-# session: merge spec / rpush / ru1 measured and removed, select cid / one adopted; kernels/NOTES.md
+# session: merge spec / rpush / ru1 / rcache measured and removed, select cid / one adopted; kernels/NOTES.md
 # "Thirteenth session").  What is left to compare: merge r2radix=1, the producer before
 # (select cid=0,one=0), the rescue's breakdown.  Add a candidate to tools/candidates_time.py VARIANTS.
 #   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
@@ -14,7 +14,7 @@
 #          3. tools/candidates_time.py (the table last)
 set -o pipefail
 cd "$(dirname "$0")/.."
-COMBO_M="rcache=16384"
+COMBO_M="r2radix=1"
 COMBO_S=""
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # (absolute, the venv link kept)
@@ -33,7 +33,7 @@ print("\n".join(sorted({f"{mt}|{st}" for _, mt, st, _ in c.VARIANTS})))') || exi
   while IFS='|' read -r mt st; do
     one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 || exit 1
   done <<< "$tunes"
-  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,rcache=16384" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
+  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,r2radix=1" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi
@@ -47,9 +47,9 @@ echo "== GPU tests with merge [$COMBO_M] select [$COMBO_S]"
 JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout 200 python3 -m pytest -q -p no:cacheprovider \
   -rfEs tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
 tail -4 "$OUT/tests.log"
-echo "== phase profiles (merge): default, rcache=16384"
+echo "== phase profiles (merge): default, r2radix=1"
 timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
-timeout 90 python3 tools/phase_profile.py --only merge --merge-tune rcache=16384 >> "$OUT/prof.log" 2>&1
+timeout 90 python3 tools/phase_profile.py --only merge --merge-tune r2radix=1 >> "$OUT/prof.log" 2>&1
 grep -E "^== |words in" "$OUT/prof.log" | cut -c1-120
 echo "== timing"
 timeout 330 python3 tools/candidates_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1

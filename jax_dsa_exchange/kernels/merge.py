@@ -85,11 +85,6 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #            (both in cache.MERGE_EXACT_KNOBS: the GPU tests accept them)
 #   r2radix  (exact) round 2 of a rescue by the radix walk (radix_select / emit) instead of the
 #            register fast path: less register pressure on the whole kernel, a slower rescue
-#   rcache=N (exact) the rescue's local select keeps a row of at most N tokens (a multiple of
-#            8) in shared memory, as the producer does (read from HBM once, by bulk copies;
-#            2 N bytes more shared memory): the first rescue of each CTA of a launch only,
-#            so no mbarrier or cache is reused within a launch (a later one reads global
-#            memory in every pass, as without the knob)
 # The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
 # breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
@@ -106,9 +101,6 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     if _k.strip() not in TUNE:
         raise ValueError(f"{TUNE_ENV}: unknown knob {_k.strip()!r} (known: {sorted(TUNE)})")
     TUNE[_k.strip()] = int(_v)
-RCACHE = TUNE["rcache"]  # tokens of the rescue select's shared cache (0: none)
-if RCACHE and (RCACHE % 8 or not 0 < RCACHE <= S.CACHE_MAX):
-    raise ValueError(f"{TUNE_ENV}: rcache={RCACHE}: a multiple of 8 in (0, {S.CACHE_MAX}]")
 # a normal-path skip makes the saturation test meaningless: no rescue then
 NO_RESCUE = any(TUNE[k] for k in ("noload", "nosel", "notie", "noout", "norescue"))
 
@@ -166,8 +158,7 @@ def smem_bytes(topk: int) -> int:
     rw = layout.row_words(topk)
     # the rescue's select (its row is buf), hist, warp_totals, scalars, rcnt, seg
     # (MergeSmem order), fast-path tensors + slack
-    sel = S.smem_bytes(rw, cached=True, cache_tokens=RCACHE) + 16 if RCACHE else S.smem_bytes(rw, cached=False)
-    return (sel + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4
+    return (S.smem_bytes(rw, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4
             + FAST_WORDS * 4 + 7 * 16 + 128)
 
 
@@ -175,11 +166,7 @@ class MergeSmem:
     def __init__(self, rw: int, stage_words: int = 0):
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K: the producer's select on one CTA (its row is buf)
-        if RCACHE:
-            self.sel = S.SelectSmem(smem, rw, True, RCACHE)
-            self.rflag = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)  # [0]: cache used
-        else:
-            self.sel = S.SelectSmem(smem, rw, False)
+        self.sel = S.SelectSmem(smem, rw, False)
         self.buf = self.sel.row
         self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
@@ -1264,10 +1251,6 @@ class Merge:
             sm_st[tid] = Int32(0)
             if (tid & Int32(3)) == Int32(2):
                 sm_st[tid] = Int32(0xFFFF)
-        if cutlass.const_expr(RCACHE):
-            rflag0 = sm.rflag  # (a tensor local: the DSL carries it through the if)
-            if tid == Int32(0):
-                rflag0[0] = Int32(0)  # this CTA's rescue cache not used yet
         cute.arch.sync_threads()
         self.mk(1)
         rowi = Int32(0)
@@ -1538,7 +1521,6 @@ class Merge:
                keys: cute.Tensor, words: cute.Tensor, hb: cute.Tensor, slot2: Int32):  # fmt: skip
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         sel = sm.sel.parts()
-        rflag = sm.rflag if RCACHE else None
         W = self.world
         flag_val = seq + Int32(1)
         if ((mask >> rank) & Int32(1)) != Int32(0):
@@ -1547,21 +1529,9 @@ class Merge:
             C.pdl_wait()
             end = row_end(row_ends, t, cols)
             if cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
-                if cutlass.const_expr(RCACHE):
-                    # the cache (and its mbarriers) at most once per launch: a row longer
-                    # than RCACHE, or this CTA's later rescues, take select_row's global path
-                    cap = Int32(0)
-                    if rflag[0] == Int32(0):
-                        cap = Int32(RCACHE)
-                    S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
-                                 sel, tid, lane, warp, Int32(1), Int32(0), False, True, cap,
-                                 self.rescue_u1)  # fmt: skip
-                    if tid == Int32(0):  # (every thread read the flag before select_row's barriers)
-                        rflag[0] = Int32(1)
-                else:
-                    S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
-                                 sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
-                                 self.rescue_u1)  # fmt: skip
+                S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
+                             sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
+                             self.rescue_u1)  # fmt: skip
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
             off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
             if cutlass.const_expr(TUNE["rnopush"]):

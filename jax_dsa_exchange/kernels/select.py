@@ -160,24 +160,22 @@ MASK_WORDS = layout.MAX_LOCAL_LEN // 32
 NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
 
 
-def smem_words(rw: int, cached: bool, cache_tokens: int = CACHE_MAX) -> int:
+def smem_words(rw: int, cached: bool) -> int:
     """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts;
     the cache last, so a launch with a smaller cache needs that much less)."""
     parts = [NB1, NB2, NB2, 16, 32, 2 * NWARPS, rw, MASK_WORDS, 2 * NCHUNK if cached else 4,
-             cache_tokens // 2 if cached else 4]
+             CACHE_MAX // 2 if cached else 4]
     return sum(-(-p // 4) * 4 for p in parts)
 
 
-def smem_bytes(rw: int, cached: bool, cache_tokens: int = CACHE_MAX) -> int:
-    return smem_words(rw, cached, cache_tokens) * 4 + 128  # + allocator alignment slack
+def smem_bytes(rw: int, cached: bool) -> int:
+    return smem_words(rw, cached) * 4 + 128  # + allocator alignment slack
 
 
 class SelectSmem:
     """The select's shared arrays, allocated from ``smem`` (a SmemAllocator)."""
 
-    def __init__(self, smem, rw: int, cached: bool, cache_tokens: int = CACHE_MAX):
-        assert cache_tokens % 8 == 0 and 0 < cache_tokens <= CACHE_MAX, cache_tokens
-
+    def __init__(self, smem, rw: int, cached: bool):
         def arr(n):
             return smem.allocate_tensor(Int32, cute.make_layout((n,)), 16)
 
@@ -193,7 +191,7 @@ class SelectSmem:
         # the bulk copies' mbarriers (8 bytes each), one per TB vectors of the cache
         self.mbar = arr(2 * NCHUNK if cached else 4)
         # ord16 pairs of the slice, last: a launch's shared memory holds cache_tokens of them
-        self.cache = arr(cache_tokens // 2 if cached else 4)
+        self.cache = arr(CACHE_MAX // 2 if cached else 4)
 
     def parts(self):
         return (self.cache, self.hist1, self.hist2, self.gsum2, self.pub, self.scal, self.wt,

@@ -56,7 +56,7 @@ class KernelTimer:
     """Device time of rank 0's select+push and merge, W ranks simulated in one process
     (testing.sim), CUDA events, inputs rotating over several sets."""
 
-    def __init__(self, cp, world, topk, n, max_rows, pattern="random"):
+    def __init__(self, cp, world, topk, n, max_rows, pattern="random", spacer_mb=256):
         from ..testing.sim import Sim
 
         if pattern not in PATTERNS:
@@ -64,7 +64,10 @@ class KernelTimer:
         self.pattern = pattern
         self.cp = cp
         self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world)
-        self.spacer = cp.empty(256 << 20, cp.uint8)
+        # the memset before each timed launch: keeps the stream busy while the host enqueues,
+        # and at 256 MB (> the 50 MB L2) leaves the L2 cold, code included (spacer_mb=1:
+        # L2 warm, the events then include some enqueue time; the CUPTI durations do not)
+        self.spacer = cp.empty(max(1, int(spacer_mb)) << 20, cp.uint8)
         self.world, self.topk, self.n = world, topk, n
 
     def inputs(self, R, L, nsets, rescue, seed):
@@ -95,10 +98,13 @@ class KernelTimer:
         cp.cuda.Device().synchronize()
         return sets
 
-    def run(self, R, L, rescue, iters=12, warm=3, seed=0, cluster=None, merge=True):
+    def run(self, R, L, rescue, iters=12, warm=3, seed=0, cluster=None, merge=True, code_warm=False):
         """Median select+push and merge times (us) of rank 0; ``cluster`` forces
         select_push's CTAs per row (None: the launcher's policy); ``merge=False``
-        times the producer only (the merge time is then nan).  Also sets
+        times the producer only (the merge time is then nan).  ``code_warm`` (with
+        ``merge=False``): after the spacer, rank 1's producer runs once more on its own
+        stream (its inputs, not rank 0's), so rank 0's launch finds its code in L2 but its
+        logits cold (read its CUPTI duration: the events then include enqueue time).  Also sets
         ``last_producer_kernel_us``: the median of rank 0's select_push kernel's own duration
         (CUPTI, :class:`KernelClock`; nan without PyTorch)."""
         cp, sim, W = self.cp, self.sim, self.world
@@ -115,8 +121,16 @@ class KernelTimer:
                 sim.launch_rank(q, d[q], R, L, 64, merge=False, cluster=cluster)
             cp.cuda.Device().synchronize()
             e0, e1 = _events(cp)
+            if code_warm:
+                assert not merge, "code_warm times the producer alone"
+                with s0:
+                    self.spacer.fill(it & 0xFF)
+                cp.cuda.Device().synchronize()
+                sim.launch_rank(1 % W, d[1 % W], R, L, 64, merge=False, cluster=cluster)
+                cp.cuda.Device().synchronize()
             with s0:
-                self.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
+                if not code_warm:
+                    self.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
                 e0.record(s0)
                 sim.launch_rank(0, d[0], R, L, 64, merge=False, cluster=cluster)
                 e1.record(s0)
@@ -141,7 +155,8 @@ class KernelTimer:
                 tm.append(cp.cuda.get_elapsed_time(e2, e3) * 1e3)
         clock.__exit__(None, None, None)
         # per iteration the other ranks' producers ran first, then rank 0's alone
-        ks = [d for i, (_, d) in enumerate(clock.starts_and_durations("kernelsselect_push")) if i % W == W - 1]
+        per = W + 1 if code_warm else W  # (code_warm: rank 1's extra launch before rank 0's)
+        ks = [d for i, (_, d) in enumerate(clock.starts_and_durations("kernelsselect_push")) if i % per == per - 1]
         self.last_producer_kernel_us = statistics.median(ks) if len(ks) == iters else float("nan")
         if not merge:
             del sets

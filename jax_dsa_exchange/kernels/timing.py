@@ -108,6 +108,8 @@ class KernelTimer:
         ``last_producer_kernel_us``: the median of rank 0's select_push kernel's own duration
         (CUPTI, :class:`KernelClock`; nan without PyTorch)."""
         cp, sim, W = self.cp, self.sim, self.world
+        if code_warm and (merge or W < 2):
+            raise ValueError(f"code_warm times the producer alone (merge=False) of W >= 2 ranks: merge={merge}, W={W}")
         clock = KernelClock()
         nsets = 2 if R * L * W * 2 > (1 << 29) else 4
         sets = self.inputs(R, L, nsets, rescue, seed)
@@ -122,11 +124,10 @@ class KernelTimer:
             cp.cuda.Device().synchronize()
             e0, e1 = _events(cp)
             if code_warm:
-                assert not merge, "code_warm times the producer alone"
                 with s0:
                     self.spacer.fill(it & 0xFF)
                 cp.cuda.Device().synchronize()
-                sim.launch_rank(1 % W, d[1 % W], R, L, 64, merge=False, cluster=cluster)
+                sim.launch_rank(1, d[1], R, L, 64, merge=False, cluster=cluster)
                 cp.cuda.Device().synchronize()
             with s0:
                 if not code_warm:

@@ -25,15 +25,10 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # (name, merge tune, select tune, what to time): "m" merge normal path, "r" forced rescue,
 # "R" forced rescue also at L = 128K, "p" the producer
 VARIANTS = [
-    ("default", "", "", "mrRp"),
-    ("r2radix", "r2radix=1", "", "mrR"),  # measured (thirteenth session): -0.2..-0.9 normal, +4 rescue
-    ("sel_old", "", "cid=0,one=0", "p"),  # the producer before the thirteenth session
-    ("norescue", "norescue=1", "", "m"),  # timing only: the normal path without the rescue's code
-    ("rnosel", "rnosel=1", "", "r"),  # timing only, the rescue's breakdown: no local select
-    ("rnopush", "rnopush=1", "", "r"),  # no K-list push
-    ("rnoflag", "rnoflag=1", "", "r"),  # no fence, flags, wait
-    ("rnor2", "rnor2=1", "", "r"),  # no round 2
-    ("default#2", "", "", "mrp"),
+    ("default", "", "", "mrR"),  # round 2 rolled (r2roll=1, the default since the fourteenth session)
+    ("r2roll0", "r2roll=0", "", "mr"),  # round 2 in registers (before the fourteenth session)
+    ("rnor2", "rnor2=1", "", "r"),  # timing only: no round 2
+    ("default#2", "", "", "mr"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others
 PRODUCER_SHAPES = [(1, 8192), (64, 8192), (256, 32768), (1, 131072), (16, 131072), (64, 131072),

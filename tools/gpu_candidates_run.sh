@@ -14,7 +14,7 @@
 #          3. tools/candidates_time.py (the table last)
 set -o pipefail
 cd "$(dirname "$0")/.."
-COMBO_M="r2radix=1"
+COMBO_M="r2roll=0"
 COMBO_S=""
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # (absolute, the venv link kept)
@@ -33,7 +33,7 @@ print("\n".join(sorted({f"{mt}|{st}" for _, mt, st, _ in c.VARIANTS})))') || exi
   while IFS='|' read -r mt st; do
     one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 || exit 1
   done <<< "$tunes"
-  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,r2radix=1" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
+  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,r2roll=0" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi
@@ -47,10 +47,20 @@ echo "== GPU tests with merge [$COMBO_M] select [$COMBO_S]"
 JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout 200 python3 -m pytest -q -p no:cacheprovider \
   -rfEs tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
 tail -4 "$OUT/tests.log"
-echo "== phase profiles (merge): default, r2radix=1"
-timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
-timeout 90 python3 tools/phase_profile.py --only merge --merge-tune r2radix=1 >> "$OUT/prof.log" 2>&1
-grep -E "^== |words in" "$OUT/prof.log" | cut -c1-120
+echo "== memcheck: the rescue tests with merge [$COMBO_M]"
+JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
+  -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "rescue or large_configs or adversarial" > "$OUT/memcheck.log" 2>&1 || rc=1
+grep -E "ERROR SUMMARY|passed|failed|Invalid" "$OUT/memcheck.log" | tail -4
+echo "== racecheck (shared memory): the tie-heavy rescue at W = 8, N = 512, merge [$COMBO_M]"
+JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M timeout ${RACE_TIMEOUT:-90} compute-sanitizer --tool racecheck --print-limit 20 python3 -m pytest -q \
+  -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "rescue_tie_heavy and 8-2048-512" > "$OUT/racecheck.log" 2>&1 || rc=1
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" "$OUT/racecheck.log" | tail -4
+if [ -z "$NO_PROF" ]; then  # (NO_PROF=1: leave the phase profiles out, ~2 min)
+  echo "== phase profiles (merge): default, $COMBO_M"
+  timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
+  timeout 90 python3 tools/phase_profile.py --only merge --merge-tune $COMBO_M >> "$OUT/prof.log" 2>&1
+  grep -E "^== |words in" "$OUT/prof.log" | cut -c1-120
+fi
 echo "== timing"
 timeout 330 python3 tools/candidates_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1
 tail -28 "$OUT/time.log"

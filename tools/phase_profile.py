@@ -13,7 +13,7 @@
   a merge variant (built with JAX_DSA_EXCHANGE_MERGE_TUNE=prof=1,TUNE), e.g. the normal path
   without the rescue's code:  ... tools/phase_profile.py --only merge --merge-tune norescue=1
 
-The merge stores CTA 0's marks over ids[0, K-16:] (its last row); select_push stores each
+The merge stores CTA 0's marks over ids[0, K-N_MARKS:] (its last row); select_push stores each
 CTA's marks of row 0 over the rescue sequence words of rows max_rows - 128 .. (unused here).  Printed: the median over iterations of each mark minus mark 0 (cycles, and us at
 the clock given), next to the kernel's CUPTI duration.  Outputs of these builds are wrong
 (never tested); the marks perturb the schedule a little (each is an S2R of the clock).
@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 
 from jax_dsa_exchange import layout  # noqa: E402
+from jax_dsa_exchange.kernels.abi import MERGE_PROF_MARKS as N_MARKS  # noqa: E402
 from jax_dsa_exchange.kernels.timing import KernelClock, KernelTimer  # noqa: E402
 
 MERGE_MARKS = {
@@ -53,6 +54,12 @@ MERGE_MARKS = {
     9: "output stores issued", 10: "outputs barrier", 11: "saturation", 12: "rescue done",
     13: "pdl_wait", 14: "epoch stored", 15: "end",
 }
+# a forced rescue's row: marks 2-10 are its round 2's (merge.round2_rolled), after 11 and 12
+MERGE_MARKS_RESCUE = {**MERGE_MARKS, **{
+    2: "r2: select + push + flags waited", 3: "r2: copies in (cp.async)", 4: "r2: stats barrier",
+    5: "r2: score histogram + find", 6: "r2: second histogram", 7: "r2: tie-break",
+    8: "r2: selection + warp totals", 9: "r2: output stores issued", 10: "r2: outputs barrier",
+    16: "rescue: local select done", 17: "rescue: K-list pushed (barrier)", 18: "rescue: flags waited"}}
 SELECT_MARKS = {
     1: "zeroing barrier", 2: "pass 1", 3: "cluster barrier 1", 4: "DSMEM sums + scan",
     5: "pass 2", 6: "hist2 walk", 7: "cluster barrier 2", 14: "boundary + refine (big)",
@@ -67,15 +74,19 @@ def deltas(m):
 
 
 def show(title, names, rows, ghz, kernel_us):
+    """The marks in the order of their median time (a rescue's round 2 runs after mark 11)."""
     print(f"\n== {title}  (kernel {kernel_us:.2f} us CUPTI; us at {ghz} GHz; median of {len(rows)})")
-    prev = 0
+    med = {}
     for i, name in names.items():
         vals = [r[i] for r in rows if r[i] is not None]
         if not vals:
-            print(f"  {i:2d} {name:28s}        -")
+            print(f"  {i:2d} {name:32s}        -")
             continue
-        c = statistics.median(vals)
-        print(f"  {i:2d} {name:28s} {c:8.0f} cyc {c / ghz / 1e3:7.2f} us  (+{(c - prev) / ghz / 1e3:5.2f})")
+        med[i] = statistics.median(vals)
+    prev = 0
+    for i in sorted(med, key=med.get):
+        c = med[i]
+        print(f"  {i:2d} {names[i]:32s} {c:8.0f} cyc {c / ghz / 1e3:7.2f} us  (+{(c - prev) / ghz / 1e3:5.2f})")
         prev = c
 
 
@@ -96,7 +107,7 @@ def merge_profile(cp, W, K, N, R, L, rescue, iters, ghz):
         cp.cuda.Device().synchronize()
         sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=max(1, min(R, 64)))
         sim.streams[0].synchronize()
-        m = d[0]["ids"][0, K - 16:].get()
+        m = d[0]["ids"][0, K - N_MARKS:].get()
         for q in range(1, W):
             sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
         cp.cuda.Device().synchronize()
@@ -104,7 +115,8 @@ def merge_profile(cp, W, K, N, R, L, rescue, iters, ghz):
             rows.append(deltas(m))
     clock.__exit__(None, None, None)
     ks = [dd for i, (_, dd) in enumerate(clock.starts_and_durations("kernelsmerge")) if i % W == 0]
-    show(f"merge W={W} K={K} N={N} R={R}{' forced rescue' if rescue else ''}", MERGE_MARKS, rows, ghz,
+    show(f"merge W={W} K={K} N={N} R={R}{' forced rescue' if rescue else ''}",
+         MERGE_MARKS_RESCUE if rescue else MERGE_MARKS, rows, ghz,
          statistics.median(ks) if ks else float("nan"))
     del b, sets
 

@@ -91,3 +91,7 @@ MERGE = KernelABI("merge", _params(
     "block_size:i32 rank:i32:0 max_rows:i32 rescue_off:i64 flags_off:i64 timeout_us:i32 host_status:i64"))
 
 KERNELS = {k.kernel: k for k in (SELECT_PUSH, MERGE)}
+
+# Timing-only builds (``prof=1``): the merge's clock marks of thread 0 over ids[0, K - this:]
+# (kernels/merge.py, tools/phase_profile.py)
+MERGE_PROF_MARKS = 20

@@ -61,9 +61,10 @@ GRID_DOC = {
 
 
 def cubin_resources(cubin: bytes) -> dict:
-    """{"registers", "frame_bytes"} of the (one) kernel of a cubin, from its ELF ``.nv.info``
-    attributes (EIATTR_REGCOUNT 0x2f, EIATTR_FRAME_SIZE 0x11): what ``ptxas -v`` prints as
-    registers and stack frame, readable without a toolkit (tests/test_kernels_compile.py)."""
+    """{"registers", "frame_bytes", "text_bytes"} of the (one) kernel of a cubin, from its ELF
+    ``.nv.info`` attributes (EIATTR_REGCOUNT 0x2f, EIATTR_FRAME_SIZE 0x11: what ``ptxas -v``
+    prints as registers and stack frame) and the size of its ``.text.`` section (its SASS),
+    readable without a toolkit (tests/test_kernels_compile.py)."""
     import struct
 
     if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
@@ -79,7 +80,10 @@ def cubin_resources(cubin: bytes) -> dict:
     for i in range(shnum):
         h = header(i)
         start = names[4] + h[0]
-        if cubin[start:cubin.index(b"\0", start)] != b".nv.info":
+        name = cubin[start:cubin.index(b"\0", start)]
+        if name.startswith(b".text."):
+            out["text_bytes"] = h[5]
+        if name != b".nv.info":
             continue
         data, j = cubin[h[4]:h[4] + h[5]], 0
         while j + 4 <= len(data):
@@ -143,7 +147,7 @@ def source_hash(files=SOURCE_FILES) -> str:
 # JAX_DSA_EXCHANGE_MERGE_TUNE knobs that change the merge's code layout only (kernels/merge.py):
 # their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
 # timing-only (merge.TIMING_ONLY)
-MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix")
+MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll")
 
 
 def tune_exact() -> bool:

@@ -272,8 +272,9 @@ class Marks:
 
     N = 16
 
-    def __init__(self, on: bool):
+    def __init__(self, on: bool, n: int = N):
         self.on = bool(on)
+        self.N = int(n)  # (a multiple of 4: stored as 16-byte vectors)
         self.t = cute.make_rmem_tensor((self.N,), Int32) if self.on else None
         if self.on:
             for i in range(self.N):

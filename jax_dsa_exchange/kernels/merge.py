@@ -58,6 +58,13 @@ BRANCH_FREE_KP = 18
 # over a shared-memory copy of the words: ncu found that configuration waiting on instruction
 # fetch 53% of the time (105 KB of distinct SASS per row, the unrolled per-word code).
 ROLL_KP = 18
+# r2roll: round-2 pair groups (8 bytes) per thread held by the rescue select's hist1 and mask
+# (free in round 2), and the most held by the merge's own stage2 (4 KB per group: the merge must
+# stay small enough to share an SM with a producer CTA)
+R2_H = S.NB1 // (2 * C.TB)
+R2_M = S.MASK_WORDS // (2 * C.TB)
+R2_EXTRA_MAX = 4
+N_MARKS = abi.MERGE_PROF_MARKS  # prof=1: clock marks of thread 0, over ids[0, K - N_MARKS:]
 EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
@@ -85,6 +92,11 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #            (both in cache.MERGE_EXACT_KNOBS: the GPU tests accept them)
 #   r2radix  (exact) round 2 of a rescue by the radix walk (radix_select / emit) instead of the
 #            register fast path: less register pressure on the whole kernel, a slower rescue
+#   r2roll=U (exact; the default is 1) round 2 of a rescue by the fast path's algorithm in loops
+#            rolled over a shared-memory copy of its words, unrolled U times (round2_rolled):
+#            a third of the register fast path's code, which a rescue fetches cold from HBM
+#            once per launch (W = 8, N = 512: forced rescue 49.2 -> 40.5 us, the normal path
+#            -0.3..-0.5 us; U = 2 no faster); r2roll=0: round 2 in registers (fast_round)
 # The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
 # breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
@@ -96,6 +108,7 @@ TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
                "rnoflag", "rnowait", "rnor2", "norescue", "prof")
 TUNE = dict.fromkeys(TIMING_ONLY + cache.MERGE_EXACT_KNOBS, 0)
+TUNE["r2roll"] = 1  # (the default: see above)
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
     if _k.strip() not in TUNE:
@@ -163,7 +176,7 @@ def smem_bytes(topk: int) -> int:
 
 
 class MergeSmem:
-    def __init__(self, rw: int, stage_words: int = 0):
+    def __init__(self, rw: int, stage_words: int = 0, stage2_words: int = 0, r2m_words: int = 0):
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K: the producer's select on one CTA (its row is buf)
         self.sel = S.SelectSmem(smem, rw, False)
@@ -190,6 +203,9 @@ class MergeSmem:
         self.fg3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
         # round 1's words, [word i][thread] (ROLL_KP: the outputs' loop rolled over them)
         self.stage = smem.allocate_tensor(Int32, cute.make_layout((max(stage_words, 4),)), 16)
+        # round 2's words past those the rescue select's hist1 and mask hold (r2roll)
+        self.stage2 = smem.allocate_tensor(Int32, cute.make_layout((max(stage2_words, 4),)), 16)
+        self.r2m = smem.allocate_tensor(Int32, cute.make_layout((max(r2m_words, 4),)), 16)  # its mask words
 
     def parts(self):
         """The tensors as locals: the DSL cannot carry a Python object whose
@@ -232,7 +248,15 @@ class Merge:
         # from a shared-memory copy (the unrolled code waited on instruction fetch)
         self.roll1 = self.fast1 and self.kp1 > ROLL_KP
         self.stage_words = self.kp1 * C.TB if self.roll1 else 0
-        self.smem = smem_bytes(topk) + 4 * max(self.stage_words, 4) + 16
+        # r2roll=U: round 2's words go to shared memory, [word][thread]: words 0 .. R2_H - 1 in
+        # the rescue select's hist1, then R2_M in its mask (both free after its push), the rest
+        # in stage2; only where stage2 stays small (the merge must fit next to a producer CTA)
+        self.roll2 = (self.fast2 and TUNE["r2roll"] > 0 and self.kp2 // 2 <= 16
+                      and max(0, self.kp2 // 2 - R2_H - R2_M) <= R2_EXTRA_MAX)  # fmt: skip
+        self.stage2_words = max(0, self.kp2 // 2 - R2_H - R2_M) * 2 * C.TB if self.roll2 else 0
+        self.r2m_words = (self.nk2max // 32 + 3) // 4 * 4 if self.roll2 else 0
+        self.smem = (smem_bytes(topk) + 4 * max(self.stage_words, 4) + 16
+                     + 4 * max(self.stage2_words, 4) + 16 + 4 * max(self.r2m_words, 4) + 16)  # fmt: skip
         # The rescue select's vectors per round: the producer's U1, except in the large
         # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
         # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
@@ -767,7 +791,12 @@ class Merge:
         q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
         s0 = ((selm >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
         s1 = ((selm >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
-        own = q == rank
+        return self.ballot_counts(s0, s1, q == rank, lt)
+
+    @cute.jit
+    def ballot_counts(self, s0, s1, own, lt: Uint32):
+        """(selected keys of the lanes below this one, of the whole warp), own << 16 | all,
+        of a pair group whose two keys' selection bits are s0, s1 (own: this rank's)."""
         b0 = Uint32(cute.arch.vote_ballot_sync(s0))
         b1 = Uint32(cute.arch.vote_ballot_sync(s1))
         o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
@@ -786,15 +815,7 @@ class Merge:
         own = (v // Int32(self.n)) == rank
         s0 = ((selm >> (Uint32(2) * Uint32(ip))) & Uint32(1)) != Uint32(0)
         s1 = ((selm >> (Uint32(2) * Uint32(ip) + Uint32(1))) & Uint32(1)) != Uint32(0)
-        b0 = Uint32(cute.arch.vote_ballot_sync(s0))
-        b1 = Uint32(cute.arch.vote_ballot_sync(s1))
-        o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
-        o1 = Uint32(cute.arch.vote_ballot_sync(s1 and own))
-        before = Int32(cute.arch.popc(b0 & lt)) + Int32(cute.arch.popc(b1 & lt)) + (
-            (Int32(cute.arch.popc(o0 & lt)) + Int32(cute.arch.popc(o1 & lt))) << Int32(16))
-        total = Int32(cute.arch.popc(b0)) + Int32(cute.arch.popc(b1)) + (
-            (Int32(cute.arch.popc(o0)) + Int32(cute.arch.popc(o1))) << Int32(16))
-        return before, total
+        return self.ballot_counts(s0, s1, own, lt)
 
     @cute.jit
     def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, lane, warp,
@@ -1219,6 +1240,317 @@ class Merge:
         self.mk(10)
         return T
 
+    # ------------------------------------------------------ round 2, rolled (r2roll)
+
+    @cute.jit
+    def r2_addr(self, p: Int32, ax: Int32, d1: Int32, d2: Int32) -> Int32:
+        """Shared address of this thread's round-2 pair group p (8 bytes: its two words):
+        groups [0, R2_H) in the rescue select's hist1, [R2_H, R2_H + R2_M) in its mask, the
+        rest in stage2, each [group][thread] (ax: stage2's base for this thread less
+        R2_H + R2_M rows; d1, d2: the steps to the mask's and hist1's bases)."""
+        return (p * Int32(8 * C.TB) + ax + (d1 & (Int32(0) - Int32(p < Int32(R2_H + R2_M))))
+                + (d2 & (Int32(0) - Int32(p < Int32(R2_H)))))  # fmt: skip
+
+    @cute.jit
+    def lidx_at(self, w: Uint32, hbits: Uint32, i: Int32) -> Int32:
+        """lidx_of for a word index known at run time."""
+        return Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
+
+    @cute.jit
+    def r2_q(self, p: Int32, qb0: Uint32, qb1: Uint32) -> Int32:
+        """Segment (source rank) of this thread's round-2 pair group p: 4 bits per group,
+        groups 0-7 in qb0, 8-15 in qb1."""
+        qw = qb0 ^ ((qb0 ^ qb1) & (Uint32(0) - Uint32(p >= Int32(8))))
+        return Int32((qw >> (Uint32(p & Int32(7)) * Uint32(4))) & Uint32(15))
+
+    @cute.jit
+    def r2_owner(self, v: Int32, segr: cute.Tensor) -> Int32:
+        """Segment of position v (< nk) from the segment starts in registers."""
+        q = Int32(0)
+        for r in cutlass.range_constexpr(1, self.world):
+            q = q + Int32(segr[r] <= v)
+        return q
+
+    @cute.jit
+    def round2_rolled(self, slot: Int32, sm: MergeSmem, tid, lane, warp, rank: Int32, t: Int32,
+                      ll0: Int64, ll_stride: Int64, resc0: Int64, ids: Int64, kv_rows: Int64,
+                      counts: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
+                      block_size: Int32):
+        """Round 2 of a rescue: fast_round's selection and outputs, bit for bit, in loops
+        rolled (unroll r2roll) over a shared-memory copy of the words.  The register fast
+        path unrolls every pass over its 18 words per thread (W = 8, N = 512: ~66 KB of SASS,
+        fetched cold from HBM once per rescue); here each pass is one loop body.  The words
+        come in by cp.async (no register waits for them, so a rolled loop keeps every copy in
+        flight): pair group p of this thread (positions v, v + 1, v = warp * 32 * kp + 64 p
+        + 2 lane, as fast_round) to its 8-byte slot; the mask words of every segment (word u:
+        positions 32 u .. 32 u + 31, segments start at multiples of 32) to r2m; the
+        block-table entries of this rank's keys to buf[j] (j: index in this rank's list, as
+        prefetch_bt_smem), in flight during the select."""
+        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
+        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
+        seg = sm.seg
+        U = TUNE["r2roll"]
+        W = self.world
+        kp = self.kp2
+        npair = kp // 2
+        K = self.topk
+        G = self.gbits
+        TB = C.TB
+        gmax = Int32((1 << G) - 1)
+        nk = seg[W]
+        ah = S.smem_addr(sm.sel.hist1) + tid * Int32(8)
+        am = S.smem_addr(sm.sel.mask) + tid * Int32(8) - Int32(R2_H * 8 * TB)
+        ax = S.smem_addr(sm.stage2) + tid * Int32(8) - Int32((R2_H + R2_M) * 8 * TB)
+        d1 = am - ax
+        d2 = ah - am
+        ma = S.smem_addr(sm.r2m)
+        buf_a = S.smem_addr(sm.buf)
+        self.mk(2)  # (a rescue's marks 2-10 are round 2's: 2 the select, push and flags done)
+        segr = cute.make_rmem_tensor((W,), Int32)
+        for r in cutlass.range_constexpr(W):
+            segr[r] = seg[r]
+        # ---- copies: the mask words, then the words
+        for u in cutlass.range(tid, (nk + Int32(31)) >> Int32(5), TB, unroll=1):
+            q = self.r2_owner(u << Int32(5), segr)
+            s = seg[17 + q]
+            jm = (u - (seg[q] >> Int32(5)))
+            src = C.ll_word_addr(ll0 + Int64(q) * ll_stride, Int32(self.n) + jm)
+            if s >= Int32(0):
+                src = resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(Int32(K) + jm) * Int64(4)
+            S.cp_async(ma + u * Int32(4), src, 4)
+        qb0 = Uint32(0)
+        qb1 = Uint32(0)
+        for p in cutlass.range(npair, unroll=U):
+            v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
+            dst = self.r2_addr(p, ax, d1, d2)
+            q = Int32(0)
+            if v < nk:
+                q = self.r2_owner(v, segr)
+                j = v - seg[q]
+                s = seg[17 + q]
+                if s >= Int32(0):  # a rescued rank: its K-list, plain words
+                    S.cp_async(dst, resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(j) * Int64(4), 8)
+                else:  # its round-1 LL list (tags checked in round 1): each record's two words
+                    a = C.ll_word_addr(ll0 + Int64(q) * ll_stride, j)
+                    S.cp_async(dst, a, 4)
+                    S.cp_async(dst + Int32(4), a + Int64(layout.LL_HALF_BYTES), 4)
+            else:
+                S.st_smem_v2(dst, Int32(0), Int32(0))
+            qs = Uint32(q) << (Uint32(p & Int32(7)) * Uint32(4))
+            if p < Int32(8):
+                qb0 = qb0 | qs
+            else:
+                qb1 = qb1 | qs
+        S.cp_async_wait_all()
+        cute.arch.sync_threads()
+        self.mk(3)
+        # ---- bit 16 of each l; this rank's block-table entries (copies in flight during
+        # the select); the stats
+        hbits = Uint32(0)
+        cnt = Int32(0)
+        mx = Int32(0)
+        mn = Int32(0xFFFF)
+        nmw = (nk + Int32(31)) >> Int32(5)
+        for p in cutlass.range(npair, unroll=U):
+            v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
+            m = Uint32(S.ld_smem_u32(ma + cutlass.min(v >> Int32(5), nmw - Int32(1)) * Int32(4)))
+            w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+            hp = (m >> Uint32(v & Int32(31))) & Uint32(3)
+            if v >= nk:
+                hp = Uint32(0)
+            hbits = hbits | (hp << (Uint32(2) * Uint32(p)))
+            q = self.r2_q(p, qb0, qb1)
+            for h in cutlass.range_constexpr(2):
+                w = Uint32((w0, w1)[h])
+                sv = Int32(w >> Uint32(16))
+                nz = Int32(sv != Int32(0))
+                cnt = cnt + nz
+                mx = cutlass.max(mx, sv)
+                mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
+                lidx = Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hp >> Uint32(h)) & Uint32(1)) << Int32(16))
+                page = self.page_of(lidx, block_size)
+                if q == rank and nz != Int32(0) and req_ok != Int32(0) and page < bt_cols:
+                    S.cp_async(buf_a + (v - seg[q] + Int32(h)) * Int32(4), bt_row + Int64(page) * Int64(4), 4)
+        cnt = cute.arch.warp_redux_sync(cnt, "add")
+        mx = cute.arch.warp_redux_sync(mx, "max")
+        mn = cute.arch.warp_redux_sync(mn, "min")
+        if lane == Int32(0):
+            cute.arch.atomic_add(st.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
+            cute.arch.atomic_max(st.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
+            cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            fh[tid + Int32(u * C.TB)] = Int32(0)
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            fg[tid + Int32(u * C.TB)] = Int32(0)
+        if tid < Int32(SCORE_BINS2):
+            fh2[tid] = Int32(0)
+            fg2[tid] = Int32(0)
+            fg3[tid] = Int32(0)
+        cute.arch.sync_threads()
+        self.mk(4)
+        total = st[slot * Int32(4)]
+        lo = st[slot * Int32(4) + Int32(2)]
+        rng = st[slot * Int32(4) + Int32(1)] - lo
+        vth = Int32(0)  # boundary score (0: fewer than K keys, every one selected)
+        gT = Int32(-1)  # largest selected g at score vth
+        if total >= Int32(K):
+            shift = Int32(0)
+            while (rng >> shift) >= Int32(SCORE_BINS):
+                shift = shift + Int32(1)
+            fh_a = S.smem_addr(fh)
+            for p in cutlass.range(npair, unroll=U):
+                w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                for h in cutlass.range_constexpr(2):
+                    sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
+                    b_ = Int32(FH_DUMMY)
+                    if sv != Int32(0):
+                        b_ = (sv - lo) >> shift
+                    S.red_smem_add(fh_a + b_ * Int32(4), Int32(1))
+            cute.arch.sync_threads()
+            if warp == Int32(0):
+                self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0)
+            cute.arch.sync_threads()
+            self.mk(5)
+            b = sc[0]
+            above = sc[1]
+            m = sc[2]
+            vth = lo + (b << shift)
+            if shift > Int32(0):
+                low = (Int32(1) << shift) - Int32(1)
+                for p in cutlass.range(npair, unroll=U):
+                    w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                    for h in cutlass.range_constexpr(2):
+                        sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
+                        if sv != Int32(0) and ((sv - lo) >> shift) == b:
+                            cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
+                                                 scope="cta")  # fmt: skip
+                cute.arch.sync_threads()
+                if warp == Int32(0):
+                    self.warp_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, sc, 3)
+                cute.arch.sync_threads()
+                vth = vth + sc[3]
+                above = above + sc[4]
+                m = sc[5]
+            self.mk(6)
+            need = Int32(K) - above
+            # ---- gT: the need-th smallest g among the m keys at score vth (tie_break)
+            if m <= Int32(EQ_MAX):
+                c = Int32(0)
+                for p in cutlass.range(npair, unroll=U):
+                    w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                    c = c + Int32(Int32(Uint32(w0) >> Uint32(16)) == vth) + Int32(Int32(Uint32(w1) >> Uint32(16)) == vth)
+                if c != Int32(0):
+                    pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
+                                               scope="cta")  # fmt: skip
+                    for p in cutlass.range(npair, unroll=U):
+                        w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                        q = self.r2_q(p, qb0, qb1)
+                        for h in cutlass.range_constexpr(2):
+                            w = Uint32((w0, w1)[h])
+                            if Int32(w >> Uint32(16)) == vth:
+                                eqb[pos] = self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q
+                                pos = pos + Int32(1)
+                cute.arch.sync_threads()
+                gT = self.rank_eq(eqb, m, need, tid, sc)
+            else:
+                uT = Int32(0)
+                nd = need
+                for d in cutlass.range_constexpr(3):
+                    hi_ = (G, G - 10, G - 16)[d]
+                    lo_ = (G - 10, G - 16, 0)[d]
+                    hist = (fg, fg2, fg3)[d]
+                    for p in cutlass.range(npair, unroll=U):
+                        w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                        q = self.r2_q(p, qb0, qb1)
+                        for h in cutlass.range_constexpr(2):
+                            w = Uint32((w0, w1)[h])
+                            if Int32(w >> Uint32(16)) == vth:
+                                u = gmax - (self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q)
+                                if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
+                                    cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
+                                                         Int32(1), sem="relaxed", scope="cta")  # fmt: skip
+                    cute.arch.sync_threads()
+                    if warp == Int32(0):
+                        self.warp_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, sc, 8)
+                    cute.arch.sync_threads()
+                    uT = uT | (sc[8] << Int32(lo_))
+                    nd = nd - sc[9]
+                gT = gmax - uT
+            self.mk(7)
+        # ---- selection = s > vth or (s == vth != 0 and g <= gT); per pair group, then the
+        # warp's counts (own << 16 | all)
+        selm = Uint32(0)
+        lt = cute.arch.lanemask_lt()
+        run = Int32(0)
+        for p in cutlass.range(npair, unroll=U):
+            w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+            q = self.r2_q(p, qb0, qb1)
+            sp = Uint32(0)
+            for h in cutlass.range_constexpr(2):
+                w = Uint32((w0, w1)[h])
+                sv = Int32(w >> Uint32(16))
+                tie = (Int32(sv == vth) & Int32(sv != Int32(0))
+                       & Int32(self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q <= gT))  # fmt: skip
+                sp = sp | (Uint32(Int32(sv > vth) | tie) << Uint32(h))
+            selm = selm | (sp << (Uint32(2) * Uint32(p)))
+            _, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == rank, lt)
+            run = run + c2
+        if lane == Int32(0):
+            wt[warp] = run
+        S.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
+        cute.arch.sync_threads()
+        self.mk(8)
+        wbase = Int32(0)
+        tot = Int32(0)
+        for w_ in cutlass.range_constexpr(C.NWARPS):
+            x = wt[w_]
+            if Int32(w_) < warp:
+                wbase = wbase + x
+            tot = tot + x
+        all_run = tot & Int32(0xFFFF)
+        own_run = tot >> Int32(16)
+        # ---- outputs: order-preserving compaction (positions ascend with warp, group, lane, h)
+        trow = Int64(t) * Int64(K)
+        ids_on = Int32(ids != Int64(0))
+        jmax = Int32(self.rw_k - 2)
+        for p in cutlass.range(npair, unroll=U):
+            q = self.r2_q(p, qb0, qb1)
+            v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
+            # (a group past nk: q = 0, no key selected; j clamped into buf for the unused reads)
+            j = cutlass.min(cutlass.max(v - seg[q], Int32(0)), jmax)
+            sp = (selm >> (Uint32(2) * Uint32(p))) & Uint32(3)
+            c1, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == rank, lt)
+            e = wbase + c1
+            wbase = wbase + c2
+            pos = e & Int32(0xFFFF)
+            kpos = e >> Int32(16)
+            w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+            bt0, bt1 = S.ld_smem_v2(buf_a + j * Int32(4))
+            for h in cutlass.range_constexpr(2):
+                w = Uint32((w0, w1)[h])
+                sel = Int32((sp >> Uint32(h)) & Uint32(1))
+                lidx = self.lidx_at(w, hbits, Int32(2) * p + Int32(h))
+                C.st_u32_if(ids + (trow + Int64(pos)) * Int64(4), lidx * Int32(W) + q, sel & ids_on)
+                pos = pos + sel
+                own = sel & Int32(q == rank)
+                page = self.page_of(lidx, block_size)
+                slot_ = (bt0, bt1)[h] * block_size + (lidx - page * block_size)
+                if req_ok == Int32(0) or page >= bt_cols:
+                    slot_ = Int32(-1)
+                C.st_u32_if(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_, own)
+                kpos = kpos + own
+        self.mk(9)
+        if tid == Int32(0):
+            pref[W] = all_run
+            C.st_u32(counts + Int64(t) * Int64(4), own_run)
+        for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
+            C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
+        if ids != Int64(0):
+            for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
+                C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+        cute.arch.sync_threads()
+        self.mk(10)
+
     # ------------------------------------------------------------- kernel
 
     @cute.kernel
@@ -1233,10 +1565,10 @@ class Merge:
         tid = Int32(tid)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sm = MergeSmem(self.rw_k, self.stage_words)
+        sm = MergeSmem(self.rw_k, self.stage_words, self.stage2_words, self.r2m_words)
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         # prof=1 (timing only): thread 0's clock at the points below -> ids[0, K-16:]
-        self.mk = C.Marks(TUNE["prof"])
+        self.mk = C.Marks(TUNE["prof"], N_MARKS)
         self.mk(0)
         W = self.world
         status = C.state_status(state, max_rows)
@@ -1417,7 +1749,7 @@ class Merge:
                     self.report(status, host_status)
         if cutlass.const_expr(TUNE["prof"]):
             self.mk(15)
-            self.mk.store(ids + Int64(self.topk - C.Marks.N) * Int64(4),
+            self.mk.store(ids + Int64(self.topk - N_MARKS) * Int64(4),
                           Int32(Int32(bid) == Int32(0)) & Int32(tid == Int32(0)) & Int32(ids != Int64(0)))
 
     @cute.jit
@@ -1532,6 +1864,7 @@ class Merge:
                 S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
                              sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
                              self.rescue_u1)  # fmt: skip
+            self.mk(16)
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
             off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
             if cutlass.const_expr(TUNE["rnopush"]):
@@ -1543,6 +1876,7 @@ class Merge:
                         C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
                                 sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
             cute.arch.sync_threads()
+            self.mk(17)
             foff = flags_off + C.flag_offset(rank, t, max_rows)
             if cutlass.const_expr(TUNE["rnoflag"]):
                 pass  # timing only: no fence, no flags (and no wait below)
@@ -1563,6 +1897,7 @@ class Merge:
                     addr = local + flags_off + C.flag_offset(tid, t, max_rows)
                     self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
                                   timeout_ns)  # fmt: skip
+        self.mk(18)
         if tid == Int32(0):
             off = Int32(0)
             s = Int32(0)
@@ -1579,6 +1914,9 @@ class Merge:
         cute.arch.sync_threads()
         if cutlass.const_expr(TUNE["rnor2"]):
             pass  # timing only: no round 2 (the outputs stay round 1's)
+        elif cutlass.const_expr(self.roll2):
+            self.round2_rolled(slot2, sm, tid, lane, warp, rank, t, ll0, ll_stride, resc0, ids, kv_rows,
+                               counts, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
         elif cutlass.const_expr(self.fast2):
             qj = cute.make_rmem_tensor((self.kp2 // 2,), Int32)
             self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0, qj)

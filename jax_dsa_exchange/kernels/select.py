@@ -260,6 +260,41 @@ def st_smem_u32_if(addr: Int32, v: Int32, pred: Int32, *, loc=None, ip=None) -> 
 
 
 @dsl_user_op
+def ld_smem_u32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Int32(addr)], "ld.shared.u32 $0, [$1];", "=r,r,~{memory}", loc, ip))
+
+
+@dsl_user_op
+def st_smem_u32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(addr), Int32(v)], "st.shared.u32 [$0], $1;", "r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_smem_v2(addr: Int32, *, loc=None, ip=None):
+    st = llvm.StructType.get_literal([T.i32(), T.i32()])
+    r = _asm(st, [Int32(addr)], "ld.shared.v2.u32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(2))
+
+
+@dsl_user_op
+def st_smem_v2(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
+    _asm(None, [Int32(addr), Int32(a), Int32(b)], "st.shared.v2.u32 [$0], {$1, $2};", "r,r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def cp_async(dst: Int32, src: Int64, nbytes: int, *, loc=None, ip=None) -> None:
+    """cp.async.ca of ``nbytes`` (4 or 8) from global ``src`` to shared ``dst`` (no register
+    waits for the data: cp_async_wait_all)."""
+    _asm(None, [Int32(dst), Int64(src)], f"cp.async.ca.shared.global [$0], [$1], {int(nbytes)};",
+         "r,l,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    _asm(None, [], "cp.async.wait_all;", "~{memory}", loc, ip)
+
+
+@dsl_user_op
 def red_smem_or(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
     _asm(None, [Int32(addr), Int32(v)], "red.shared.or.b32 [$0], $1;", "r,r,~{memory}", loc, ip)
 

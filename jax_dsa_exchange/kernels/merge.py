@@ -783,6 +783,16 @@ class Merge:
             sc[slot + 2] = x
 
     @cute.jit
+    def cta_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane, warp,
+                     sc: cute.Tensor, slot: cutlass.Constexpr):
+        """warp_find_bin by warp 0 between two block barriers (the histogram complete before,
+        sc[slot ..] visible to every thread after)."""
+        cute.arch.sync_threads()
+        if warp == Int32(0):
+            self.warp_find_bin(hist, nb, need, lane, sc, slot)
+        cute.arch.sync_threads()
+
+    @cute.jit
     def pair_counts(self, selm: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
                     round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32,
                     qj: cute.Tensor):
@@ -930,14 +940,51 @@ class Merge:
                                 if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
                                     cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
                                                          Int32(1), sem="relaxed", scope="cta")  # fmt: skip
-                    cute.arch.sync_threads()
-                    if warp == Int32(0):
-                        self.warp_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, sc, 8)
-                    cute.arch.sync_threads()
+                    self.cta_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, warp, sc, 8)
                     uT = uT | (sc[8] << Int32(lo_))
                     nd = nd - sc[9]
                 gT = gmax - uT
         return gT
+
+    @cute.jit
+    def publish_stats(self, cnt: Int32, mx: Int32, mn: Int32, slot: Int32, sm: MergeSmem, tid, lane):
+        """This thread's count / max / min score of its nonzero words -> the CTA's (warp
+        reductions, one atomic each per warp into stats slot ``slot``), the fast path's
+        histograms cleared, one barrier; returns (count, min, max - min)."""
+        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
+        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
+        cnt = cute.arch.warp_redux_sync(cnt, "add")
+        mx = cute.arch.warp_redux_sync(mx, "max")
+        mn = cute.arch.warp_redux_sync(mn, "min")
+        if lane == Int32(0):
+            cute.arch.atomic_add(st.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
+            cute.arch.atomic_max(st.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
+            cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            fh[tid + Int32(u * C.TB)] = Int32(0)
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            fg[tid + Int32(u * C.TB)] = Int32(0)
+        if tid < Int32(SCORE_BINS2):
+            fh2[tid] = Int32(0)
+            fg2[tid] = Int32(0)
+            fg3[tid] = Int32(0)
+        cute.arch.sync_threads()
+        self.mk(4)
+        lo = st[slot * Int32(4) + Int32(2)]
+        return st[slot * Int32(4)], lo, st[slot * Int32(4) + Int32(1)] - lo
+
+    @cute.jit
+    def warp_prefix(self, wt: cute.Tensor, warp):
+        """(the selected counts of the warps before this one, of all), own << 16 | all, from
+        the warp totals wt (stored, barrier passed)."""
+        wbase = Int32(0)
+        tot = Int32(0)
+        for w in cutlass.range_constexpr(C.NWARPS):
+            x = wt[w]
+            if Int32(w) < warp:
+                wbase = wbase + x
+            tot = tot + x
+        return wbase, tot
 
     @cute.jit
     def fast_round(self, words: cute.Tensor, hb: cute.Tensor, round2: cutlass.Constexpr, slot: Int32,
@@ -984,26 +1031,7 @@ class Merge:
                     cnt = cnt + nz
                     mx = cutlass.max(mx, sv)
                     mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
-            cnt = cute.arch.warp_redux_sync(cnt, "add")
-            mx = cute.arch.warp_redux_sync(mx, "max")
-            mn = cute.arch.warp_redux_sync(mn, "min")
-            if lane == Int32(0):
-                cute.arch.atomic_add(st.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
-                cute.arch.atomic_max(st.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
-                cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
-            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-                fh[tid + Int32(u * C.TB)] = Int32(0)
-            for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-                fg[tid + Int32(u * C.TB)] = Int32(0)
-            if tid < Int32(SCORE_BINS2):
-                fh2[tid] = Int32(0)
-                fg2[tid] = Int32(0)
-                fg3[tid] = Int32(0)
-            cute.arch.sync_threads()
-            self.mk(4)
-            total = st[slot * Int32(4)]
-            lo = st[slot * Int32(4) + Int32(2)]
-            rng = st[slot * Int32(4) + Int32(1)] - lo
+            total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane)
             if total >= Int32(K):
                 shift = Int32(0)
                 while (rng >> shift) >= Int32(SCORE_BINS):
@@ -1019,10 +1047,7 @@ class Merge:
                         if sv != Int32(0):
                             b_ = (sv - lo) >> shift
                         S.red_smem_add(fh_a + b_ * Int32(4), Int32(1))  # unconditional (see the stats)
-                cute.arch.sync_threads()
-                if warp == Int32(0):
-                    self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0)
-                cute.arch.sync_threads()
+                self.cta_find_bin(fh, SCORE_BINS, Int32(K), lane, warp, sc, 0)
                 self.mk(5)
                 b = sc[0]
                 above = sc[1]
@@ -1035,10 +1060,7 @@ class Merge:
                         if sv != Int32(0) and ((sv - lo) >> shift) == b:
                             cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
                                                  scope="cta")  # fmt: skip
-                    cute.arch.sync_threads()
-                    if warp == Int32(0):
-                        self.warp_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, sc, 3)
-                    cute.arch.sync_threads()
+                    self.cta_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, warp, sc, 3)
                     vth = vth + sc[3]
                     above = above + sc[4]
                     m = sc[5]
@@ -1106,13 +1128,7 @@ class Merge:
                 wt[warp] = run
             cute.arch.sync_threads()
             self.mk(8)
-            wbase = Int32(0)
-            tot = Int32(0)
-            for w in cutlass.range_constexpr(C.NWARPS):
-                x = wt[w]
-                if Int32(w) < warp:
-                    wbase = wbase + x
-                tot = tot + x
+            wbase, tot = self.warp_prefix(wt, warp)
             all_run = tot & Int32(0xFFFF)
             own_run = tot >> Int32(16)
             trow = Int64(t) * Int64(K)
@@ -1371,26 +1387,7 @@ class Merge:
                 page = self.page_of(lidx, block_size)
                 if q == rank and nz != Int32(0) and req_ok != Int32(0) and page < bt_cols:
                     S.cp_async(buf_a + (v - seg[q] + Int32(h)) * Int32(4), bt_row + Int64(page) * Int64(4), 4)
-        cnt = cute.arch.warp_redux_sync(cnt, "add")
-        mx = cute.arch.warp_redux_sync(mx, "max")
-        mn = cute.arch.warp_redux_sync(mn, "min")
-        if lane == Int32(0):
-            cute.arch.atomic_add(st.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
-            cute.arch.atomic_max(st.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
-            cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
-        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-            fh[tid + Int32(u * C.TB)] = Int32(0)
-        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-            fg[tid + Int32(u * C.TB)] = Int32(0)
-        if tid < Int32(SCORE_BINS2):
-            fh2[tid] = Int32(0)
-            fg2[tid] = Int32(0)
-            fg3[tid] = Int32(0)
-        cute.arch.sync_threads()
-        self.mk(4)
-        total = st[slot * Int32(4)]
-        lo = st[slot * Int32(4) + Int32(2)]
-        rng = st[slot * Int32(4) + Int32(1)] - lo
+        total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane)
         vth = Int32(0)  # boundary score (0: fewer than K keys, every one selected)
         gT = Int32(-1)  # largest selected g at score vth
         if total >= Int32(K):
@@ -1406,10 +1403,7 @@ class Merge:
                     if sv != Int32(0):
                         b_ = (sv - lo) >> shift
                     S.red_smem_add(fh_a + b_ * Int32(4), Int32(1))
-            cute.arch.sync_threads()
-            if warp == Int32(0):
-                self.warp_find_bin(fh, SCORE_BINS, Int32(K), lane, sc, 0)
-            cute.arch.sync_threads()
+            self.cta_find_bin(fh, SCORE_BINS, Int32(K), lane, warp, sc, 0)
             self.mk(5)
             b = sc[0]
             above = sc[1]
@@ -1424,10 +1418,7 @@ class Merge:
                         if sv != Int32(0) and ((sv - lo) >> shift) == b:
                             cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
                                                  scope="cta")  # fmt: skip
-                cute.arch.sync_threads()
-                if warp == Int32(0):
-                    self.warp_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, sc, 3)
-                cute.arch.sync_threads()
+                self.cta_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, warp, sc, 3)
                 vth = vth + sc[3]
                 above = above + sc[4]
                 m = sc[5]
@@ -1469,10 +1460,7 @@ class Merge:
                                 if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
                                     cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
                                                          Int32(1), sem="relaxed", scope="cta")  # fmt: skip
-                    cute.arch.sync_threads()
-                    if warp == Int32(0):
-                        self.warp_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, sc, 8)
-                    cute.arch.sync_threads()
+                    self.cta_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, warp, sc, 8)
                     uT = uT | (sc[8] << Int32(lo_))
                     nd = nd - sc[9]
                 gT = gmax - uT
@@ -1500,13 +1488,7 @@ class Merge:
         S.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
         cute.arch.sync_threads()
         self.mk(8)
-        wbase = Int32(0)
-        tot = Int32(0)
-        for w_ in cutlass.range_constexpr(C.NWARPS):
-            x = wt[w_]
-            if Int32(w_) < warp:
-                wbase = wbase + x
-            tot = tot + x
+        wbase, tot = self.warp_prefix(wt, warp)
         all_run = tot & Int32(0xFFFF)
         own_run = tot >> Int32(16)
         # ---- outputs: order-preserving compaction (positions ascend with warp, group, lane, h)

@@ -59,6 +59,7 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", default=None, help="variant names")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--check", action="store_true", help="only check that every variant's cubins are there")
+    ap.add_argument("--resc-rows", type=int, nargs="+", default=[1, 64], help="R of the forced-rescue timings")
     a = ap.parse_args(argv)
     miss = missing_cubins(os.environ.get("JAX_DSA_EXCHANGE_CUBIN_DIR", ".cubins").split(":"))
     if miss or a.check:
@@ -88,7 +89,7 @@ def main(argv=None):
                     r["empty"] = round(time_merge(b, 0, 8192, False, iters=a.iters), 2)
                 for R in (1, 16, 64, 256) if "m" in what else ():
                     r[f"r{R}"] = (round(time_merge(b, R, 8192, False, iters=a.iters), 2), round(b.last_kernel_us, 2))
-                for R in (1, 64) if "r" in what else ():
+                for R in a.resc_rows if "r" in what else ():
                     r[f"r{R}resc"] = (round(time_merge(b, R, 8192, True, iters=8, warm=2), 2),
                                       round(b.last_kernel_us, 2))  # fmt: skip
                 del b
@@ -116,7 +117,7 @@ def main(argv=None):
             del b
     json.dump({"res": res, "localK_r1": lk}, open(a.out, "w"), indent=1)
     print("\n== merge alone, W=8 K=2048 N=512 L=8192 (events us [CUPTI]); resc = forced rescue of rank 0")
-    cols = ["r1", "r16", "r64", "r256", "r1resc", "r64resc", "r1resc128k"]
+    cols = ["r1", "r16", "r64", "r256"] + [f"r{R}resc" for R in a.resc_rows] + ["r1resc128k"]
     print(f"{'variant':14s} " + " ".join(f"{c:>14s}" for c in cols))
     for n, r in res.items():
         if any(c in r for c in cols):

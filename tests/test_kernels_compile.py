@@ -343,6 +343,28 @@ def test_merge_exact_knobs_compile(tmp_path):
         assert r.returncode != 0 and msg in r.stderr, (bad, r.stderr[-500:])
 
 
+def test_rolled_round2_fits_beside_a_producer_cta():
+    """Wherever the merge's round 2 is rolled over shared memory (r2roll, the default), the
+    merge still fits on one SM beside a producer CTA (its CTAs start under PDL while the
+    producer runs): both kernels' shared memory + the per-CTA reservation <= 228 KB.  Where it
+    would not (W = 4, K = 4096, N = 2048), round 2 stays in registers; the measured
+    configuration (W = 8, K = 2048, N = 512) is rolled."""
+    from jax_dsa_exchange.kernels import merge, select_push
+
+    rolled = set()
+    for world in (1, 2, 3, 4, 8, 16):
+        for topk, ns in ((256, (64, 128, 256)), (2048, (256, 512, 1024, 2048)), (4096, (2048, 4096))):
+            for n in ns:
+                m = merge.Merge(world, topk, n)
+                if m.roll2:
+                    rolled.add((world, topk, n))
+                    assert (m.smem + select_push.smem_bytes(n) + 2 * merge.CTA_RESERVED_SMEM
+                            <= merge.SM_SMEM_BYTES), (world, topk, n, m.smem)  # fmt: skip
+                    assert m.stage2_words % (2 * 512) == 0 and m.kp2 // 2 <= 16
+    assert (8, 2048, 512) in rolled and (2, 2048, 512) in rolled
+    assert (4, 4096, 2048) not in rolled and not merge.Merge(4, 4096, 2048).roll2
+
+
 def test_page_magic_is_exact_division():
     """merge.page_of's multiply equals l // B for every local index l < 2**17 (the argument
     in merge.py), for every B up to 4096 and a spread of larger ones."""

@@ -42,6 +42,7 @@ from . import cache
 from . import common as C
 from . import select as S
 from .select_push import row_end
+from .select_push import smem_bytes as select_push_smem
 
 ABI = abi.MERGE
 
@@ -59,11 +60,14 @@ BRANCH_FREE_KP = 18
 # fetch 53% of the time (105 KB of distinct SASS per row, the unrolled per-word code).
 ROLL_KP = 18
 # r2roll: round-2 pair groups (8 bytes) per thread held by the rescue select's hist1 and mask
-# (free in round 2), and the most held by the merge's own stage2 (4 KB per group: the merge must
-# stay small enough to share an SM with a producer CTA)
+# (free in round 2); the rest go to the merge's own stage2 (4 KB per group)
 R2_H = S.NB1 // (2 * C.TB)
 R2_M = S.MASK_WORDS // (2 * C.TB)
-R2_EXTRA_MAX = 4
+# A merge CTA must fit on an SM beside a producer CTA (its CTAs start under PDL while the
+# producer runs): r2roll only where the two kernels' shared memory, plus the 1 KB an SM
+# reserves per CTA, fit the H100 / H200's 228 KB per SM
+SM_SMEM_BYTES = 228 * 1024
+CTA_RESERVED_SMEM = 1024
 N_MARKS = abi.MERGE_PROF_MARKS  # prof=1: clock marks of thread 0, over ids[0, K - N_MARKS:]
 EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
 
@@ -248,15 +252,20 @@ class Merge:
         # from a shared-memory copy (the unrolled code waited on instruction fetch)
         self.roll1 = self.fast1 and self.kp1 > ROLL_KP
         self.stage_words = self.kp1 * C.TB if self.roll1 else 0
-        # r2roll=U: round 2's words go to shared memory, [word][thread]: words 0 .. R2_H - 1 in
-        # the rescue select's hist1, then R2_M in its mask (both free after its push), the rest
-        # in stage2; only where stage2 stays small (the merge must fit next to a producer CTA)
-        self.roll2 = (self.fast2 and TUNE["r2roll"] > 0 and self.kp2 // 2 <= 16
-                      and max(0, self.kp2 // 2 - R2_H - R2_M) <= R2_EXTRA_MAX)  # fmt: skip
-        self.stage2_words = max(0, self.kp2 // 2 - R2_H - R2_M) * 2 * C.TB if self.roll2 else 0
-        self.r2m_words = (self.nk2max // 32 + 3) // 4 * 4 if self.roll2 else 0
-        self.smem = (smem_bytes(topk) + 4 * max(self.stage_words, 4) + 16
-                     + 4 * max(self.stage2_words, 4) + 16 + 4 * max(self.r2m_words, 4) + 16)  # fmt: skip
+        # r2roll=U: round 2's pair groups go to shared memory, [group][thread]: groups
+        # 0 .. R2_H - 1 in the rescue select's hist1, then R2_M in its mask (both free after its
+        # push), the rest in stage2; at most 16 groups (the segments' 4-bit codes in two
+        # registers), and only where the merge still fits beside a producer CTA (else round 2
+        # stays in registers: e.g. W = 4, K = 4096, N = 2048, or W = 8, N = 256)
+        self.roll2 = False
+        self.stage2_words = self.r2m_words = 0
+        if self.fast2 and TUNE["r2roll"] > 0 and self.kp2 // 2 <= 16:
+            self.stage2_words = max(0, self.kp2 // 2 - R2_H - R2_M) * 2 * C.TB
+            self.r2m_words = (self.nk2max // 32 + 3) // 4 * 4
+            self.roll2 = (self._smem() + select_push_smem(n) + 2 * CTA_RESERVED_SMEM <= SM_SMEM_BYTES)
+            if not self.roll2:
+                self.stage2_words = self.r2m_words = 0
+        self.smem = self._smem()
         # The rescue select's vectors per round: the producer's U1, except in the large
         # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
         # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
@@ -266,6 +275,11 @@ class Merge:
         # fetch); the large configurations keep one end after it (there ptxas then spilled
         # more: W = 16, N = 1024 +3.5 us).
         self.end_first = self.kp1 <= BRANCH_FREE_KP and not TUNE["epijump"]
+
+    def _smem(self) -> int:
+        """Launch shared memory (bytes) of the MergeSmem parts this configuration allocates."""
+        return (smem_bytes(self.topk) + 4 * max(self.stage_words, 4) + 16
+                + 4 * max(self.stage2_words, 4) + 16 + 4 * max(self.r2m_words, 4) + 16)  # fmt: skip
 
     # ---------------------------------------------------------------- keys
 

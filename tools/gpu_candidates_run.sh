@@ -1,8 +1,9 @@
 #!/bin/bash
-# Exact candidate knobs timed against the default in ONE call on the GPU machine (thirteenth
-# session: merge spec / rpush / ru1 / rcache measured and removed, select cid / one adopted; kernels/NOTES.md
-# "Thirteenth session").  What is left to compare: merge r2radix=1, the producer before
-# (select cid=0,one=0), the rescue's breakdown.  Add a candidate to tools/candidates_time.py VARIANTS.
+# Exact candidate knobs timed against the default in ONE call on the GPU machine (fourteenth
+# session: merge r2roll adopted, rvpr / r2tie / r2agg measured and removed; kernels/NOTES.md
+# "Fourteenth session").  As left: the default against round 2 in registers (COMBO_M r2roll=0:
+# its GPU tests, memcheck and racecheck of the rescue tests).  Add a candidate to
+# tools/candidates_time.py VARIANTS and set COMBO_M to it.
 #   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
 #       -> .cubins: the default and the combination COMBO_M + COMBO_S for every test configuration;
 #          each variant of tools/candidates_time.py for W=8 K=2048 N=512; the prof=1 builds for

@@ -26,6 +26,7 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # "R" forced rescue also at L = 128K, "p" the producer
 VARIANTS = [
     ("default", "", "", "mrR"),  # round 2 rolled (r2roll=1, the default since the fourteenth session)
+    ("r2all1", "r2all=1", "", "mrR"),  # built, not measured: no tie-break when the boundary is taken whole
     ("r2roll0", "r2roll=0", "", "mr"),  # round 2 in registers (before the fourteenth session)
     ("rnor2", "rnor2=1", "", "r"),  # timing only: no round 2
     ("default#2", "", "", "mr"),

@@ -96,6 +96,9 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #            (both in cache.MERGE_EXACT_KNOBS: the GPU tests accept them)
 #   r2radix  (exact) round 2 of a rescue by the radix walk (radix_select / emit) instead of the
 #            register fast path: less register pressure on the whole kernel, a slower rescue
+#   r2all    (exact candidate, not measured) r2roll's round 2 skips the tie-break when the
+#            boundary score's keys are all selected (need == m: gT = every g), as in the bench's
+#            forced rescue, where the rescued K-list's lowest score is the boundary
 #   r2roll=U (exact; the default is 1) round 2 of a rescue by the fast path's algorithm in loops
 #            rolled over a shared-memory copy of its words, unrolled U times (round2_rolled):
 #            a third of the register fast path's code, which a rescue fetches cold from HBM
@@ -1439,7 +1442,12 @@ class Merge:
             self.mk(6)
             need = Int32(K) - above
             # ---- gT: the need-th smallest g among the m keys at score vth (tie_break)
-            if m <= Int32(EQ_MAX):
+            whole = Int32(0)  # (r2all=1) every key at score vth is selected: no tie-break
+            if cutlass.const_expr(TUNE["r2all"]):
+                whole = Int32(need == m)
+            if whole != Int32(0):
+                gT = gmax
+            elif m <= Int32(EQ_MAX):
                 c = Int32(0)
                 for p in cutlass.range(npair, unroll=U):
                     w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))

@@ -27,6 +27,8 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 VARIANTS = [
     ("default", "", "", "mrR"),  # round 2 rolled (r2roll=1, the default since the fourteenth session)
     ("r2all1", "r2all=1", "", "mrR"),  # built, not measured: no tie-break when the boundary is taken whole
+    ("r2list1", "r2list=1", "", "mr"),  # built, not measured: a large tie-break over a shared list
+    ("r2all+list", "r2all=1,r2list=1", "", "mr"),
     ("r2roll0", "r2roll=0", "", "mr"),  # round 2 in registers (before the fourteenth session)
     ("rnor2", "rnor2=1", "", "r"),  # timing only: no round 2
     ("default#2", "", "", "mr"),

@@ -1,9 +1,9 @@
 #!/bin/bash
 # Exact candidate knobs timed against the default in ONE call on the GPU machine (fourteenth
 # session: merge r2roll adopted, rvpr / r2tie / r2agg measured and removed; kernels/NOTES.md
-# "Fourteenth session").  As left for the next session: the candidate r2all=1 (built and
-# compile-checked, not measured: its GPU tests, memcheck and racecheck of the rescue tests, then
-# its timing against the default and r2roll=0).  Add a candidate to tools/candidates_time.py
+# "Fourteenth session").  As left for the next session: the candidates r2all=1 and r2list=1
+# (built and compile-checked, not measured: the GPU tests, memcheck and racecheck of the rescue
+# tests with both, then each one's timing against the default and r2roll=0).  Add a candidate to tools/candidates_time.py
 # VARIANTS and set COMBO_M to it.
 #   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
 #       -> .cubins: the default and the combination COMBO_M + COMBO_S for every test configuration;
@@ -16,7 +16,7 @@
 #          3. tools/candidates_time.py (the table last)
 set -o pipefail
 cd "$(dirname "$0")/.."
-COMBO_M="r2all=1"
+COMBO_M="r2all=1,r2list=1"
 COMBO_S=""
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # (absolute, the venv link kept)
@@ -35,7 +35,7 @@ print("\n".join(sorted({f"{mt}|{st}" for _, mt, st, _ in c.VARIANTS})))') || exi
   while IFS='|' read -r mt st; do
     one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 || exit 1
   done <<< "$tunes"
-  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,r2all=1" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
+  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,r2all=1,r2list=1" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi

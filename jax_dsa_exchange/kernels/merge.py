@@ -109,6 +109,8 @@ R2_LIST_CAP = SCORE_BINS + 16 + EQ_MAX + C.TB  # (r2list) fh + eqb + hist, in wo
 #            a third of the register fast path's code, which a rescue fetches cold from HBM
 #            once per launch (W = 8, N = 512: forced rescue 49.2 -> 40.5 us, the normal path
 #            -0.3..-0.5 us; U = 2 no faster); r2roll=0: round 2 in registers (fast_round)
+# Measured and removed in the fourteenth session (exact, no faster; kernels/NOTES.md): rvpr (the
+# rescue select's vectors per round), r2tie (one loop over the g digits), r2agg (match.any reds).
 # The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
 # breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +

@@ -64,7 +64,7 @@ def test_timing_only_builds_are_not_exact(monkeypatch):
                             ("", "rnor2=1", False), ("", "noout=0", True), ("prof=1", "", False),
                             ("", "prof=1", False), ("bmin=2", "", True), ("prof=0", "", True),
                             ("", "epijump=1", True), ("", "tailout=1", True), ("", "r2radix=1", True),  # exact
-                            ("", "r2roll=0", True), ("", "r2roll=2", True), ("", "r2all=1", True), ("", "r2all=1,r2list=1", True),
+                            ("", "r2roll=0", True), ("", "r2roll=2", True), ("", "r2all=0", True), ("", "r2all=1", True),
                             ("", "r2radix=1,prof=1", False),
                             ("cid=0,one=0", "", True), ("cid=0,skip=push", "", False),
                             ("", "epijump=1,norescue=1", False)]:

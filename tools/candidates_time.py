@@ -25,11 +25,10 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # (name, merge tune, select tune, what to time): "m" merge normal path, "r" forced rescue,
 # "R" forced rescue also at L = 128K, "p" the producer
 VARIANTS = [
-    ("default", "", "", "mrR"),  # round 2 rolled (r2roll=1, the default since the fourteenth session)
-    ("r2all1", "r2all=1", "", "mrR"),  # built, not measured: no tie-break when the boundary is taken whole
-    ("r2list1", "r2list=1", "", "mr"),  # built, not measured: a large tie-break over a shared list
-    ("r2all+list", "r2all=1,r2list=1", "", "mr"),
+    ("default", "", "", "mrR"),  # r2roll=1 (fourteenth session), r2all=1 (fifteenth)
+    ("r2all0", "r2all=0", "", "mr"),  # the tie-break also for a boundary taken whole (before)
     ("r2roll0", "r2roll=0", "", "mr"),  # round 2 in registers (before the fourteenth session)
+    ("rnosel", "rnosel=1", "", "rR"),  # timing only: no local select (a K-list ready-made)
     ("rnor2", "rnor2=1", "", "r"),  # timing only: no round 2
     ("default#2", "", "", "mr"),
 ]

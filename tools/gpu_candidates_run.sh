@@ -1,10 +1,8 @@
 #!/bin/bash
-# Exact candidate knobs timed against the default in ONE call on the GPU machine (fourteenth
-# session: merge r2roll adopted, rvpr / r2tie / r2agg measured and removed; kernels/NOTES.md
-# "Fourteenth session").  As left for the next session: the candidates r2all=1 and r2list=1
-# (built and compile-checked, not measured: the GPU tests, memcheck and racecheck of the rescue
-# tests with both, then each one's timing against the default and r2roll=0).  Add a candidate to tools/candidates_time.py
-# VARIANTS and set COMBO_M to it.
+# Exact candidate knobs timed against the default in ONE call on the GPU machine (fifteenth
+# session: merge r2all adopted, r2list measured and removed; kernels/NOTES.md "Fifteenth
+# session").  A new candidate: add it to tools/candidates_time.py VARIANTS and set COMBO_M /
+# COMBO_S to it (the GPU tests, memcheck and racecheck then run with it; empty: the default).
 #   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
 #       -> .cubins: the default and the combination COMBO_M + COMBO_S for every test configuration;
 #          each variant of tools/candidates_time.py for W=8 K=2048 N=512; the prof=1 builds for
@@ -16,7 +14,7 @@
 #          3. tools/candidates_time.py (the table last)
 set -o pipefail
 cd "$(dirname "$0")/.."
-COMBO_M="r2all=1,r2list=1"
+COMBO_M=""
 COMBO_S=""
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # (absolute, the venv link kept)
@@ -29,13 +27,13 @@ if [ "$1" = "--build" ]; then
     (cd $d && JAX_DSA_EXCHANGE_MERGE_TUNE="$mt" JAX_DSA_EXCHANGE_SELECT_TUNE="$st" $PY -m jax_dsa_exchange.build "$@" \
        --out "$OLDPWD/.cubins" > $d/log 2>&1) || { echo "build [$mt|$st] $* failed: $d/log"; exit 1; }
   }
-  full "" "" && full "$COMBO_M" "$COMBO_S" || exit 1
+  full "" "" && { [ -z "$COMBO_M$COMBO_S" ] || full "$COMBO_M" "$COMBO_S"; } || exit 1
   tunes=$($PY -c 'import sys; sys.path.insert(0, "tools"); import candidates_time as c
 print("\n".join(sorted({f"{mt}|{st}" for _, mt, st, _ in c.VARIANTS})))') || exit 1
   while IFS='|' read -r mt st; do
     one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 || exit 1
   done <<< "$tunes"
-  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1,r2all=1,r2list=1" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
+  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi
@@ -63,6 +61,7 @@ if [ -z "$NO_PROF" ]; then  # (NO_PROF=1: leave the phase profiles out, ~2 min)
   timeout 90 python3 tools/phase_profile.py --only merge --merge-tune $COMBO_M >> "$OUT/prof.log" 2>&1
   grep -E "^== |words in" "$OUT/prof.log" | cut -c1-120
 fi
+[ -n "$NO_TIME" ] && exit $rc  # (NO_TIME=1: the checks only; the timing in a call of its own)
 echo "== timing"
 timeout 330 python3 tools/candidates_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1
 tail -28 "$OUT/time.log"

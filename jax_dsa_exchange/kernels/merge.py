@@ -70,7 +70,6 @@ SM_SMEM_BYTES = 228 * 1024
 CTA_RESERVED_SMEM = 1024
 N_MARKS = abi.MERGE_PROF_MARKS  # prof=1: clock marks of thread 0, over ids[0, K - N_MARKS:]
 EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
-R2_LIST_CAP = SCORE_BINS + 16 + EQ_MAX + C.TB  # (r2list) fh + eqb + hist, in words
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
 # cache.source_hash() mixes the string into the cubins' tag (variants coexist in one dir).
@@ -97,20 +96,20 @@ R2_LIST_CAP = SCORE_BINS + 16 + EQ_MAX + C.TB  # (r2list) fh + eqb + hist, in wo
 #            (both in cache.MERGE_EXACT_KNOBS: the GPU tests accept them)
 #   r2radix  (exact) round 2 of a rescue by the radix walk (radix_select / emit) instead of the
 #            register fast path: less register pressure on the whole kernel, a slower rescue
-#   r2all    (exact candidate, not measured) r2roll's round 2 skips the tie-break when the
-#            boundary score's keys are all selected (need == m: gT = every g), as in the bench's
-#            forced rescue, where the rescued K-list's lowest score is the boundary
-#   r2list   (exact candidate, not measured) r2roll's tie-break over > EQ_MAX keys: the keys at
-#            the boundary score compacted into a list (up to R2_LIST_CAP) that all threads share
-#            in the three g histograms, instead of each thread's slots (the forced rescue's
-#            1,260 tied keys sit in 4 of the 16 warps)
+#   r2all=0  (exact; the default is 1) r2roll's round 2 also tie-breaks when the boundary
+#            score's keys are all selected (need == m); r2all=1 takes gT = every g then, as in
+#            the bench's forced rescue, where the rescued K-list's lowest score is the boundary
+#            (W = 8, N = 512: forced rescue 40.8 -> 34.0 us, the normal path unchanged;
+#            fifteenth session)
 #   r2roll=U (exact; the default is 1) round 2 of a rescue by the fast path's algorithm in loops
 #            rolled over a shared-memory copy of its words, unrolled U times (round2_rolled):
 #            a third of the register fast path's code, which a rescue fetches cold from HBM
 #            once per launch (W = 8, N = 512: forced rescue 49.2 -> 40.5 us, the normal path
 #            -0.3..-0.5 us; U = 2 no faster); r2roll=0: round 2 in registers (fast_round)
 # Measured and removed in the fourteenth session (exact, no faster; kernels/NOTES.md): rvpr (the
-# rescue select's vectors per round), r2tie (one loop over the g digits), r2agg (match.any reds).
+# rescue select's vectors per round), r2tie (one loop over the g digits), r2agg (match.any reds);
+# in the fifteenth: r2list (a large tie-break over a shared list of the tied keys: -1 us where
+# it applies, +0.5 us beside r2all; its code: commit c6de557).
 # The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
 # breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
 # the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
@@ -122,7 +121,8 @@ TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
                "rnoflag", "rnowait", "rnor2", "norescue", "prof")
 TUNE = dict.fromkeys(TIMING_ONLY + cache.MERGE_EXACT_KNOBS, 0)
-TUNE["r2roll"] = 1  # (the default: see above)
+TUNE["r2roll"] = 1  # (the defaults: see above)
+TUNE["r2all"] = 1
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
     if _k.strip() not in TUNE:
@@ -1304,14 +1304,6 @@ class Merge:
         return Int32((qw >> (Uint32(p & Int32(7)) * Uint32(4))) & Uint32(15))
 
     @cute.jit
-    def r2_list_addr(self, i: Int32, b0: Int32, b1: Int32, b2: Int32) -> Int32:
-        """Shared address of entry i of round 2's list of tied keys (r2list): [0, 1040) in fh,
-        then EQ_MAX in eqb, then C.TB in hist (b0, b1, b2: each part's base less its first
-        entry's offset)."""
-        return (i * Int32(4) + b0 + ((b1 - b0) & (Int32(0) - Int32(i >= Int32(SCORE_BINS + 16))))
-                + ((b2 - b1) & (Int32(0) - Int32(i >= Int32(SCORE_BINS + 16 + EQ_MAX)))))  # fmt: skip
-
-    @cute.jit
     def r2_owner(self, v: Int32, segr: cute.Tensor) -> Int32:
         """Segment of position v (< nk) from the segment starts in registers."""
         q = Int32(0)
@@ -1457,7 +1449,7 @@ class Merge:
             self.mk(6)
             need = Int32(K) - above
             # ---- gT: the need-th smallest g among the m keys at score vth (tie_break)
-            whole = Int32(0)  # (r2all=1) every key at score vth is selected: no tie-break
+            whole = Int32(0)  # (r2all) every key at score vth is selected: no tie-break
             if cutlass.const_expr(TUNE["r2all"]):
                 whole = Int32(need == m)
             if whole != Int32(0):
@@ -1483,49 +1475,11 @@ class Merge:
             else:
                 uT = Int32(0)
                 nd = need
-                listed = Int32(0)  # (r2list=1) the keys at vth compacted into a list first
-                lb0 = Int32(0)
-                lb1 = Int32(0)
-                lb2 = Int32(0)
-                if cutlass.const_expr(TUNE["r2list"]):
-                    # the list in fh (free after the score search), eqb and hist (free: no radix walk)
-                    lb0 = S.smem_addr(fh)
-                    lb1 = S.smem_addr(eqb) - Int32(4 * (SCORE_BINS + 16))
-                    lb2 = S.smem_addr(sm.hist) - Int32(4 * (SCORE_BINS + 16 + EQ_MAX))
-                    if m <= Int32(R2_LIST_CAP):
-                        listed = Int32(1)
-                        c = Int32(0)
-                        for p in cutlass.range(npair, unroll=U):
-                            w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-                            c = c + Int32(Int32(Uint32(w0) >> Uint32(16)) == vth) + Int32(Int32(Uint32(w1) >> Uint32(16)) == vth)
-                        pos = Int32(0)
-                        if c != Int32(0):
-                            pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
-                                                       scope="cta")  # fmt: skip
-                        for p in cutlass.range(npair, unroll=U):
-                            w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-                            q = self.r2_q(p, qb0, qb1)
-                            for h in cutlass.range_constexpr(2):
-                                w = Uint32((w0, w1)[h])
-                                if Int32(w >> Uint32(16)) == vth:
-                                    S.st_smem_u32(self.r2_list_addr(pos, lb0, lb1, lb2),
-                                                  gmax - (self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q))
-                                    pos = pos + Int32(1)
-                        cute.arch.sync_threads()
                 for d in cutlass.range_constexpr(3):
                     hi_ = (G, G - 10, G - 16)[d]
                     lo_ = (G - 10, G - 16, 0)[d]
                     hist = (fg, fg2, fg3)[d]
-                    nslots = npair
-                    if cutlass.const_expr(TUNE["r2list"]):
-                        # the list shared by all threads (a few entries each), else the slots
-                        for i in cutlass.range(tid, m * listed, TB, unroll=1):
-                            u = S.ld_smem_u32(self.r2_list_addr(i, lb0, lb1, lb2))
-                            if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
-                                cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
-                                                     Int32(1), sem="relaxed", scope="cta")  # fmt: skip
-                        nslots = Int32(npair) * (Int32(1) - listed)
-                    for p in cutlass.range(nslots, unroll=U):
+                    for p in cutlass.range(npair, unroll=U):
                         w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                         q = self.r2_q(p, qb0, qb1)
                         for h in cutlass.range_constexpr(2):

@@ -23,7 +23,10 @@ offsets from :class:`BufferLayout`:
 
 Local (not shared) state, int32, from :class:`StateLayout`: ``epoch[max_rows]``,
 ``seq[max_rows]`` (rescue sequence per row) and ``status[STATUS_WORDS]``
-(``[code, row, epoch, rank, ...]``, 0 = healthy).  A kernel that finds a
+(``[code, row, epoch, rank, ...]``, 0 = healthy), then, 16-byte aligned,
+``klist[max_rows, words(K)]``: each row's local top-K as a packed row, written by the
+producer of an exchange created with ``rescue_list=True`` and read by the merge's rescue
+of that row instead of selecting it again.  A kernel that finds a
 non-zero status when it starts does no exchange work at all (no peer store, no
 wait, no epoch bump; the merge writes empty outputs): a failed exchange refuses
 further calls until it is recreated, and a closed one is safe against replays
@@ -313,9 +316,12 @@ class BufferLayout:
 
 @dataclasses.dataclass(frozen=True)
 class StateLayout:
-    """Int32 word offsets of one rank's local state buffer."""
+    """Int32 word offsets of one rank's local state buffer.  ``words``: the epochs, rescue
+    sequences and status words (what ``Exchange.read_state`` copies); ``alloc_words``: with
+    the K-list region of ``topk`` (0: none) after them."""
 
     max_rows: int
+    topk: int = 0
 
     @property
     def epoch_off(self) -> int:
@@ -332,6 +338,15 @@ class StateLayout:
     @property
     def words(self) -> int:
         return self.status_off + STATUS_WORDS
+
+    @property
+    def klist_off(self) -> int:
+        """Word offset of klist[0] (16-byte aligned; kernels/common.state_klist)."""
+        return _round_up(self.words, 4)
+
+    @property
+    def alloc_words(self) -> int:
+        return self.klist_off + self.max_rows * row_words(self.topk) if self.topk else self.words
 
 
 def launcher_constants() -> dict:

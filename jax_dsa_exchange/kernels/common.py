@@ -53,6 +53,14 @@ def state_seq(state, max_rows, t):
     return state + (_region(max_rows, layout.STATE_SEQ_ROWS) + Int64(t)) * Int64(4)
 
 
+def state_klist(state, max_rows, t, row_words: int):
+    """Address of klist[t] (layout.StateLayout.klist_off: the status words, then 16-byte
+    aligned; rows of ``row_words`` words)."""
+    w = Int64(max_rows) * Int64(layout.STATE_STATUS_ROWS) + Int64(layout.STATUS_WORDS)
+    w = (w + Int64(3)) & Int64(-4)
+    return state + (w + Int64(t) * Int64(row_words)) * Int64(4)
+
+
 def state_status(state, max_rows):
     """Address of the status words (word layout.STATUS_CODE first)."""
     return state + Int64(max_rows) * Int64(4 * layout.STATE_STATUS_ROWS)
@@ -238,6 +246,15 @@ def st_v4(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=N
     _asm(None, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d)],
          "st.global.v4.u32 [$0], {$1, $2, $3, $4};",
          "l,r,r,r,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def ld_cg_v4(addr: Int64, *, loc=None, ip=None):
+    """16-byte load cached in the L2 only (data another grid wrote: not through the L1)."""
+    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
+    r = _asm(st, [Int64(addr)], "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+             loc, ip)  # fmt: skip
+    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
 
 
 @dsl_user_op

@@ -232,15 +232,17 @@ class MergeSmem:
 
 
 class Merge:
-    """Exchange merge for one static (world, topk, local_topk)."""
+    """Exchange merge for one static (world, topk, local_topk, rescue_list: a rescue pushes
+    the producer's K-list of the row instead of selecting the row itself)."""
 
-    def __init__(self, world: int, topk: int, n: int):
+    def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False):
         layout.check_config(world, topk, n)
         self.world, self.topk, self.n = world, topk, n
         self.gbits = layout.gid_bits(world)
         self.keybits = 16 + self.gbits
         self.rw_n = layout.row_words(n)
         self.rw_k = layout.row_words(topk)
+        self.klist = S.klist_n2(n, topk, rescue_list) > 0  # the rescue takes the producer's K-list
         self.rescue_row_bytes = layout.rescue_row_bytes(topk)
         self.ll_row_bytes = layout.ll_row_bytes(n)
         self.slots = layout.rescue_slots(topk, n, world)
@@ -272,7 +274,8 @@ class Merge:
         if self.fast2 and TUNE["r2roll"] > 0 and self.kp2 // 2 <= 16:
             self.stage2_words = max(0, self.kp2 // 2 - R2_H - R2_M) * 2 * C.TB
             self.r2m_words = (self.nk2max // 32 + 3) // 4 * 4
-            self.roll2 = (self._smem() + select_push_smem(n) + 2 * CTA_RESERVED_SMEM <= SM_SMEM_BYTES)
+            self.roll2 = (self._smem() + select_push_smem(n, topk, rescue_list) + 2 * CTA_RESERVED_SMEM
+                          <= SM_SMEM_BYTES)  # fmt: skip
             if not self.roll2:
                 self.stage2_words = self.r2m_words = 0
         self.smem = self._smem()
@@ -1696,7 +1699,7 @@ class Merge:
                                 rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
                                 status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
                                 bt_row, req_ok, bt_cols, block_size, keys, words, hb,
-                                slot1 + Int32(1))  # fmt: skip
+                                slot1 + Int32(1), state)  # fmt: skip
                     if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
                         C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
                 epn, last_f = self.row_epilogue(t, ep, mask, None, epn, nblk, rows, state, max_rows,
@@ -1719,7 +1722,7 @@ class Merge:
                                 rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
                                 status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
                                 bt_row, req_ok, bt_cols, block_size, keys, words, hb,
-                                slot1 + Int32(1))  # fmt: skip
+                                slot1 + Int32(1), state)  # fmt: skip
                     if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
                         C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
                     epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nblk, rows, state, max_rows,
@@ -1861,7 +1864,8 @@ class Merge:
                ep: Int32, seq: Int32, status: Int64, timeout_ns: Int64, ll0: Int64,
                ll_stride: Int64, resc0: Int64, ids: Int64, kv_rows: Int64, counts: Int64,
                bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32,
-               keys: cute.Tensor, words: cute.Tensor, hb: cute.Tensor, slot2: Int32):  # fmt: skip
+               keys: cute.Tensor, words: cute.Tensor, hb: cute.Tensor, slot2: Int32,
+               state: Int64):  # fmt: skip
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         sel = sm.sel.parts()
         W = self.world
@@ -1870,8 +1874,11 @@ class Merge:
             # This rank is saturated: its local top-K from its logits (which
             # the kernel before the producer wrote: wait for the grid chain).
             C.pdl_wait()
-            end = row_end(row_ends, t, cols)
-            if cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
+            klist = Int64(0)  # (rescue_list) the producer made this row's K-list: no select here
+            if cutlass.const_expr(self.klist):
+                klist = C.state_klist(state, max_rows, t, self.rw_k)
+            elif cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
+                end = row_end(row_ends, t, cols)
                 S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
                              sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
                              self.rescue_u1)  # fmt: skip
@@ -1881,11 +1888,20 @@ class Merge:
             if cutlass.const_expr(TUNE["rnopush"]):
                 pass  # timing only: the K-list is not stored
             else:
-                for p in cutlass.range(W, unroll=1):
-                    dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
+                if cutlass.const_expr(self.klist):
+                    # the producer's K-list (written by the grid pdl_wait waited for; .cg: not
+                    # through this SM's L1, which may hold an earlier call's lines)
                     for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                        C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
-                                sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
+                        a, b, c, d = C.ld_cg_v4(klist + Int64(i) * Int64(16))
+                        for p in cutlass.range_constexpr(W):
+                            dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
+                            C.st_v4(dst + Int64(i) * Int64(16), a, b, c, d)
+                else:
+                    for p in cutlass.range(W, unroll=1):
+                        dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
+                        for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
+                            C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
+                                    sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
             cute.arch.sync_threads()
             self.mk(17)
             foff = flags_off + C.flag_offset(rank, t, max_rows)

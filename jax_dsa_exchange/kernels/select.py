@@ -52,7 +52,7 @@ import os
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32
+from cutlass import Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -131,6 +131,14 @@ CID = 1
 # Both measured together on one H200 (thirteenth session, kernels/NOTES.md): -0.3..-0.6 us
 # by events on the C = 1 shapes, -0.1..-0.3 on clustered ones, no shape slower.
 ONE = 1
+# The rescue list (the kernels' static option ``rescue_list``, Exchange.create; fifteenth
+# session): select_push also selects each row's local top-K (n2 = K) in the same passes (a
+# second boundary from the same histograms, a second compaction count) and writes it to its
+# klist row of the local state (layout.StateLayout), where the merge's rescue of that row
+# takes it instead of selecting the row again on one CTA (W = 8, N = 512: forced rescue 34 ->
+# 24 us at L = 8K, 201 -> 24 at 128K; the producer +2.4 .. +5.8 us at R <= 64, +23 at R = 256,
+# L = 128K; kernels/NOTES.md)
+KSTAGE = 1  # its words staged in shared memory, then coalesced stores ("kstage=0": direct)
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -147,7 +155,16 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
         continue
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
-               "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE"}[_k]] = int(_v)  # fmt: skip
+               "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
+               "kstage": "KSTAGE"}[_k]] = int(_v)  # fmt: skip
+
+
+def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
+    """The second count select_push makes and the merge's rescue takes (the rescue list): K
+    where a rescue can happen (K > n), else 0."""
+    return topk if rescue_list and topk > n else 0
+
+
 EXACT = not SKIP and not PROF  # False: a timing-only build (wrong outputs)
 if ONE and BOUNDED_MIN < 2:  # (the bounded sums' DSMEM loads would then run at C = 1 unordered)
     raise ValueError(f"{TUNE_ENV}: one=1 needs bmin >= 2 (bmin={BOUNDED_MIN})")
@@ -160,29 +177,31 @@ MASK_WORDS = layout.MAX_LOCAL_LEN // 32
 NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
 
 
-def smem_words(rw: int, cached: bool) -> int:
+def smem_words(rw: int, cached: bool, dual: bool = False) -> int:
     """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts;
     the cache last, so a launch with a smaller cache needs that much less)."""
-    parts = [NB1, NB2, NB2, 16, 32, 2 * NWARPS, rw, MASK_WORDS, 2 * NCHUNK if cached else 4,
+    h2 = NB2 * (2 if dual else 1)  # second-pass histograms: one per count (n, and n2: the rescue list)
+    parts = [NB1, h2, h2, 16, 32, 2 * NWARPS, rw, MASK_WORDS, 2 * NCHUNK if cached else 4,
              CACHE_MAX // 2 if cached else 4]
     return sum(-(-p // 4) * 4 for p in parts)
 
 
-def smem_bytes(rw: int, cached: bool) -> int:
-    return smem_words(rw, cached) * 4 + 128  # + allocator alignment slack
+def smem_bytes(rw: int, cached: bool, dual: bool = False) -> int:
+    return smem_words(rw, cached, dual) * 4 + 128  # + allocator alignment slack
 
 
 class SelectSmem:
     """The select's shared arrays, allocated from ``smem`` (a SmemAllocator)."""
 
-    def __init__(self, smem, rw: int, cached: bool):
+    def __init__(self, smem, rw: int, cached: bool, dual: bool = False):
         def arr(n):
             return smem.allocate_tensor(Int32, cute.make_layout((n,)), 16)
 
         self.hist1 = arr(NB1)
-        self.hist2 = arr(NB2)
-        self.gsum2 = arr(NB2)  # the cluster's second-pass histogram
-        self.pub = arr(16)  # read by other CTAs: [0] own count above b1, [1] own valid count
+        self.hist2 = arr(NB2 * (2 if dual else 1))  # (dual, the rescue list: n2's at [NB2, 2 NB2))
+        self.gsum2 = arr(NB2 * (2 if dual else 1))  # the cluster's second-pass histogram
+        self.pub = arr(16)  # read by other CTAs: [0] own count above b1, [1] own valid count,
+        #                     [2] (the rescue list) own count above n2's b1
         self.scal = arr(32)  # CTA-local scalars (see select_row)
         self.wt = arr(2 * NWARPS)  # warp totals of the pair scan
         self.row = arr(rw)  # the packed row (CTA 0's; own_part: each CTA's range of it)
@@ -606,9 +625,11 @@ def sum_cluster_bins(h1_a: Int32, hb: Int32, csize: Int32, gc: cute.Tensor):
             gc[3] = gc[3] + d
 
 
-# scal slots
+# scal slots (the rescue list: n2's at the same slot + _K, [12, 24); _TOTAL + _K counts its kept
+# tokens below 2**16)
 _B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _LOWV, _ABOVE2 = 0, 1, 2, 3, 4, 5
 _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
+_K = 12
 
 
 @cute.jit
@@ -661,6 +682,133 @@ def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_
             if hi:
                 red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
     return gt_b, eq_b
+
+
+@cute.jit
+def emit_k(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32,
+           n: cutlass.Constexpr, k_out: Int64, lo16: Int32, staged: cutlass.Constexpr, st_a: Int32):
+    """(the rescue list) emit_token's rule for the second count, one token: its packed word to position
+    pos of the K-list row: ``staged``, at shared address st_a + 4 pos (this CTA's positions,
+    copied to ``k_out`` whole after the walk: coalesced stores), else straight to k_out + 4 pos
+    (global; each position written once) -> the advanced (gt_b, eq_b, lo16: kept tokens with
+    l < 2**16)."""
+    pos = Int32(-1)
+    if o > v:
+        pos = gt_b + cutlass.min(eq_b, need_eq)
+        gt_b = gt_b + Int32(1)
+    if o == v and v != Uint32(0):
+        if eq_b < need_eq:
+            pos = gt_b + eq_b
+        eq_b = eq_b + Int32(1)
+    if pos >= Int32(n):
+        pos = Int32(-1)  # (as emit_token: never past the row)
+    if pos >= Int32(0):
+        word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
+        if cutlass.const_expr(staged):
+            st_smem_u32(st_a + pos * Int32(4), word)
+        else:
+            C.st_u32(k_out + Int64(pos) * Int64(4), word)
+        if (lu >> Uint32(16)) == Uint32(0):
+            lo16 = lo16 + Int32(1)
+    return gt_b, eq_b, lo16
+
+
+@cute.jit
+def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> Int32:
+    """Mask word k of a packed row: bit j set for position 32 k + j in [p_hi, p_end); the
+    padding words past the nmw mask words are zero."""
+    a = cutlass.min(cutlass.max(p_hi - Int32(32) * k, Int32(0)), Int32(32))
+    b = cutlass.min(cutlass.max(p_end - Int32(32) * k, Int32(0)), Int32(32))
+    bits = Int32(0)
+    if b > a and k < Int32(nmw):
+        bits = Int32(Uint64(((Uint64(1) << Uint64(b)) - Uint64(1)) ^ ((Uint64(1) << Uint64(a)) - Uint64(1))))
+    return bits
+
+
+@cute.jit
+def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Tensor,
+                  gsum2: cute.Tensor, pub: cute.Tensor, scal: cute.Tensor, h2_a: Int32,
+                  g2_a: Int32, pub_a: Int32, scal_a: Int32, tid, lane, warp, csize: Int32,
+                  me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
+                  pa: cutlass.Constexpr, so: cutlass.Constexpr):
+    """After the second cluster barrier: the boundary score v of the top-nn, need_eq, and
+    how many > v / == v precede this slice and lie in it (scal slots + so) -> (v, need_eq).
+    ``ho``: this count's second histograms in hist2 / gsum2; ``pa``: pub's own count above
+    its b1; (so, ho, pa) = (0, 0, 0) for n, (_K, NB2, 2) for the rescue list's n2.  Ends with a block
+    barrier."""
+    v = Uint32(0)
+    need_eq = Int32(0)
+    r = tid >> Int32(5)
+    j = tid & Int32(31)
+    if total > Int32(nn):
+        x = Int32(0)
+        above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
+        if r < csize:
+            if cutlass.const_expr(clustered and "dsmem" not in SKIP):
+                if one_cta(csize) != Int32(0):  # (ONE, r == me == 0: its own histogram)
+                    x = hist2[ho + j]
+                    if j == Int32(0):
+                        above = pub[pa]
+                else:
+                    x = ld_dsmem_u32(mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
+                    # (only CTAs up to this one count: no remote load whose value is dead, so
+                    # every DSMEM load is used before own_part's relaxed arrival below)
+                    if j == Int32(0) and r <= me:
+                        above = ld_dsmem_u32(mapa(pub_a + Int32(4 * pa), r))
+            else:
+                x = hist2[ho + j]
+                above = pub[pa]
+            if x != Int32(0):
+                red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
+        cute.arch.sync_threads()
+        need2 = Int32(nn) - scal[so + _ABOVE1]
+        if warp == Int32(0):
+            c = gsum2[Int32(ho + NB2 - 1) - lane]
+            inc = c
+            for d in cutlass.range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(inc, 1 << d)
+                if lane >= Int32(1 << d):
+                    inc = inc + y
+            if c > Int32(0) and inc >= need2 and inc - c < need2:
+                scal[so + _LOWV] = Int32(NB2 - 1) - lane
+                scal[so + _ABOVE2] = inc - c
+        cute.arch.sync_threads()
+        lowv = scal[so + _LOWV]
+        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
+        need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
+        if r < csize:
+            gt = Int32(0)
+            eq = Int32(0)
+            if j > lowv:
+                gt = x
+            if j == lowv:
+                eq = x
+            if j == Int32(0):
+                gt = gt + above
+            if r < me:
+                if gt != Int32(0):
+                    red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), gt)
+                if eq != Int32(0):
+                    red_smem_add(scal_a + Int32((so + _EQ_BEFORE) * 4), eq)
+            if r == me:
+                if gt != Int32(0):
+                    red_smem_add(scal_a + Int32((so + _GT_OWN) * 4), gt)
+                if eq != Int32(0):
+                    red_smem_add(scal_a + Int32((so + _EQ_OWN) * 4), eq)
+    else:
+        # every valid token is kept (v = 0: every ord16 of a valid token is > 0)
+        if tid < csize and tid < me:
+            y = Int32(0)
+            if cutlass.const_expr(clustered):
+                if cutlass.const_expr("dsmem" in SKIP):
+                    y = pub[1]
+                else:
+                    y = ld_dsmem_u32(mapa(pub_a + Int32(4), tid))
+            red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), y)
+        if tid == Int32(0):
+            scal[so + _GT_OWN] = pub[1]
+    cute.arch.sync_threads()
+    return v, need_eq
 
 
 @cute.jit
@@ -743,7 +891,8 @@ def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid)
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
                cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
-               mk=None, span=None, early=None, own_part: cutlass.Constexpr = False):
+               mk=None, span=None, early=None, own_part: cutlass.Constexpr = False,
+               n2: cutlass.Constexpr = 0, k_out=None):
     """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
     row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
     cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
@@ -765,8 +914,15 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     can derive every mask word from the first of its own set bits.  It then ends with a
     block barrier, after a relaxed ARRIVAL at the cluster barrier placed once every DSMEM
     load's value has been used (so no CTA reads another's shared memory after it): the
-    caller must ``cluster_wait()`` before the CTA exits."""
+    caller must ``cluster_wait()`` before the CTA exits.  ``n2`` > n (the rescue list): also the row's
+    top-min(n2, valid), in the same passes, as a packed row of n2 candidates written to
+    global memory at ``k_out`` (each CTA its own positions; the CTA that derives the mask
+    words writes them and the empty words past the count)."""
     own = bool(clustered and own_part and OWN)
+    dual = cutlass.const_expr(n2 > 0)
+    if cutlass.const_expr(dual):
+        assert n2 > n and n2 % 32 == 0, (n, n2)
+    nlo = max(n, n2)  # the larger count: its boundary bin is the lower one
     if cutlass.const_expr(mk is None):
         mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
@@ -825,9 +981,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         row[i] = Int32(0)
     for i in cutlass.range_constexpr(BPT):
         hist1[tid + Int32(i * TB)] = Int32(0)
-    if tid < Int32(NB2):
+    if tid < Int32(NB2 * (1 + int(dual))):
         hist2[tid] = Int32(0)
         gsum2[tid] = Int32(0)
+    if tid < Int32(NB2):
         scal[tid] = Int32(0)
     cute.arch.sync_threads()
     mk(1)
@@ -915,10 +1072,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     inc0 = inc0 + x0
                 tl0 = tl0 + x0
             r0 = inc0 - sl0  # own scores in bins above this thread's
-            if r0 < Int32(n) and inc0 >= Int32(n):
+            if r0 < Int32(nlo) and inc0 >= Int32(nlo):
                 for p in cutlass.range_constexpr(BPT):
                     c0 = lc[BPT - 1 - p]
-                    if c0 > Int32(0) and r0 < Int32(n) and r0 + c0 >= Int32(n):
+                    if c0 > Int32(0) and r0 < Int32(nlo) and r0 + c0 >= Int32(nlo):
                         pub[5] = hb + Int32(BPT - 1 - p)
                     r0 = r0 + c0
             if sl0 > Int32(0) and inc0 == sl0:
@@ -929,7 +1086,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 pub[6] = top
             if tid == Int32(0):
                 pub[4] = tl0
-                if tl0 < Int32(n):
+                if tl0 < Int32(nlo):
                     pub[5] = Int32(0)
                 if tl0 == Int32(0):
                     pub[6] = Int32(0)
@@ -976,6 +1133,18 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
     if cl_total >= Int32(0):
         tg = cl_total  # (the scan summed only the bins in [lo, hi])
+    if cutlass.const_expr(dual):
+        rgk = ig - sg
+        rlk = il - sl
+        if rgk < Int32(n2) and ig >= Int32(n2):
+            for p in cutlass.range_constexpr(BPT):
+                c = gc[BPT - 1 - p]
+                if c > Int32(0) and rgk < Int32(n2) and rgk + c >= Int32(n2):
+                    scal[_K + _B1] = hb + Int32(BPT - 1 - p)
+                    scal[_K + _ABOVE1] = rgk
+                    scal[_K + _OWN_ABOVE1] = rlk
+                rgk = rgk + c
+                rlk = rlk + lc[BPT - 1 - p]
     rg = ig - sg
     rl = il - sl
     if rg < Int32(n) and ig >= Int32(n):
@@ -994,6 +1163,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     mk(4)
     total = scal[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
     b1 = scal[_B1]
+    b1k = scal[_K + _B1]  # (the rescue list)
     # ---- pass 2: low bits inside b1, from the shared copy (or global memory), and the
     # mask of the tokens the compaction looks at: score bin >= b1 (every valid token when
     # the row has at most n), so the compaction touches a word per 32 tokens and then
@@ -1003,6 +1173,12 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if total > Int32(n):
         mthr = Uint32(b1) << Uint32(16 - B1)
         b1c = b1
+    b1kc = Int32(-1)  # (the rescue list) n2's bin: the mask starts there (every valid token: none)
+    if cutlass.const_expr(dual):
+        mthr = Uint32(1)
+        if total > Int32(n2):
+            mthr = Uint32(b1k) << Uint32(16 - B1)
+            b1kc = b1k
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
     mask_a = smem_addr(mask)
     # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
@@ -1037,6 +1213,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                             # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
                             red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                             Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
+                            if cutlass.const_expr(dual):
+                                red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                                Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
                     vi = base + tid + Int32(u * TB)
                     if vi < nvec4:
                         st_smem_u8(mask_a + vi, mb)
@@ -1058,6 +1237,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if total > Int32(n):
         if tid == Int32(0):
             pub[0] = scal[_OWN_ABOVE1]
+            if cutlass.const_expr(dual):
+                pub[2] = scal[_K + _OWN_ABOVE1]
         if keep != Int32(0) and big == Int32(0) and cutlass.const_expr("pass2" not in SKIP):
             # the second histogram from the set bits only (a few % of the tokens): a
             # per-token predicated red compiled to a branch per token, taken by most warps
@@ -1069,82 +1250,20 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     o = ld_smem_u16(cache_a + lt * Int32(2))
                     red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                     Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
+                    if cutlass.const_expr(dual):
+                        red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                        Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
     mk(6)
     csync_n(clustered, csize)
     mk(7)
     # ---- boundary score v, need_eq, and what precedes this slice
-    v = Uint32(0)
-    need_eq = Int32(0)
-    r = tid >> Int32(5)
-    j = tid & Int32(31)
-    if total > Int32(n):
-        x = Int32(0)
-        above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
-        if r < csize:
-            if cutlass.const_expr(clustered and "dsmem" not in SKIP):
-                if one_cta(csize) != Int32(0):  # (ONE, r == me == 0: its own histogram)
-                    x = hist2[j]
-                    if j == Int32(0):
-                        above = pub[0]
-                else:
-                    x = ld_dsmem_u32(mapa(h2_a + j * Int32(4), r))
-                    # (only CTAs up to this one count: no remote load whose value is dead, so
-                    # every DSMEM load is used before own_part's relaxed arrival below)
-                    if j == Int32(0) and r <= me:
-                        above = ld_dsmem_u32(mapa(pub_a, r))
-            else:
-                x = hist2[j]
-                above = pub[0]
-            if x != Int32(0):
-                red_smem_add(g2_a + j * Int32(4), x)
-        cute.arch.sync_threads()
-        need2 = Int32(n) - scal[_ABOVE1]
-        if warp == Int32(0):
-            c = gsum2[Int32(NB2 - 1) - lane]
-            inc = c
-            for d in cutlass.range_constexpr(5):
-                y = cute.arch.shuffle_sync_up(inc, 1 << d)
-                if lane >= Int32(1 << d):
-                    inc = inc + y
-            if c > Int32(0) and inc >= need2 and inc - c < need2:
-                scal[_LOWV] = Int32(NB2 - 1) - lane
-                scal[_ABOVE2] = inc - c
-        cute.arch.sync_threads()
-        lowv = scal[_LOWV]
-        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
-        need_eq = Int32(n) - scal[_ABOVE1] - scal[_ABOVE2]
-        if r < csize:
-            gt = Int32(0)
-            eq = Int32(0)
-            if j > lowv:
-                gt = x
-            if j == lowv:
-                eq = x
-            if j == Int32(0):
-                gt = gt + above
-            if r < me:
-                if gt != Int32(0):
-                    red_smem_add(scal_a + Int32(_GT_BEFORE * 4), gt)
-                if eq != Int32(0):
-                    red_smem_add(scal_a + Int32(_EQ_BEFORE * 4), eq)
-            if r == me:
-                if gt != Int32(0):
-                    red_smem_add(scal_a + Int32(_GT_OWN * 4), gt)
-                if eq != Int32(0):
-                    red_smem_add(scal_a + Int32(_EQ_OWN * 4), eq)
-    else:
-        # every valid token is kept (v = 0: every ord16 of a valid token is > 0)
-        if tid < csize and tid < me:
-            y = Int32(0)
-            if cutlass.const_expr(clustered):
-                if cutlass.const_expr("dsmem" in SKIP):
-                    y = pub[1]
-                else:
-                    y = ld_dsmem_u32(mapa(pub_a + Int32(4), tid))
-            red_smem_add(scal_a + Int32(_GT_BEFORE * 4), y)
-        if tid == Int32(0):
-            scal[_GT_OWN] = pub[1]
-    cute.arch.sync_threads()
+    v, need_eq = boundary_step(n, total, b1, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a, scal_a,
+                               tid, lane, warp, csize, me, clustered, 0, 0, 0)  # fmt: skip
+    vk = Uint32(0)  # (the rescue list) n2's
+    need_eqk = Int32(0)
+    if cutlass.const_expr(dual):
+        vk, need_eqk = boundary_step(n2, total, b1k, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a,
+                                     scal_a, tid, lane, warp, csize, me, clustered, NB2, 2, _K)  # fmt: skip
     if cutlass.const_expr(own):
         # every DSMEM load of this CTA was used above (own_part); (ONE: a one-CTA cluster
         # neither arrives nor waits)
@@ -1152,7 +1271,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             cluster_arrive()
     if cutlass.const_expr(listed):
         if big != Int32(0):
-            refine_mask(mask, cache_a, nvec4, v, tid)
+            vlo = v  # (the rescue list: n2's boundary, the lower one, keeps both counts' tokens)
+            if cutlass.const_expr(dual):
+                vlo = vk
+            refine_mask(mask, cache_a, nvec4, vlo, tid)
             cute.arch.sync_threads()
             mk(14)  # (prof=1: refine_mask's share of the boundary step; big CTAs only)
             use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, wt, tid)
@@ -1171,6 +1293,25 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         dst_a = mapa(row_a, Int32(0))
         if csize > Int32(1):
             remote = Int32(1)
+    # (the rescue list) the same for n2
+    gtk_run = Int32(0)
+    eqk_run = Int32(0)
+    gtk_end = Int32(0)
+    eqk_end = Int32(0)
+    p0k = Int32(0)
+    p1k = Int32(0)
+    # (the rescue list) this CTA's K-list words staged in hist1 (free since the second cluster barrier:
+    # no CTA reads another's first histogram after it) when they fit, then stored whole
+    kst = cutlass.const_expr(dual and n2 <= NB1 and KSTAGE)
+    work = Int32(0)  # (the rescue list) n2's tokens to write
+    if cutlass.const_expr(dual):
+        gtk_run = scal[_K + _GT_BEFORE]
+        eqk_run = scal[_K + _EQ_BEFORE]
+        gtk_end = gtk_run + scal[_K + _GT_OWN]
+        eqk_end = cutlass.min(eqk_run + scal[_K + _EQ_OWN], need_eqk)
+        p0k = cutlass.min(gtk_run + cutlass.min(eqk_run, need_eqk), Int32(n2))
+        p1k = cutlass.min(gtk_end + eqk_end, Int32(n2))
+        work = Int32(gtk_run < gtk_end) | Int32(eqk_run < eqk_end)
     # one pass over the mask: thread tid takes the contiguous 16-token units [u0, u1) (index
     # order; all TB threads share the slice, so the serial walk over the set bits stays
     # short), classifies the tokens of the set bits (o > v, o == v), one pair block scan,
@@ -1178,37 +1319,62 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if cutlass.const_expr("compact" in SKIP):
         u1 = u0
         r1 = r0
-    if gt_run < gt_end or eq_run < eq_end:
+    lo16 = Int32(0)  # (the rescue list) this thread's kept n2 tokens with l < 2**16
+    if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
         ngt = Int32(0)
         neq = Int32(0)
+        ngtk = Int32(0)
+        neqk = Int32(0)
         if use_list != Int32(0):
             for r in cutlass.range(r0, r1, unroll=1):
-                ngt, neq = count_token(Uint32(mask[lw + r]) >> Uint32(16), v, ngt, neq)
+                o = Uint32(mask[lw + r]) >> Uint32(16)
+                ngt, neq = count_token(o, v, ngt, neq)
+                if cutlass.const_expr(dual):
+                    ngtk, neqk = count_token(o, vk, ngtk, neqk)
         else:
             for u in cutlass.range(u0, u1, unroll=1):
                 m = ld_smem_u16(mask_a + u * Int32(2))
                 while m != Uint32(0):
                     lt, m = pop_bit(m, u)
-                    ngt, neq = count_token(token_ord16(row_addr, s0, lt, cache_a, keep), v, ngt, neq)
+                    o = token_ord16(row_addr, s0, lt, cache_a, keep)
+                    ngt, neq = count_token(o, v, ngt, neq)
+                    if cutlass.const_expr(dual):
+                        ngtk, neqk = count_token(o, vk, ngtk, neqk)
         mk(9)
         igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, wt)
+        gtk_b = Int32(0)
+        eqk_b = Int32(0)
+        if cutlass.const_expr(dual):
+            igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, wt)
+            gtk_b = gtk_run + igtk - ngtk
+            eqk_b = eqk_run + ieqk - neqk
         mk(10)
         gt_b = gt_run + igt - ngt
         eq_b = eq_run + ieq - neq
-        if ngt + neq != Int32(0):
+        if ngt + neq + ngtk + neqk != Int32(0):
             if use_list != Int32(0):
                 for r in cutlass.range(r0, r1, unroll=1):
                     e = Uint32(mask[lw + r])
-                    gt_b, eq_b = emit_token(e >> Uint32(16), Uint32(s0) + (e & Uint32(0xFFFF)), v, gt_b,
-                                            eq_b, need_eq, n, remote, dst_a, row, row_a)  # fmt: skip
+                    o = e >> Uint32(16)
+                    lu = Uint32(s0) + (e & Uint32(0xFFFF))
+                    gt_b, eq_b = emit_token(o, lu, v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
+                    if cutlass.const_expr(dual):
+                        gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16,
+                                                    kst, h1_a - p0k * Int32(4))  # fmt: skip
             else:
                 for u in cutlass.range(u0, u1, unroll=1):
                     m = ld_smem_u16(mask_a + u * Int32(2))
                     while m != Uint32(0):
                         lt, m = pop_bit(m, u)
-                        gt_b, eq_b = emit_token(token_ord16(row_addr, s0, lt, cache_a, keep),
-                                                Uint32(s0 + lt), v, gt_b, eq_b, need_eq, n, remote,
+                        o = token_ord16(row_addr, s0, lt, cache_a, keep)
+                        gt_b, eq_b = emit_token(o, Uint32(s0 + lt), v, gt_b, eq_b, need_eq, n, remote,
                                                 dst_a, row, row_a)  # fmt: skip
+                        if cutlass.const_expr(dual):
+                            gtk_b, eqk_b, lo16 = emit_k(o, Uint32(s0 + lt), vk, gtk_b, eqk_b, need_eqk,
+                                                        n2, k_out, lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
+    if cutlass.const_expr(dual):
+        if lo16 != Int32(0):
+            red_smem_add(scal_a + Int32((_K + _TOTAL) * 4), lo16)
     mk(11)
     if cutlass.const_expr(own):
         cute.arch.sync_threads()  # this CTA's part of the row is complete
@@ -1217,4 +1383,20 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     mk(12)
     # (own_part's results; the other callers drop them)
     wc = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
+    if cutlass.const_expr(kst):
+        for i in cutlass.range(tid, p1k - p0k, TB, unroll=1):
+            C.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])
+    if cutlass.const_expr(dual):
+        # (the rescue list) the CTA whose slice holds token 2**16 (else the last) writes the K-list's
+        # mask words: positions ascend with l, so bit 16 is set at [p16, count), p16 = its
+        # first position + its kept tokens below 2**16 (every earlier CTA's are below, every
+        # later CTA's above); and the empty words past the count
+        if me == wc:
+            cnt = cutlass.min(total, Int32(n2))
+            p16 = p0k + scal[_K + _TOTAL]
+            nmw = n2 // 32
+            for i in cutlass.range(tid, layout.row_words(n2) - n2, TB, unroll=1):
+                C.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, nmw))
+            for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
+                C.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
     return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)

@@ -34,11 +34,12 @@ ABI = abi.SELECT_PUSH
 PTXAS_OPTIONS = "--register-usage-level=8"
 
 
-def smem_bytes(n: int) -> int:
+def smem_bytes(n: int, topk: int = 0, rescue_list: bool = False) -> int:
     """Dynamic shared memory of the CTA with a cache of S.CACHE_MAX tokens (the peers'
     addresses, then SelectSmem, its cache last); a launch with cache_tokens = c needs
     2 * (S.CACHE_MAX - c) bytes less (the launcher sizes it so)."""
-    return S.smem_bytes(layout.row_words(n), cached=True) + layout.MAX_WORLD * 8
+    dual = S.klist_n2(n, topk, rescue_list) > 0  # (a second list: its own second histograms)
+    return S.smem_bytes(layout.row_words(n), cached=True, dual=dual) + layout.MAX_WORLD * 8
 
 
 def split() -> dict:
@@ -72,26 +73,17 @@ def own_part_ok(n: int) -> bool:
     return (layout.row_words(n) - n) // 2 <= 32
 
 
-@cute.jit
-def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> Int32:
-    """Mask word k of a packed row: bit j set for position 32 k + j in [p_hi, p_end); the
-    padding words past the nmw mask words are zero."""
-    a = cutlass.min(cutlass.max(p_hi - Int32(32) * k, Int32(0)), Int32(32))
-    b = cutlass.min(cutlass.max(p_end - Int32(32) * k, Int32(0)), Int32(32))
-    bits = Int32(0)
-    if b > a and k < Int32(nmw):
-        bits = Int32(Uint64(((Uint64(1) << Uint64(b)) - Uint64(1)) ^ ((Uint64(1) << Uint64(a)) - Uint64(1))))
-    return bits
-
-
 class SelectPush:
-    """select_push for one static (world, n); n = local_topk."""
+    """select_push for one static (world, n); n = local_topk; topk: K; ``rescue_list``: each
+    row's local top-K also goes to its klist row of the local state (layout.StateLayout), for
+    the merge's rescue."""
 
-    def __init__(self, world: int, n: int):
+    def __init__(self, world: int, n: int, topk: int = 0, rescue_list: bool = False):
         self.world, self.n = world, n
+        self.n2 = S.klist_n2(n, topk, rescue_list)
         self.rw = layout.row_words(n)
         self.ll_row_bytes = layout.ll_row_bytes(n)
-        self.smem = smem_bytes(n)
+        self.smem = smem_bytes(n, topk, rescue_list)
 
     @cute.kernel
     def kernel(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
@@ -109,7 +101,7 @@ class SelectPush:
         me = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
         psm = smem.allocate_tensor(Int64, cute.make_layout((layout.MAX_WORLD,)), 16)
-        sm = S.SelectSmem(smem, self.rw, True)  # (its slice cache last: see smem_bytes)
+        sm = S.SelectSmem(smem, self.rw, True, self.n2 > 0)  # (its slice cache last: see smem_bytes)
         row = sm.row
         # The logits and epochs come from earlier kernels (PDL-safe).
         C.pdl_wait()
@@ -141,11 +133,15 @@ class SelectPush:
         # 2048; a longer row keeps CTA 0's push)
         own = cutlass.const_expr(S.OWN and "select" not in S.SKIP and own_part_ok(self.n))
         p0, p1, p_end, writer = Int32(0), Int32(self.n), Int32(0), Int32(1)
+        k_out = None
+        if cutlass.const_expr(self.n2 > 0):
+            k_out = C.state_klist(epoch, max_rows, t, layout.row_words(self.n2))
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
             p0, p1, p_end, writer = S.select_row(
                 logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(), tid,
                 lane, warp, csize, me, True, True, cache_tokens, mk=mk,
-                early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own)  # fmt: skip
+                early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own,
+                n2=self.n2, k_out=k_out)  # fmt: skip
         else:
             store_peers(psm, pv, tid, self.world)
             cute.arch.sync_threads()  # psm is read by other threads of the CTA
@@ -213,8 +209,8 @@ class SelectPush:
                     f = cutlass.min(f, (lane + Int32(k)) * Int32(32) + S.low_bit(w))
             p_hi = cutlass.min(cute.arch.warp_redux_sync(f, "min"), hi)
             if lane < Int32(mrec):
-                m0 = mask_bits(p_hi, p_end, Int32(2) * lane, nmw)
-                m1 = mask_bits(p_hi, p_end, Int32(2) * lane + Int32(1), nmw)
+                m0 = S.mask_bits(p_hi, p_end, Int32(2) * lane, nmw)
+                m1 = S.mask_bits(p_hi, p_end, Int32(2) * lane + Int32(1), nmw)
         # each thread's words are loaded once, then stored to every peer by predicated
         # stores (a loop per peer over dynamic bounds measured +0.5 us at C = 1, ninth session)
         wm = Int32(mw != Int32(0)) & Int32(tid < Int32(mrec))

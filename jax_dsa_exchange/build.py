@@ -3,7 +3,8 @@
     python -m jax_dsa_exchange.build --arch sm_90a --topk K --local-topk N --world W --out DIR
 
 --topk / --local-topk / --world take several values (every valid combination
-is built).  Point JAX_DSA_EXCHANGE_CUBIN_DIR at DIR where the kernels run.
+is built).  --rescue-list builds the kernels of Exchange.create(..., rescue_list=True)
+(--both: both kinds).  Point JAX_DSA_EXCHANGE_CUBIN_DIR at DIR where the kernels run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def main(argv=None) -> int:
     ap.add_argument("--local-topk", type=int, nargs="+", required=True)
     ap.add_argument("--world", type=int, nargs="+", required=True)
     ap.add_argument("--out", required=True)
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument("--rescue-list", action="store_true",
+                      help="the producer also makes each row's local top-K for a rescue")
+    kind.add_argument("--both", action="store_true", help="the default kernels and --rescue-list's")
     a = ap.parse_args(argv)
 
     from . import layout
@@ -41,12 +46,14 @@ def main(argv=None) -> int:
             continue  # e.g. N > K in a cross product
         configs.append((w, k, n))
     t_all = time.perf_counter()
+    kinds = (False, True) if a.both else (a.rescue_list,)
     for w, k, n in configs:
-        imgs = cache.compile_images(a.arch, w, k, n)
-        d = cache.write_images(imgs, a.out)
-        secs = " ".join(f"{name}={s:.1f}s" for name, (_, s) in imgs.items())
-        print(f"W={w} K={k} N={n}: {d}  ({secs})", flush=True)
-    print(f"{len(configs)} configuration(s) in {time.perf_counter() - t_all:.1f}s")
+        for rl in kinds:
+            imgs = cache.compile_images(a.arch, w, k, n, rescue_list=rl)
+            d = cache.write_images(imgs, a.out)
+            secs = " ".join(f"{name}={s:.1f}s" for name, (_, s) in imgs.items())
+            print(f"W={w} K={k} N={n}{' rescue_list' if rl else ''}: {d}  ({secs})", flush=True)
+    print(f"{len(configs) * len(kinds)} configuration(s) in {time.perf_counter() - t_all:.1f}s")
     return 0
 
 

@@ -165,13 +165,15 @@ def tune_exact() -> bool:
                    for kv in mtune.split(",") if "=" in kv)  # fmt: skip
 
 
-def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str) -> str:
-    return f"{arch}-w{world}-k{topk}-n{local_topk}-{shash[:16]}"
+def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str,
+               rescue_list: bool = False) -> str:
+    return f"{arch}-w{world}-k{topk}-n{local_topk}{'-rl' if rescue_list else ''}-{shash[:16]}"
 
 
-def build_command(arch, world, topk, local_topk, out="DIR") -> str:
+def build_command(arch, world, topk, local_topk, out="DIR", rescue_list=False) -> str:
     return (f"python -m jax_dsa_exchange.build --arch {arch} --topk {topk} "
-            f"--local-topk {local_topk} --world {world} --out {out}")  # fmt: skip
+            f"--local-topk {local_topk} --world {world}{' --rescue-list' if rescue_list else ''} "
+            f"--out {out}")  # fmt: skip
 
 
 def cutlass_available() -> bool:
@@ -184,24 +186,25 @@ def cutlass_available() -> bool:
 
 # ------------------------------------------------------------------ compile
 
-_COMPILED: dict = {}  # (kernel, arch, W, K, N) -> (compiled object, seconds)
+_COMPILED: dict = {}  # (kernel, arch, W, K, N, rescue_list) -> (compiled object, seconds)
 
 
-def _kernel_object(kernel: str, world: int, topk: int, local_topk: int):
+def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_list: bool = False):
     if kernel == "select_push":
         from .select_push import SelectPush
 
-        return SelectPush(world, local_topk)
+        return SelectPush(world, local_topk, topk, rescue_list)
     from .merge import Merge
 
-    return Merge(world, topk, local_topk)
+    return Merge(world, topk, local_topk, rescue_list)
 
 
-def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: int):
+def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: int,
+                   rescue_list: bool = False):
     """The CuTe DSL compiled object, cached on the static config only."""
-    key = (kernel, arch, world, topk, local_topk)
+    key = (kernel, arch, world, topk, local_topk, bool(rescue_list))
     if key not in _COMPILED:
-        obj = _kernel_object(kernel, world, topk, local_topk)
+        obj = _kernel_object(kernel, world, topk, local_topk, bool(rescue_list))
         t0 = time.perf_counter()
         # a private dump directory (common.compile_options): the DSL writes the PTX and
         # cubin there and reads them back before compile() returns
@@ -217,7 +220,7 @@ def _producer_split() -> dict:
     return split()
 
 
-def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
+def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_list: bool = False) -> dict:
     """Compile both kernels -> {name: (KernelImage, compile seconds)}."""
     layout.check_config(world, topk, local_topk)
     from .abi import KERNELS as ABIS
@@ -226,7 +229,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
     shash = source_hash()
     out = {}
     for name in KERNELS:
-        obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk)
+        obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk, rescue_list)
         entries = list(compiled.kernel_info)
         if len(entries) != 1:
             raise RuntimeError(f"{name}: expected one kernel entry, got {entries}")
@@ -234,7 +237,8 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int) -> dict:
             kernel=name, entry=entries[0], cubin=bytes(compiled.__cubin__),
             ptx=str(compiled.__ptx__), block=TB, smem=int(obj.smem),
             params=ABIS[name].pairs(),
-            config={"world": world, "topk": topk, "local_topk": local_topk},
+            config={"world": world, "topk": topk, "local_topk": local_topk,
+                    "rescue_list": bool(rescue_list)},
             arch=arch, source_hash=shash,
             split=_producer_split() if name == "select_push" else None,
         )  # fmt: skip
@@ -251,7 +255,7 @@ def write_images(images: dict, out_dir) -> pathlib.Path:
     first = first[0] if isinstance(first, tuple) else first
     c = first.config
     d = pathlib.Path(out_dir) / config_tag(first.arch, c["world"], c["topk"], c["local_topk"],
-                                           first.source_hash)  # fmt: skip
+                                           first.source_hash, c.get("rescue_list", False))  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
     for name, v in images.items():
         img, secs = v if isinstance(v, tuple) else (v, None)
@@ -295,14 +299,17 @@ def user_cache_dir() -> pathlib.Path:
 _LOADED: dict = {}
 
 
-def load_kernels(arch: str, world: int, topk: int, local_topk: int, *, allow_compile=True) -> dict:
-    """{"select_push": KernelImage, "merge": KernelImage} of one config."""
+def load_kernels(arch: str, world: int, topk: int, local_topk: int, *, allow_compile=True,
+                 rescue_list: bool = False) -> dict:
+    """{"select_push": KernelImage, "merge": KernelImage} of one config (``rescue_list``: the
+    producer also makes each row's K-list, which a rescue then pushes; kernels/select.py)."""
     layout.check_config(world, topk, local_topk)
+    rescue_list = bool(rescue_list)
     shash = source_hash()
-    key = (arch, world, topk, local_topk, shash)
+    key = (arch, world, topk, local_topk, shash, rescue_list)
     if key in _LOADED:
         return _LOADED[key]
-    tag = config_tag(arch, world, topk, local_topk, shash)
+    tag = config_tag(arch, world, topk, local_topk, shash, rescue_list)
     for d in search_dirs():
         folder = d / tag
         if all((folder / f"{n}.json").is_file() for n in KERNELS):
@@ -310,7 +317,7 @@ def load_kernels(arch: str, world: int, topk: int, local_topk: int, *, allow_com
             _LOADED[key] = imgs
             return imgs
     if allow_compile and cutlass_available():
-        built = compile_images(arch, world, topk, local_topk)
+        built = compile_images(arch, world, topk, local_topk, rescue_list)
         try:
             write_images(built, user_cache_dir())
         except OSError:
@@ -323,6 +330,6 @@ def load_kernels(arch: str, world: int, topk: int, local_topk: int, *, allow_com
         f"local_topk={local_topk} (source hash {shash[:16]}, folder {tag}) in "
         f"{[str(d) for d in search_dirs()]}, and the CuTe DSL (nvidia-cutlass-dsl) is "
         f"{'not importable' if not cutlass_available() else 'disabled'} here. Build them on "
-        f"any machine with: {build_command(arch, world, topk, local_topk)} and point "
+        f"any machine with: {build_command(arch, world, topk, local_topk, rescue_list=rescue_list)} and point "
         f"{ENV_DIRS} at DIR."
     )

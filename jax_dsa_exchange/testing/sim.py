@@ -128,14 +128,16 @@ def _load_function(img, tmpdir):
 
 
 class Sim:
-    def __init__(self, world, topk, local_topk, max_rows, *, arch="sm_90a", cta_budget=96):
+    def __init__(self, world, topk, local_topk, max_rows, *, arch="sm_90a", cta_budget=96,
+                 rescue_list=False):
         import cupy as cp
 
         self.cp = cp
         self.world, self.topk, self.n, self.max_rows = world, topk, local_topk, max_rows
         self.lay = layout.BufferLayout(world, topk, local_topk, max_rows)
-        self.st = layout.StateLayout(max_rows)
-        self.images = load_kernels(arch, world, topk, local_topk)
+        self.rescue_list = bool(rescue_list)  # (the kernels' option: Exchange.create)
+        self.st = layout.StateLayout(max_rows, topk if rescue_list else 0)
+        self.images = load_kernels(arch, world, topk, local_topk, rescue_list=self.rescue_list)
         self._tmp = tempfile.TemporaryDirectory()
         self.fns, self.loaded_from = {}, {}
         self._mods = []
@@ -144,7 +146,7 @@ class Sim:
             self._mods.append(mod)
             self.fns[name], self.loaded_from[name] = fn, ext
         self.bufs = [cp.zeros(self.lay.nbytes, cp.uint8) for _ in range(world)]
-        self.states = [cp.zeros(self.st.words, cp.int32) for _ in range(world)]
+        self.states = [cp.zeros(self.st.alloc_words, cp.int32) for _ in range(world)]
         self.peers = cp.asarray(np.array([b.data.ptr for b in self.bufs], np.int64))
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(world)]
         # the pinned host copies of each rank's status words (the merge fills them on a failure)

@@ -360,7 +360,7 @@ def test_rolled_round2_fits_beside_a_producer_cta():
                 m = merge.Merge(world, topk, n)
                 if m.roll2:
                     rolled.add((world, topk, n))
-                    assert (m.smem + select_push.smem_bytes(n) + 2 * merge.CTA_RESERVED_SMEM
+                    assert (m.smem + select_push.smem_bytes(n, topk) + 2 * merge.CTA_RESERVED_SMEM
                             <= merge.SM_SMEM_BYTES), (world, topk, n, m.smem)  # fmt: skip
                     assert m.stage2_words % (2 * 512) == 0 and m.kp2 // 2 <= 16
     assert (8, 2048, 512) in rolled and (2, 2048, 512) in rolled
@@ -379,3 +379,47 @@ def test_page_magic_is_exact_division():
         m = np.uint64(merge.page_magic(b))
         got = (ls * m) >> np.uint64(merge.PAGE_SHIFT)
         assert np.array_equal(got, ls // np.uint64(b)), b
+
+
+def test_klist_state_region():
+    """The K-list rows (the rescue list: the producer's local top-K for the merge's rescue) sit
+    after the status words of the local state, 16-byte aligned, one packed row of K per row;
+    ``words`` (what Exchange.read_state copies) does not include them."""
+    for max_rows in (1, 3, 64, 257):
+        st = layout.StateLayout(max_rows, 2048)
+        assert st.klist_off % 4 == 0 and st.klist_off >= st.words
+        assert st.klist_off == -(-(layout.STATE_STATUS_ROWS * max_rows + layout.STATUS_WORDS) // 4) * 4
+        assert st.alloc_words == st.klist_off + max_rows * layout.row_words(2048)
+        assert layout.StateLayout(max_rows).alloc_words == st.words
+
+
+def test_rescue_list_kernels():
+    """rescue_list=True (Exchange.create's option): at W = 8, N = 512 both kernels compile
+    without a frame, differ from the default's, the merge's rescue loads the producer's
+    K-list by .cg loads and drops its own select (less code), the producer's K-list words are
+    staged in shared memory; where no rescue can happen (N = K) the cubins are the default's,
+    byte for byte; the folders are tagged apart; the option is validated."""
+    import hashlib
+
+    def build(rl, w, k, n):
+        out = {}
+        for name in ("select_push", "merge"):
+            compiled = cache.compile_kernel(name, "sm_90a", w, k, n, rl)[1]
+            cub = bytes(compiled.__cubin__)
+            out[name] = dict(cache.cubin_resources(cub), md5=hashlib.md5(cub).hexdigest(),
+                             cg="ld.global.cg.v4" in str(compiled.__ptx__))  # fmt: skip
+        return out
+
+    base, rl = build(False, 8, 2048, 512), build(True, 8, 2048, 512)
+    for name in ("select_push", "merge"):
+        assert rl[name]["frame_bytes"] == 0 and rl[name]["md5"] != base[name]["md5"], (name, rl, base)
+    assert rl["merge"]["cg"] and not base["merge"]["cg"]
+    assert rl["merge"]["text_bytes"] < base["merge"]["text_bytes"]
+    assert build(True, 1, 2048, 2048) == build(False, 1, 2048, 2048)
+    h = cache.source_hash()
+    assert cache.config_tag("sm_90a", 8, 2048, 512, h, True) != cache.config_tag("sm_90a", 8, 2048, 512, h)
+    assert "--rescue-list" in cache.build_command("sm_90a", 8, 2048, 512, rescue_list=True)
+    from jax_dsa_exchange import exchange
+
+    with pytest.raises(TypeError, match="rescue_list"):
+        exchange._check_create_args(2048, 512, 8, 8, 0, 1000, rescue_list=1)

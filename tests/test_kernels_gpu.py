@@ -9,6 +9,7 @@ JAX_DSA_EXCHANGE_CUBIN_DIR (the GPU machine has no CuTe DSL); build them with
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -33,7 +34,9 @@ CONFIGS = ([(w, SMALL_K, SMALL_N) for w in WORLDS] + [(w, SMALL_K, SMALL_K) for 
 _SIMS: dict = {}
 
 
-def sim_for(world, topk, n, max_rows=64):
+def sim_for(world, topk, n, max_rows=64, rescue_list=None):
+    """A cached Sim; ``rescue_list`` None: $JAX_DSA_EXCHANGE_TEST_RESCUE_LIST (1: every test
+    on the rescue-list kernels, tools/gpu_candidates_run.sh)."""
     from jax_dsa_exchange.kernels import cache
     from jax_dsa_exchange.testing.sim import Sim
 
@@ -41,9 +44,11 @@ def sim_for(world, topk, n, max_rows=64):
         pytest.fail("JAX_DSA_EXCHANGE_SELECT_TUNE selects a timing-only build (skip=...): "
                     "its outputs are wrong by design")  # fmt: skip
 
-    key = (world, topk, n)
+    if rescue_list is None:
+        rescue_list = os.environ.get("JAX_DSA_EXCHANGE_TEST_RESCUE_LIST", "") == "1"
+    key = (world, topk, n, rescue_list)
     if key not in _SIMS or _SIMS[key].max_rows < max_rows:
-        _SIMS[key] = Sim(world, topk, n, max_rows)
+        _SIMS[key] = Sim(world, topk, n, max_rows, rescue_list=rescue_list)
     return _SIMS[key]
 
 
@@ -127,6 +132,22 @@ def test_large_configs(world, topk, n, cols, rows):
                                               cols=max(n, min(cols, 3 * topk))))  # fmt: skip
 
 
+@pytest.mark.parametrize("world,topk,n,cols,rows", [
+    (8, 2048, 512, 20000, 8), (2, 2048, 512, 1 << 17, 4), (16, 2048, 1024, 5000, 4),
+    (16, 4096, 2048, 4500, 2)])  # fmt: skip
+def test_rescue_list_saturating(world, topk, n, cols, rows):
+    """The rescue-list kernels (the producer makes each row's local top-K, a rescue pushes
+    it): 1 .. slots saturated ranks, rows up to 2**17 (bit 16 of l in the K-list's mask
+    words), bit-identical to the model."""
+    rng = np.random.default_rng(world * 11 + n)
+    sim = sim_for(world, topk, n, rescue_list=True)
+    for s in range(1, min(world, layout.rescue_slots(topk, n)) + 1):
+        got = _run_check(sim, cases.saturating_case(rng, world, topk, n, s, rows=rows, cols=cols))
+        assert (np.asarray(got[0]["saturated"])[:rows] != 0).any()
+    _run_check(sim, cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows,
+                                      cols=cols, row_ends="mixed"))  # fmt: skip
+
+
 def _mixed_rescue_case(rng, world, topk, n, rows, cols, saturated_rows):
     """Rows of a saturating case (1..3 saturated ranks, cycling) where ``saturated_rows``
     says so, the rest random rows (no rescue) of the same length and block tables."""
@@ -145,15 +166,16 @@ def _mixed_rescue_case(rng, world, topk, n, rows, cols, saturated_rows):
                       rnd.block_tables)  # fmt: skip
 
 
+@pytest.mark.parametrize("rescue_list", [False, True])
 @pytest.mark.parametrize("world,topk,n", [(8, SMALL_K, SMALL_N), (8, 2048, 512)])
-def test_rescued_and_plain_rows_in_one_cta(world, topk, n):
+def test_rescued_and_plain_rows_in_one_cta(world, topk, n, rescue_list):
     """One merge CTA (and three) walking 43 rows: every row rescued, rescued and plain rows
     alternating (a CTA's last row plain after a rescued one: the launch then ends after that
     row, before the rescue's code), two of every three rescued, or runs of 9; bit-identical to
     the model, call after call on the same buffers (every row's epoch and rescue sequence
     number carried on)."""
     rows = 43
-    sim = sim_for(world, topk, n, max_rows=rows)
+    sim = sim_for(world, topk, n, max_rows=rows, rescue_list=rescue_list)
     rng = np.random.default_rng(31 + world)
     cols = max(n, 3 * topk) if topk > SMALL_K else 400
     patterns = [np.ones(rows, bool), np.arange(rows) % 2 == 1, np.arange(rows) % 3 != 1,
@@ -517,8 +539,9 @@ def test_block_sizes_powers_of_two_and_not(block_size):
                                           block_size=block_size))
 
 
+@pytest.mark.parametrize("rescue_list", [False, True])
 @pytest.mark.parametrize("world,topk,n", [(8, 2048, 512), (2, 2048, 512), (4, SMALL_K, SMALL_N)])
-def test_rescue_tie_heavy(world, topk, n):
+def test_rescue_tie_heavy(world, topk, n, rescue_list):
     """Round 2 on tie-heavy rescue rows: row 0 rank 0's scores + 100 (bf16: a handful of
     values, hundreds of its top K at the boundary score: the bench's forced rescue), row 1
     rank 0 all-equal (its K-list at one score), row 2 ranks 0 and 1 the same + 100 row, row
@@ -526,7 +549,7 @@ def test_rescue_tie_heavy(world, topk, n):
     keys at the boundary score (the g histograms), on boundary bins of <= EQ_MAX keys (rows
     1, 2) and of more (row 3 at W >= 4: 128 l values x 3 ranks per 1024-g bin)."""
     rng = np.random.default_rng(4242 + world)
-    sim = sim_for(world, topk, n)
+    sim = sim_for(world, topk, n, rescue_list=rescue_list)
     rows, cols = 4, max(4 * topk, 1024)
     logits = [rng.standard_normal((rows, cols)).astype(np.float32) for _ in range(world)]
     logits[0][[0, 2]] += 100.0

@@ -30,12 +30,15 @@ def _launch(world, script, *args, timeout=300, graphs=None, grace=None):
 
 @requires_gpu_stack
 @pytest.mark.gpu
-@pytest.mark.parametrize("world,topk,local_topk,graphs", [
-    (2, 256, 64, "checked"), (4, 512, 128, "on"), (4, 512, 128, "off"), (8, 2048, 512, "checked")])
-def test_multiprocess_decode_loop_matches_oracle(world, topk, local_topk, graphs):
-    r = _launch(world, "op_worker.py", "--topk", str(topk), "--local-topk", str(local_topk),
-                "--rows", "16", "--cols", "4096", "--layers", "4", "--steps", "3", timeout=400,
-                graphs=graphs)
+@pytest.mark.parametrize("world,topk,local_topk,graphs,rescue_list", [
+    (2, 256, 64, "checked", False), (4, 512, 128, "on", False), (4, 512, 128, "off", False),
+    (8, 2048, 512, "checked", False), (4, 512, 128, "on", True), (8, 2048, 512, "checked", True)])
+def test_multiprocess_decode_loop_matches_oracle(world, topk, local_topk, graphs, rescue_list):
+    """Every third layer saturates 1 .. slots ranks (rescues); rescue_list: the exchange's
+    producer makes the K-lists the rescues push."""
+    args = ["--topk", str(topk), "--local-topk", str(local_topk), "--rows", "16", "--cols", "4096",
+            "--layers", "4", "--steps", "3"] + (["--rescue-list"] if rescue_list else [])
+    r = _launch(world, "op_worker.py", *args, timeout=400, graphs=graphs)
     assert r.returncode == 0
     assert r.stdout.count("RANK OK") == world
 

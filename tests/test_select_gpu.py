@@ -73,10 +73,15 @@ def _pushed(sim, dst, src, t, n):
     return raw[:, [0, 2]].ravel(), raw[:, [1, 3]].ravel(), e
 
 
+@pytest.mark.parametrize("rescue_list", [False, True])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials", "recent", "runs"])
-def test_pushed_rows_are_the_model_rows_for_every_split(kind):
+def test_pushed_rows_are_the_model_rows_for_every_split(kind, rescue_list):
+    """... and with the rescue-list kernels each row's K-list in the local state (what the
+    merge's rescue pushes) is reference.pack_local_topk(row, end, K), word for word."""
     world, topk, n = 2, 2048, 512
-    sim = sim_for(world, topk, n, max_rows=64)
+    sim = sim_for(world, topk, n, max_rows=64, rescue_list=rescue_list)
+    klist = rescue_list
+    rwk = layout.row_words(topk)
     rng = np.random.default_rng({"random": 1, "ties": 2, "equal": 3, "specials": 4, "recent": 5,
                                  "runs": 6}[kind])  # fmt: skip
     for L in (L_MAX, 20001):
@@ -84,12 +89,16 @@ def test_pushed_rows_are_the_model_rows_for_every_split(kind):
         logits = _logits(kind, rows, L, rng)
         ends = _row_ends(n, L, rows, rng)
         want = [reference.pack_local_topk(logits[t].view(np.uint16), ends[t], n) for t in range(rows)]
+        want_k = [reference.pack_local_topk(logits[t].view(np.uint16), ends[t], topk) if klist else None
+                  for t in range(rows)]  # fmt: skip
         d = sim.upload(cases.Case("sel", world, topk, n, 16, [logits] * world, [ends] * world,
                                   [np.zeros(rows, np.int32)] * world,
                                   [np.zeros((1, -(-L // 16)), np.int32)] * world))[0]  # fmt: skip
         for c in CLUSTERS:
             for b in sim.bufs:
                 b.fill(0)
+            if klist:  # (every K-list word must be written: none left from before)
+                sim.states[0][sim.st.klist_off:].fill(-1)
             sim.launch_rank(0, d, rows, L, 16, merge=False, cluster=c)
             sim.cp.cuda.Device().synchronize()
             for dst in range(world):
@@ -102,6 +111,15 @@ def test_pushed_rows_are_the_model_rows_for_every_split(kind):
                             f"{kind} L={L} C={c} row {t} (end {ends[t]}) in rank {dst}'s buffer: "
                             f"{bad.size} words differ, first at {bad[0]}: got {words[bad[0]]:#x} "
                             f"want {want[t][bad[0]]:#x}")
+            if klist:
+                st = sim.states[0].get().view(np.uint32)
+                for t in range(rows):
+                    got = st[sim.st.klist_off + t * rwk:sim.st.klist_off + (t + 1) * rwk]
+                    if not np.array_equal(got, want_k[t]):
+                        bad = np.flatnonzero(got != want_k[t])
+                        raise AssertionError(
+                            f"{kind} L={L} C={c} row {t} (end {ends[t]}): K-list: {bad.size} words "
+                            f"differ, first at {bad[0]}: got {got[bad[0]]:#x} want {want_k[t][bad[0]]:#x}")
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)

@@ -23,14 +23,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # (name, merge tune, select tune, what to time): "m" merge normal path, "r" forced rescue,
-# "R" forced rescue also at L = 128K, "p" the producer
+# "R" forced rescue also at L = 128K, "p" the producer; "L": the rescue-list kernels
+# (Exchange.create(rescue_list=True))
 VARIANTS = [
-    ("default", "", "", "mrR"),  # r2roll=1 (fourteenth session), r2all=1 (fifteenth)
+    ("default", "", "", "mrRp"),  # r2roll=1 (fourteenth session), r2all=1 (fifteenth)
     ("r2all0", "r2all=0", "", "mr"),  # the tie-break also for a boundary taken whole (before)
     ("r2roll0", "r2roll=0", "", "mr"),  # round 2 in registers (before the fourteenth session)
+    ("rlist", "", "", "mrRpL"),  # the producer makes each row's K-list; the rescue takes it
     ("rnosel", "rnosel=1", "", "rR"),  # timing only: no local select (a K-list ready-made)
     ("rnor2", "rnor2=1", "", "r"),  # timing only: no round 2
-    ("default#2", "", "", "mr"),
+    ("default#2", "", "", "mrp"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others
 PRODUCER_SHAPES = [(1, 8192), (64, 8192), (256, 32768), (1, 131072), (16, 131072), (64, 131072),
@@ -44,11 +46,12 @@ def missing_cubins(dirs) -> list:
 
     from jax_dsa_exchange.kernels import cache
 
-    need = [(n, mt, st, 8, 2048, 512) for n, mt, st, _ in VARIANTS] + [("localK", "", "", 8, 2048, 2048)]
+    need = [(n, mt, st, 8, 2048, 512, "L" in what) for n, mt, st, what in VARIANTS]
+    need.append(("localK", "", "", 8, 2048, 2048, False))
     out = []
-    for n, mt, st, w, k, nn in need:
+    for n, mt, st, w, k, nn, rl in need:
         os.environ[MT], os.environ[ST] = mt, st
-        tag = cache.config_tag("sm_90a", w, k, nn, cache.source_hash())
+        tag = cache.config_tag("sm_90a", w, k, nn, cache.source_hash(), rl)
         if not any((pathlib.Path(d) / tag / "merge.cubin").is_file() for d in dirs):
             out.append((n, tag))
     os.environ[MT], os.environ[ST] = "", ""
@@ -86,7 +89,7 @@ def main(argv=None):
         r = {}
         try:
             if "m" in what or "r" in what:
-                b = KernelTimer(cp, 8, 2048, 512, 256)
+                b = KernelTimer(cp, 8, 2048, 512, 256, rescue_list="L" in what)
                 if name == "default":
                     r["empty"] = round(time_merge(b, 0, 8192, False, iters=a.iters), 2)
                 for R in (1, 16, 64, 256) if "m" in what else ():
@@ -96,11 +99,11 @@ def main(argv=None):
                                       round(b.last_kernel_us, 2))  # fmt: skip
                 del b
             if "R" in what:
-                b = KernelTimer(cp, 8, 2048, 512, 4)
+                b = KernelTimer(cp, 8, 2048, 512, 4, rescue_list="L" in what)
                 r["r1resc128k"] = (round(time_merge(b, 1, 131072, True, iters=8, warm=2), 2), round(b.last_kernel_us, 2))
                 del b
             if "p" in what:
-                b = KernelTimer(cp, 8, 2048, 512, 256)
+                b = KernelTimer(cp, 8, 2048, 512, 256, rescue_list="L" in what)
                 for R, L in PRODUCER_SHAPES:
                     tp = b.run(R, L, rescue=False, iters=a.iters, merge=False)[0]
                     r[f"p{R}x{L // 1024}k"] = (round(tp, 2), round(b.last_producer_kernel_us, 2))

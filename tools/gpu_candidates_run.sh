@@ -1,8 +1,10 @@
 #!/bin/bash
 # Exact candidate knobs timed against the default in ONE call on the GPU machine (fifteenth
 # session: merge r2all adopted, r2list measured and removed; kernels/NOTES.md "Fifteenth
-# session").  A new candidate: add it to tools/candidates_time.py VARIANTS and set COMBO_M /
-# COMBO_S to it (the GPU tests, memcheck and racecheck then run with it; empty: the default).
+# session; the rescue list, Exchange.create(rescue_list=True), measured here: TEST_RESCUE_LIST=1
+# runs the checks on its kernels).  A new candidate: add it to tools/candidates_time.py VARIANTS
+# and set COMBO_M / COMBO_S to it (the GPU tests, memcheck and racecheck then run with it; empty:
+# the default).
 #   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
 #       -> .cubins: the default and the combination COMBO_M + COMBO_S for every test configuration;
 #          each variant of tools/candidates_time.py for W=8 K=2048 N=512; the prof=1 builds for
@@ -33,7 +35,7 @@ print("\n".join(sorted({f"{mt}|{st}" for _, mt, st, _ in c.VARIANTS})))') || exi
   while IFS='|' read -r mt st; do
     one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 || exit 1
   done <<< "$tunes"
-  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1" --topk 2048 --local-topk 512 --world 8 || exit 1
+  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1${COMBO_S:+,$COMBO_S}" --topk 2048 --local-topk 512 --world 8 || exit 1
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi
@@ -43,16 +45,16 @@ OUT=${OUT:-/tmp/candidates_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 python3 tools/candidates_time.py --check || exit 3  # (cubins of another source tree: rebuild here)
 rc=0
-echo "== GPU tests with merge [$COMBO_M] select [$COMBO_S]"
-JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout 200 python3 -m pytest -q -p no:cacheprovider \
+echo "== GPU tests with merge [$COMBO_M] select [$COMBO_S] rescue list [${TEST_RESCUE_LIST:-0}]"
+JAX_DSA_EXCHANGE_TEST_RESCUE_LIST=${TEST_RESCUE_LIST:-} JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout 200 python3 -m pytest -q -p no:cacheprovider \
   -rfEs tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
 tail -4 "$OUT/tests.log"
-echo "== memcheck: the rescue tests with merge [$COMBO_M]"
-JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
+echo "== memcheck: the rescue tests with merge [$COMBO_M] select [$COMBO_S]"
+JAX_DSA_EXCHANGE_TEST_RESCUE_LIST=${TEST_RESCUE_LIST:-} JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
   -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "rescue or large_configs or adversarial" > "$OUT/memcheck.log" 2>&1 || rc=1
 grep -E "ERROR SUMMARY|passed|failed|Invalid" "$OUT/memcheck.log" | tail -4
 echo "== racecheck (shared memory): the tie-heavy rescue at W = 8, N = 512, merge [$COMBO_M]"
-JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M timeout ${RACE_TIMEOUT:-90} compute-sanitizer --tool racecheck --print-limit 20 python3 -m pytest -q \
+JAX_DSA_EXCHANGE_TEST_RESCUE_LIST=${TEST_RESCUE_LIST:-} JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout ${RACE_TIMEOUT:-90} compute-sanitizer --tool racecheck --print-limit 20 python3 -m pytest -q \
   -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "rescue_tie_heavy and 8-2048-512" > "$OUT/racecheck.log" 2>&1 || rc=1
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" "$OUT/racecheck.log" | tail -4
 if [ -z "$NO_PROF" ]; then  # (NO_PROF=1: leave the phase profiles out, ~2 min)

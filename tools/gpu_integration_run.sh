@@ -13,10 +13,10 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}
-  for cfg in "1 2048 2048" "2 256 64" "3 256 64" "4 512 128" "8 2048 512" "4 2048 1024" "8 2048 256" "8 2048 1024"; do
+  for cfg in "1 2048 2048" "2 256 64" "3 256 64" "4 512 128 --both" "8 2048 512 --both" "4 2048 1024" "8 2048 256" "8 2048 1024"; do
     set -- $cfg
-    $PY -m jax_dsa_exchange.build --world $1 --topk $2 --local-topk $3 --out .cubins || exit 1
-  done
+    $PY -m jax_dsa_exchange.build --world $1 --topk $2 --local-topk $3 $4 --out .cubins || exit 1
+  done  # (--both: the rescue-list kernels too, for the op tests that use them)
   # The GPU machine's jax (0.11.2) speaks XLA FFI API 0.4: a library built against newer jax
   # headers is refused there (_ffi._compatible).  FFI_INCLUDE = a jax 0.11 jaxlib/include
   # (e.g. of a venv with jax==0.11.2) builds it against those; else the installed one is copied.

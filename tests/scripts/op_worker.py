@@ -42,6 +42,7 @@ p.add_argument("--layers", type=int, default=4)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--timeout-us", type=int, default=5_000_000)
+p.add_argument("--rescue-list", action="store_true", help="Exchange.create(rescue_list=True)")
 p.add_argument("--chain", action="store_true",
                help="make each layer's row_ends depend on the previous layer's counts, as in a "
                     "real decode step (the next layer's input depends on this layer's attention)")
@@ -54,7 +55,7 @@ p.add_argument("--no-workaround", action="store_true",
 a = p.parse_args()
 K, N, R, L, B = a.topk, a.local_topk, a.rows, a.cols, 16
 
-ex = Exchange.create(topk=K, local_topk=N, max_rows=R, timeout_us=a.timeout_us)
+ex = Exchange.create(topk=K, local_topk=N, max_rows=R, timeout_us=a.timeout_us, rescue_list=a.rescue_list)
 
 
 @(jax.jit if a.no_workaround else jit)

@@ -650,10 +650,10 @@ def count_token(o: Uint32, v: Uint32, ngt: Int32, neq: Int32):
 
 
 @cute.jit
-def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32,
-               n: cutlass.Constexpr, remote: Int32, dst_a: Int32, row: cute.Tensor, row_a: Int32):
-    """The compaction's second walk, one token (ord16 o, row index lu): its packed word at
-    its position in CTA 0's row when it is kept -> the advanced (gt_b, eq_b)."""
+def kept_pos(o: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32, n: cutlass.Constexpr):
+    """One token of a compaction walk in index order (> v kept, == v kept while fewer than
+    need_eq ties came before, ties to the lower index) -> (its position in the packed row or
+    -1, the advanced gt_b, eq_b)."""
     pos = Int32(-1)
     if o > v:
         pos = gt_b + cutlass.min(eq_b, need_eq)
@@ -666,6 +666,15 @@ def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_
         # never write past the row: timing-only builds' counts overshoot, and so would exact
         # ones on logits changed while the kernel reads them
         pos = Int32(-1)
+    return pos, gt_b, eq_b
+
+
+@cute.jit
+def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32,
+               n: cutlass.Constexpr, remote: Int32, dst_a: Int32, row: cute.Tensor, row_a: Int32):
+    """The compaction's second walk, one token (ord16 o, row index lu): its packed word at
+    its position in CTA 0's row when it is kept -> the advanced (gt_b, eq_b)."""
+    pos, gt_b, eq_b = kept_pos(o, v, gt_b, eq_b, need_eq, n)
     if pos >= Int32(0):
         word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
         hi = (lu >> Uint32(16)) != Uint32(0)
@@ -692,16 +701,7 @@ def emit_k(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: 
     copied to ``k_out`` whole after the walk: coalesced stores), else straight to k_out + 4 pos
     (global; each position written once) -> the advanced (gt_b, eq_b, lo16: kept tokens with
     l < 2**16)."""
-    pos = Int32(-1)
-    if o > v:
-        pos = gt_b + cutlass.min(eq_b, need_eq)
-        gt_b = gt_b + Int32(1)
-    if o == v and v != Uint32(0):
-        if eq_b < need_eq:
-            pos = gt_b + eq_b
-        eq_b = eq_b + Int32(1)
-    if pos >= Int32(n):
-        pos = Int32(-1)  # (as emit_token: never past the row)
+    pos, gt_b, eq_b = kept_pos(o, v, gt_b, eq_b, need_eq, n)
     if pos >= Int32(0):
         word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
         if cutlass.const_expr(staged):

@@ -306,6 +306,16 @@ def test_select_tune_variants(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert sp.count("bar.sync") == r.stdout.count("bar.sync") + 2
     assert r.stdout.count("barrier.cluster.arrive.relaxed.aligned") == 3
+    # FLAT (2 by default; flat=0 the old walks, flat=1 one bit per step): the walks load a
+    # thread's mask units by predicated u16 loads (two per 32-token word), the old ones did not
+    flat_loads = "@p ld.shared.u16"
+    assert sp.count(flat_loads) >= 6, sp.count(flat_loads)  # (three walks, two units per word)
+    r = ptx("flat=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert flat_loads not in r.stdout
+    r = ptx("flat=1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count(flat_loads) == sp.count(flat_loads)
     r = ptx("skip=nothing")
     assert r.returncode != 0 and "unknown stage" in r.stderr
 

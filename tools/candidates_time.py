@@ -26,12 +26,11 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # "R" forced rescue also at L = 128K, "p" the producer; "L": the rescue-list kernels
 # (Exchange.create(rescue_list=True))
 VARIANTS = [
-    ("default", "", "", "mrRp"),  # r2roll=1 (fourteenth session), r2all=1 (fifteenth)
-    ("r2all0", "r2all=0", "", "mr"),  # the tie-break also for a boundary taken whole (before)
-    ("r2roll0", "r2roll=0", "", "mr"),  # round 2 in registers (before the fourteenth session)
-    ("rlist", "", "", "mrRpL"),  # the producer makes each row's K-list; the rescue takes it
-    ("rnosel", "rnosel=1", "", "rR"),  # timing only: no local select (a K-list ready-made)
-    ("rnor2", "rnor2=1", "", "r"),  # timing only: no round 2
+    ("default", "", "", "mrRp"),  # flat=2 (sixteenth session), r2roll=1, r2all=1
+    ("flat0", "", "flat=0", "mrRp"),  # the mask walks unit by unit (before the sixteenth session)
+    ("flat1", "", "flat=1", "rRp"),  # the flat walks one bit per step
+    ("rlist", "", "", "rRpL"),  # the producer makes each row's K-list; the rescue takes it
+    ("rlist-flat0", "", "flat=0", "rRpL"),
     ("default#2", "", "", "mrp"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others

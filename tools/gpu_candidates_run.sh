@@ -31,11 +31,12 @@ if [ "$1" = "--build" ]; then
   }
   full "" "" && { [ -z "$COMBO_M$COMBO_S" ] || full "$COMBO_M" "$COMBO_S"; } || exit 1
   tunes=$($PY -c 'import sys; sys.path.insert(0, "tools"); import candidates_time as c
-print("\n".join(sorted({f"{mt}|{st}" for _, mt, st, _ in c.VARIANTS})))') || exit 1
-  while IFS='|' read -r mt st; do
-    one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 || exit 1
+print("\n".join(sorted({f"{mt}|{st}|{int('L' in w)}" for _, mt, st, w in c.VARIANTS})))') || exit 1
+  while IFS='|' read -r mt st rl; do  # (rl = 1: the rescue-list kind, Exchange.create(rescue_list=True))
+    one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 $([ "$rl" = 1 ] && echo --rescue-list) || exit 1
   done <<< "$tunes"
   one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1${COMBO_S:+,$COMBO_S}" --topk 2048 --local-topk 512 --world 8 || exit 1
+  if [ -n "$PROF_S" ]; then one "prof=1" "prof=1,$PROF_S" --topk 2048 --local-topk 512 --world 8 || exit 1; fi
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi
@@ -62,6 +63,14 @@ if [ -z "$NO_PROF" ]; then  # (NO_PROF=1: leave the phase profiles out, ~2 min)
   timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
   timeout 90 python3 tools/phase_profile.py --only merge --merge-tune $COMBO_M >> "$OUT/prof.log" 2>&1
   grep -E "^== |words in" "$OUT/prof.log" | cut -c1-120
+fi
+if [ -n "$PROF_S" ]; then  # (PROF_S=knobs, built with --build too: select phase profiles, default vs those)
+  echo "== phase profiles (select): default, $PROF_S"
+  for t in "" "$PROF_S"; do
+    timeout 90 python3 tools/phase_profile.py --only select ${t:+--select-tune $t} --shapes 1,8192 1,131072 64,131072 >> "$OUT/prof_select.log" 2>&1
+    timeout 60 python3 tools/phase_profile.py --only select ${t:+--select-tune $t} --pattern recent --shapes 1,131072 >> "$OUT/prof_select.log" 2>&1
+  done
+  grep -E "^== |walk|scan|push" "$OUT/prof_select.log" | grep -v "CTA [1-7] " | cut -c1-110 | head -80
 fi
 [ -n "$NO_TIME" ] && exit $rc  # (NO_TIME=1: the checks only; the timing in a call of its own)
 echo "== timing"

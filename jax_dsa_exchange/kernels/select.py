@@ -139,6 +139,15 @@ ONE = 1
 # 24 us at L = 8K, 201 -> 24 at 128K; the producer +2.4 .. +5.8 us at R <= 64, +23 at R = 256,
 # L = 128K; kernels/NOTES.md)
 KSTAGE = 1  # its words staged in shared memory, then coalesced stores ("kstage=0": direct)
+# FLAT (exact; "flat=0" the old walks, "flat=1" one bit per step): the mask walks (the second
+# histogram's and the compaction's two) take a thread's set bits from registers loaded once
+# (its units, up to 16, as four 64-bit words) in ONE loop over them, two bits per step (both
+# token loads in flight together), where the old walks looped over the units and then over
+# each unit's bits: a mask load and a reconvergence per unit, every bit's load waited for
+# before the next, so a warp paid the sum over its units of its longest lane's bits (the
+# walks were ~1.6 us of the kernel at R = 1, L = 8K and ~4.2 at R = 64, L = 128K: fifteenth
+# session's phase profiles)
+FLAT = 2
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -156,7 +165,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
-               "kstage": "KSTAGE"}[_k]] = int(_v)  # fmt: skip
+               "kstage": "KSTAGE", "flat": "FLAT"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
@@ -358,6 +367,14 @@ def low_bit(m: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(T.i32(), [Int32(m)],
                       "{\n\t.reg .b32 t;\n\tneg.s32 t, $1;\n\tand.b32 t, t, $1;\n\tbfind.u32 $0, t;\n\t}",
                       "=r,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
+def ld_smem_u16_if(addr: Int32, pred: Int32, *, loc=None, ip=None) -> Uint32:
+    """The u16 at shared address addr where pred != 0, else 0 (a predicated load)."""
+    return Uint32(_asm(T.i32(), [Int32(addr), Int32(pred)],
+                       "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\tmov.u32 $0, 0;\n\t"
+                       "@p ld.shared.u16 $0, [$1];\n\t}", "=r,r,r", loc, ip))  # fmt: skip
 
 
 @dsl_user_op
@@ -637,6 +654,51 @@ def pop_bit(m: Uint32, u: Int32):
     """The walks' step over unit u's mask bits m: (the slice token of the lowest set bit, m
     without it)."""
     return u * Int32(16) + low_bit(Int32(m)), m & (m - Uint32(1))
+
+
+@cute.jit
+def unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
+    """(FLAT) Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1)."""
+    lo = ld_smem_u16_if(mask_a + ua * Int32(2), Int32(ua < u1))
+    hi = ld_smem_u16_if(mask_a + ua * Int32(2) + Int32(2), Int32(ua + Int32(1) < u1))
+    return lo | (hi << Uint32(16))
+
+
+@cute.jit
+def bit_step(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32, keep: Int32):
+    """(FLAT) One step of a walk over the set bits m (some set) of the word whose bit 0 is
+    slice token ``base``: the lowest one's token and ord16, and with FLAT == 2 the next one's
+    (ord16 0 where there is none: 0 is no valid score, so every walk's rule skips it), both
+    loads issued before either is used -> (lta, oa, ltb, ob, m without them)."""
+    lta = base + low_bit(Int32(m))
+    m = m & (m - Uint32(1))
+    ltb = lta
+    more = Int32(0)
+    if cutlass.const_expr(FLAT == 2):
+        if m != Uint32(0):
+            more = Int32(1)
+            ltb = base + low_bit(Int32(m))
+        m = m & (m - Uint32(1))  # (m = 0 stays 0)
+    oa = Uint32(0)
+    ob = Uint32(0)
+    if keep != Int32(0):
+        oa = ld_smem_u16(cache_a + lta * Int32(2))
+        if cutlass.const_expr(FLAT == 2):
+            ob = ld_smem_u16(cache_a + ltb * Int32(2))
+    else:
+        oa = C.ord16(C.ld_u16(row_addr + Int64(s0 + lta) * Int64(2)))
+        if cutlass.const_expr(FLAT == 2):
+            ob = C.ord16(C.ld_u16(row_addr + Int64(s0 + ltb) * Int64(2)))
+    if more == Int32(0):
+        ob = Uint32(0)
+    return lta, oa, ltb, ob, m
+
+
+@cute.jit
+def h2_add(h2_a: Int32, o: Uint32, b: Int32):
+    """The second histogram's count of ord16 o where its bin is b: an unconditional red of
+    (bin == b), no branch (o = 0, no token, is in bin 0, never b)."""
+    red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(Int32(o >> Uint32(16 - B1)) == b))
 
 
 @cute.jit
@@ -1243,16 +1305,30 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             # the second histogram from the set bits only (a few % of the tokens): a
             # per-token predicated red compiled to a branch per token, taken by most warps
             cute.arch.sync_threads()  # the mask bytes of the other threads
-            for u in cutlass.range(u0, u1, unroll=1):
-                m = ld_smem_u16(mask_a + u * Int32(2))
-                while m != Uint32(0):
-                    lt, m = pop_bit(m, u)
-                    o = ld_smem_u16(cache_a + lt * Int32(2))
-                    red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                    Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
-                    if cutlass.const_expr(dual):
-                        red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                        Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
+            if cutlass.const_expr(FLAT):
+                for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
+                    m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
+                    while m != Uint32(0):
+                        _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
+                                                     cache_a, keep)  # fmt: skip
+                        h2_add(h2_a, oa, b1)
+                        if cutlass.const_expr(FLAT == 2):
+                            h2_add(h2_a, ob, b1)
+                        if cutlass.const_expr(dual):
+                            h2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
+                            if cutlass.const_expr(FLAT == 2):
+                                h2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
+            else:
+                for u in cutlass.range(u0, u1, unroll=1):
+                    m = ld_smem_u16(mask_a + u * Int32(2))
+                    while m != Uint32(0):
+                        lt, m = pop_bit(m, u)
+                        o = ld_smem_u16(cache_a + lt * Int32(2))
+                        red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                        Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
+                        if cutlass.const_expr(dual):
+                            red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                            Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
     mk(6)
     csync_n(clustered, csize)
     mk(7)
@@ -1331,6 +1407,19 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 ngt, neq = count_token(o, v, ngt, neq)
                 if cutlass.const_expr(dual):
                     ngtk, neqk = count_token(o, vk, ngtk, neqk)
+        elif cutlass.const_expr(FLAT):
+            for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
+                m = unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)
+                while m != Uint32(0):
+                    _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
+                                                 cache_a, keep)  # fmt: skip
+                    ngt, neq = count_token(oa, v, ngt, neq)
+                    if cutlass.const_expr(FLAT == 2):
+                        ngt, neq = count_token(ob, v, ngt, neq)
+                    if cutlass.const_expr(dual):
+                        ngtk, neqk = count_token(oa, vk, ngtk, neqk)
+                        if cutlass.const_expr(FLAT == 2):
+                            ngtk, neqk = count_token(ob, vk, ngtk, neqk)
         else:
             for u in cutlass.range(u0, u1, unroll=1):
                 m = ld_smem_u16(mask_a + u * Int32(2))
@@ -1361,6 +1450,24 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     if cutlass.const_expr(dual):
                         gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16,
                                                     kst, h1_a - p0k * Int32(4))  # fmt: skip
+            elif cutlass.const_expr(FLAT):
+                for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
+                    m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
+                    while m != Uint32(0):
+                        lta, oa, ltb, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
+                                                       cache_a, keep)  # fmt: skip
+                        gt_b, eq_b = emit_token(oa, Uint32(s0 + lta), v, gt_b, eq_b, need_eq, n, remote,
+                                                dst_a, row, row_a)  # fmt: skip
+                        if cutlass.const_expr(dual):
+                            gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(s0 + lta), vk, gtk_b, eqk_b, need_eqk,
+                                                        n2, k_out, lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
+                        if cutlass.const_expr(FLAT == 2):
+                            gt_b, eq_b = emit_token(ob, Uint32(s0 + ltb), v, gt_b, eq_b, need_eq, n,
+                                                    remote, dst_a, row, row_a)  # fmt: skip
+                            if cutlass.const_expr(dual):
+                                gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(s0 + ltb), vk, gtk_b, eqk_b,
+                                                            need_eqk, n2, k_out, lo16, kst,
+                                                            h1_a - p0k * Int32(4))  # fmt: skip
             else:
                 for u in cutlass.range(u0, u1, unroll=1):
                     m = ld_smem_u16(mask_a + u * Int32(2))

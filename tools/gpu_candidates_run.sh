@@ -1,23 +1,24 @@
 #!/bin/bash
-# Exact candidate knobs timed against the default in ONE call on the GPU machine (fifteenth
-# session: merge r2all adopted, r2list measured and removed; kernels/NOTES.md "Fifteenth
-# session; the rescue list, Exchange.create(rescue_list=True), measured here: TEST_RESCUE_LIST=1
-# runs the checks on its kernels).  A new candidate: add it to tools/candidates_time.py VARIANTS
-# and set COMBO_M / COMBO_S to it (the GPU tests, memcheck and racecheck then run with it; empty:
-# the default).
+# Exact candidate knobs timed against the default in ONE call on the GPU machine (sixteenth
+# session: select flat=2 adopted; vmax, u2, bwarp measured and removed; kernels/NOTES.md
+# "Sixteenth session").  A new candidate: add it to tools/candidates_time.py VARIANTS and set
+# COMBO_M / COMBO_S (environment, at --build and at the run) to it: the GPU tests, memcheck and
+# racecheck then run with it (empty: the default); TEST_RESCUE_LIST=1 runs those checks on the
+# rescue-list kernels (Exchange.create(rescue_list=True)) instead; PROF_S=knobs (at --build and
+# at the run) adds select phase profiles, default against those knobs.
 #   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
 #       -> .cubins: the default and the combination COMBO_M + COMBO_S for every test configuration;
-#          each variant of tools/candidates_time.py for W=8 K=2048 N=512; the prof=1 builds for
-#          the phase profiles; carry .cubins and build/ffi_lib
+#          each variant of tools/candidates_time.py for W=8 K=2048 N=512 (its rescue-list kind for
+#          "L" variants); the prof=1 builds for the phase profiles; carry .cubins and build/ffi_lib
 #          (FFI library: tools/gpu_integration_run.sh --build with FFI_INCLUDE, jax 0.11 headers)
-#   run there (~2-5 min):  OUT=dir bash tools/gpu_candidates_run.sh
+#   run there (~4-6 min):  OUT=dir bash tools/gpu_candidates_run.sh
 #       -> 1. the GPU kernel + select tests with the combination (exactness; a failure names
 #             the knob to drop: rerun with one knob)   2. phase profiles, default vs COMBO_M
-#          3. tools/candidates_time.py (the table last)
+#             (NO_PROF=1: none), vs PROF_S (select)   3. tools/candidates_time.py (the table last)
 set -o pipefail
 cd "$(dirname "$0")/.."
-COMBO_M=""
-COMBO_S=""
+COMBO_M=${COMBO_M:-}
+COMBO_S=${COMBO_S:-}
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")  # (absolute, the venv link kept)
   full() {  # every test configuration, with merge tune $1 and select tune $2
@@ -31,7 +32,7 @@ if [ "$1" = "--build" ]; then
   }
   full "" "" && { [ -z "$COMBO_M$COMBO_S" ] || full "$COMBO_M" "$COMBO_S"; } || exit 1
   tunes=$($PY -c 'import sys; sys.path.insert(0, "tools"); import candidates_time as c
-print("\n".join(sorted({f"{mt}|{st}|{int('L' in w)}" for _, mt, st, w in c.VARIANTS})))') || exit 1
+print("\n".join(sorted({mt + "|" + st + "|" + str(int("L" in w)) for _, mt, st, w in c.VARIANTS})))') || exit 1
   while IFS='|' read -r mt st rl; do  # (rl = 1: the rescue-list kind, Exchange.create(rescue_list=True))
     one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 $([ "$rl" = 1 ] && echo --rescue-list) || exit 1
   done <<< "$tunes"

@@ -316,6 +316,12 @@ def test_select_tune_variants(tmp_path):
     r = ptx("flat=1")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count(flat_loads) == sp.count(flat_loads)
+    # CNT2 (on by default; cnt2=0 the first compaction walk): the compaction's counts from the
+    # hist2 walk's per-thread counters (two popc.b64 over their 2-bit fields)
+    assert sp.count("popc.b64") == 2
+    r = ptx("cnt2=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "popc.b64" not in r.stdout
     r = ptx("skip=nothing")
     assert r.returncode != 0 and "unknown stage" in r.stderr
 

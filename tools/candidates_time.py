@@ -26,12 +26,10 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # "R" forced rescue also at L = 128K, "p" the producer; "L": the rescue-list kernels
 # (Exchange.create(rescue_list=True))
 VARIANTS = [
-    ("default", "", "", "mrRp"),  # flat=2 (sixteenth session), r2roll=1, r2all=1
-    ("flat0", "", "flat=0", "mrRp"),  # the mask walks unit by unit (before the sixteenth session)
-    ("flat1", "", "flat=1", "rRp"),  # the flat walks one bit per step
-    ("rlist", "", "", "rRpL"),  # the producer makes each row's K-list; the rescue takes it
-    ("rlist-flat0", "", "flat=0", "rRpL"),
-    ("default#2", "", "", "mrp"),
+    ("default", "", "", "mp"),  # cnt2=1, flat=2 (sixteenth session), r2roll=1, r2all=1
+    ("cnt2_0", "", "cnt2=0", "p"),  # the first compaction walk (before cnt2)
+    ("flat0", "", "flat=0,cnt2=0", "p"),  # the mask walks unit by unit (before the sixteenth session)
+    ("default#2", "", "", "p"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others
 PRODUCER_SHAPES = [(1, 8192), (64, 8192), (256, 32768), (1, 131072), (16, 131072), (64, 131072),

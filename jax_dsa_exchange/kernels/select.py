@@ -148,6 +148,12 @@ KSTAGE = 1  # its words staged in shared memory, then coalesced stores ("kstage=
 # walks were ~1.6 us of the kernel at R = 1, L = 8K and ~4.2 at R = 64, L = 128K: fifteenth
 # session's phase profiles)
 FLAT = 2
+# CNT2 (exact, with FLAT; "cnt2=0" the walk): the hist2 walk of a kept slice (one count, not
+# the rescue list's two) also keeps, per thread, its count above bin b1 and a 2-bit counter per
+# low value (32 of them in 64 bits) of its bin-b1 tokens; once v is known those give the
+# compaction's first counts (> v, == v) without the first compaction walk.  A thread with 4 or
+# more bin-b1 tokens of one low value (a counter would overflow) walks as before.
+CNT2 = 1
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -165,7 +171,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
-               "kstage": "KSTAGE", "flat": "FLAT"}[_k]] = int(_v)  # fmt: skip
+               "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
@@ -375,6 +381,11 @@ def ld_smem_u16_if(addr: Int32, pred: Int32, *, loc=None, ip=None) -> Uint32:
     return Uint32(_asm(T.i32(), [Int32(addr), Int32(pred)],
                        "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\tmov.u32 $0, 0;\n\t"
                        "@p ld.shared.u16 $0, [$1];\n\t}", "=r,r,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
+def popc64(m: Uint64, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(T.i32(), [Uint64(m)], "popc.b64 $0, $1;", "=r,l", loc, ip))
 
 
 @dsl_user_op
@@ -699,6 +710,32 @@ def h2_add(h2_a: Int32, o: Uint32, b: Int32):
     """The second histogram's count of ord16 o where its bin is b: an unconditional red of
     (bin == b), no branch (o = 0, no token, is in bin 0, never b)."""
     red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(Int32(o >> Uint32(16 - B1)) == b))
+
+
+@cute.jit
+def cnt2_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
+    """(CNT2) One token of the hist2 walk (o = 0: none): above + (bin > b1); a bin-b1 token
+    adds 1 to its low value's 2-bit counter in lowc, or sets ovf where that counter is 3."""
+    bn = Int32(o >> Uint32(16 - B1))
+    if bn > b1:
+        above = above + Int32(1)
+    if bn == b1:
+        sh = Uint64((o & Uint32(NB2 - 1)) * Uint32(2))
+        if ((lowc >> sh) & Uint64(3)) == Uint64(3):
+            ovf = Int32(1)
+        else:
+            lowc = lowc + (Uint64(1) << sh)
+    return above, lowc, ovf
+
+
+@cute.jit
+def cnt2_counts(above: Int32, lowc: Uint64, lowv: Int32):
+    """(CNT2) A thread's compaction counts from its hist2 walk, v = (b1 << 5) | lowv:
+    (> v: above b1, or in b1 with a low value above lowv; == v)."""
+    x = lowc >> Uint64(Int32(2) * lowv)
+    hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
+    ngt = above + popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
+    return ngt, Int32(x & Uint64(3))
 
 
 @cute.jit
@@ -1295,6 +1332,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     lw = (nvec4 + Int32(15)) // Int32(16) * Int32(4)  # the list's first word in mask
     r0 = Int32(0)
     r1 = Int32(0)
+    cnt_ok = Int32(0)  # (CNT2) this thread's compaction counts come from its hist2 walk
+    c2_above = Int32(0)
+    c2_low = Uint64(0)
+    c2_ovf = Int32(0)
     mk(5)
     if total > Int32(n):
         if tid == Int32(0):
@@ -1314,10 +1355,16 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                         h2_add(h2_a, oa, b1)
                         if cutlass.const_expr(FLAT == 2):
                             h2_add(h2_a, ob, b1)
+                        if cutlass.const_expr(CNT2 and not dual):
+                            c2_above, c2_low, c2_ovf = cnt2_add(oa, b1, c2_above, c2_low, c2_ovf)
+                            if cutlass.const_expr(FLAT == 2):
+                                c2_above, c2_low, c2_ovf = cnt2_add(ob, b1, c2_above, c2_low, c2_ovf)
                         if cutlass.const_expr(dual):
                             h2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
                             if cutlass.const_expr(FLAT == 2):
                                 h2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
+                if cutlass.const_expr(CNT2 and not dual):
+                    cnt_ok = Int32(1) - c2_ovf
             else:
                 for u in cutlass.range(u0, u1, unroll=1):
                     m = ld_smem_u16(mask_a + u * Int32(2))
@@ -1407,6 +1454,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 ngt, neq = count_token(o, v, ngt, neq)
                 if cutlass.const_expr(dual):
                     ngtk, neqk = count_token(o, vk, ngtk, neqk)
+        elif cnt_ok != Int32(0):
+            ngt, neq = cnt2_counts(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
         elif cutlass.const_expr(FLAT):
             for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
                 m = unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)

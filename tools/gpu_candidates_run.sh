@@ -1,6 +1,6 @@
 #!/bin/bash
 # Exact candidate knobs timed against the default in ONE call on the GPU machine (sixteenth
-# session: select flat=2 adopted; vmax, u2, bwarp measured and removed; kernels/NOTES.md
+# session: select flat=2 and cnt2=1 adopted; vmax, u2, bwarp measured and removed; kernels/NOTES.md
 # "Sixteenth session").  A new candidate: add it to tools/candidates_time.py VARIANTS and set
 # COMBO_M / COMBO_S (environment, at --build and at the run) to it: the GPU tests, memcheck and
 # racecheck then run with it (empty: the default); TEST_RESCUE_LIST=1 runs those checks on the

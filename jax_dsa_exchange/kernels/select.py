@@ -146,7 +146,9 @@ KSTAGE = 1  # its words staged in shared memory, then coalesced stores ("kstage=
 # each unit's bits: a mask load and a reconvergence per unit, every bit's load waited for
 # before the next, so a warp paid the sum over its units of its longest lane's bits (the
 # walks were ~1.6 us of the kernel at R = 1, L = 8K and ~4.2 at R = 64, L = 128K: fifteenth
-# session's phase profiles)
+# session's phase profiles).  The three walks repeat their loop head (unit_pair, bit_step):
+# the DSL carries a dynamic loop's state only through names assigned in the function that
+# holds the loop, so a shared walk taking a per-token callback would not carry its counts
 FLAT = 2
 # CNT2 (exact, with FLAT; "cnt2=0" the walk): the hist2 walk of a kept slice (one count, not
 # the rescue list's two) also keeps, per thread, its count above bin b1 and a 2-bit counter per

@@ -140,15 +140,15 @@ ONE = 1
 # L = 128K; kernels/NOTES.md)
 KSTAGE = 1  # its words staged in shared memory, then coalesced stores ("kstage=0": direct)
 # FLAT (exact; "flat=0" the old walks, "flat=1" one bit per step): the mask walks (the second
-# histogram's and the compaction's two) take a thread's set bits from registers loaded once
-# (its units, up to 16, as four 64-bit words) in ONE loop over them, two bits per step (both
-# token loads in flight together), where the old walks looped over the units and then over
-# each unit's bits: a mask load and a reconvergence per unit, every bit's load waited for
-# before the next, so a warp paid the sum over its units of its longest lane's bits (the
-# walks were ~1.6 us of the kernel at R = 1, L = 8K and ~4.2 at R = 64, L = 128K: fifteenth
-# session's phase profiles).  The three walks repeat their loop head (unit_pair, bit_step):
-# the DSL carries a dynamic loop's state only through names assigned in the function that
-# holds the loop, so a shared walk taking a per-token callback would not carry its counts
+# histogram's and the compaction's two) take a thread's 16-token units two at a time as one
+# word (two predicated loads: unit_pair) and each word's set bits two per step (bit_step: both
+# token loads in flight together), where the old walks took the units one by one and each
+# unit's bits one by one, every bit's load waited for before the next: a warp paid per unit
+# its longest lane's bits, plus a mask load and a reconvergence (the walks were ~1.6 us of
+# the kernel at R = 1, L = 8K and ~4.2 at R = 64, L = 128K: fifteenth session's phase
+# profiles).  The three walks repeat their loop head: the DSL carries a dynamic loop's state
+# only through names assigned in the function that holds the loop, so a shared walk taking a
+# per-token callback would not carry its counts
 FLAT = 2
 # CNT2 (exact, with FLAT; "cnt2=0" the walk): the hist2 walk of a kept slice (one count, not
 # the rescue list's two) also keeps, per thread, its count above bin b1 and a 2-bit counter per

@@ -302,9 +302,10 @@ def test_select_tune_variants(tmp_path):
     assert r.stdout.count("div.s32") == sp.count("div.s32") + 2
     # ONE (on by default; one=0 the old way): a one-CTA cluster takes block barriers for
     # cluster barriers 1 and 2 (a uniform branch: the cluster barriers stay for csize > 1)
+    # (and B1W's one-CTA step, which takes ONE's test of the cluster size: + 1)
     r = ptx("one=0")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert sp.count("bar.sync") == r.stdout.count("bar.sync") + 2
+    assert sp.count("bar.sync") == r.stdout.count("bar.sync") + 2 + 1
     assert r.stdout.count("barrier.cluster.arrive.relaxed.aligned") == 3
     # FLAT (2 by default; flat=0 the old walks, flat=1 one bit per step): the walks load a
     # thread's mask units by predicated u16 loads (two per 32-token word), the old ones did not
@@ -322,6 +323,12 @@ def test_select_tune_variants(tmp_path):
     r = ptx("cnt2=0")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "popc.b64" not in r.stdout
+    # B1W (on by default; b1w=0 the general step): a one-CTA cluster's boundary step in warp 0,
+    # behind a uniform branch with its own barrier (in the code one bar.sync more; on that path
+    # two fewer)
+    r = ptx("b1w=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sp.count("bar.sync") == r.stdout.count("bar.sync") + 1
     r = ptx("skip=nothing")
     assert r.returncode != 0 and "unknown stage" in r.stderr
 

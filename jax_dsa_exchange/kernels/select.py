@@ -156,6 +156,10 @@ FLAT = 2
 # compaction's first counts (> v, == v) without the first compaction walk.  A thread with 4 or
 # more bin-b1 tokens of one low value (a counter would overflow) walks as before.
 CNT2 = 1
+# A one-CTA cluster's boundary step in warp 0 (scan, boundary score, its counts: one block
+# barrier instead of three; select_push only, the merge's select is not clustered); "b1w=0":
+# the general step (seventeenth session: -0.1..-0.2 us at C = 1)
+B1W = 1
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -173,7 +177,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
-               "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2"}[_k]] = int(_v)  # fmt: skip
+               "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
@@ -841,7 +845,24 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
     need_eq = Int32(0)
     r = tid >> Int32(5)
     j = tid & Int32(31)
-    if total > Int32(nn):
+    fast = Int32(0)  # (B1W) a one-CTA cluster: warp 0 does the step
+    if cutlass.const_expr(B1W and clustered and "dsmem" not in SKIP):
+        if total > Int32(nn):
+            fast = one_cta(csize)
+    if fast != Int32(0):
+        if warp == Int32(0):
+            c = hist2[Int32(ho + NB2 - 1) - lane]  # (bins from the top)
+            inc = C.warp_incl_scan(c, lane)
+            need2 = Int32(nn) - scal[so + _ABOVE1]
+            if c > Int32(0) and inc >= need2 and inc - c < need2:  # (exactly one lane)
+                scal[so + _LOWV] = Int32(NB2 - 1) - lane
+                scal[so + _ABOVE2] = inc - c
+                scal[so + _GT_OWN] = pub[pa] + inc - c  # (nothing before: the one CTA)
+                scal[so + _EQ_OWN] = c
+        cute.arch.sync_threads()
+        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(scal[so + _LOWV])
+        need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
+    elif total > Int32(nn):
         x = Int32(0)
         above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
         if r < csize:
@@ -908,7 +929,8 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
             red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), y)
         if tid == Int32(0):
             scal[so + _GT_OWN] = pub[1]
-    cute.arch.sync_threads()
+    if fast == Int32(0):  # (B1W's step ended with its barrier)
+        cute.arch.sync_threads()
     return v, need_eq
 
 

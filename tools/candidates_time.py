@@ -26,14 +26,13 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # "R" forced rescue also at L = 128K, "p" the producer; "L": the rescue-list kernels
 # (Exchange.create(rescue_list=True))
 VARIANTS = [
-    ("default", "", "", "mp"),  # cnt2=1, flat=2 (sixteenth session), r2roll=1, r2all=1
-    ("cnt2_0", "", "cnt2=0", "p"),  # the first compaction walk (before cnt2)
-    ("flat0", "", "flat=0,cnt2=0", "p"),  # the mask walks unit by unit (before the sixteenth session)
+    ("default", "", "", "mp"),  # b1w=1 (seventeenth session), cnt2=1, flat=2, r2roll=1, r2all=1
+    ("b1w0", "", "b1w=0", "p"),  # the general boundary step at C = 1 (before b1w)
     ("default#2", "", "", "p"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others
-PRODUCER_SHAPES = [(1, 8192), (64, 8192), (256, 32768), (1, 131072), (16, 131072), (64, 131072),
-                   (256, 131072)]
+PRODUCER_SHAPES = [(1, 8192), (64, 8192), (256, 8192), (1, 32768), (256, 32768), (1, 131072),
+                   (16, 131072), (64, 131072), (256, 131072)]
 
 
 def missing_cubins(dirs) -> list:

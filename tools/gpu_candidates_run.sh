@@ -1,7 +1,7 @@
 #!/bin/bash
-# Exact candidate knobs timed against the default in ONE call on the GPU machine (sixteenth
-# session: select flat=2 and cnt2=1 adopted; vmax, u2, bwarp measured and removed; kernels/NOTES.md
-# "Sixteenth session").  A new candidate: add it to tools/candidates_time.py VARIANTS and set
+# Exact candidate knobs timed against the default in ONE call on the GPU machine (seventeenth
+# session: select b1w=1 adopted; reg, b1w=2, bs, p1 measured and removed; kernels/NOTES.md
+# "Seventeenth session").  A new candidate: add it to tools/candidates_time.py VARIANTS and set
 # COMBO_M / COMBO_S (environment, at --build and at the run) to it: the GPU tests, memcheck and
 # racecheck then run with it (empty: the default); TEST_RESCUE_LIST=1 runs those checks on the
 # rescue-list kernels (Exchange.create(rescue_list=True)) instead; PROF_S=knobs (at --build and

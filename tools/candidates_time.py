@@ -27,13 +27,8 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # (Exchange.create(rescue_list=True))
 VARIANTS = [
     ("default", "", "", "mp"),  # b1w=1 (seventeenth session), cnt2=1, flat=2, r2roll=1, r2all=1
-    ("pfm", "pf=1", "", "m"),  # the merge's LL rows (both parities) bulk-prefetched into the L2
-    ("pfs", "", "pf=1", "p"),  # select_push's slice prefetched into the L2 before its end is known
-    ("pfs24", "", "pf=1,pft=24", "p"),  # the same in launches of up to 2**24 tokens
-    ("pfs2", "", "pf=2", "p"),  # only the slice's first 8 KB, in every launch
-    ("default#2", "", "", "mp"),
-    ("pfm#2", "pf=1", "", "m"),
-    ("pfs24#2", "", "pf=1,pft=24", "p"),
+    ("b1w0", "", "b1w=0", "p"),  # the general boundary step at C = 1 (before b1w)
+    ("default#2", "", "", "p"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others
 PRODUCER_SHAPES = [(1, 8192), (64, 8192), (256, 8192), (1, 32768), (16, 32768), (256, 32768),

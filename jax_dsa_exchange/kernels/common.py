@@ -166,15 +166,6 @@ def ld_volatile_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Uint32
 
 
 @dsl_user_op
-def bulk_prefetch_l2_if(addr: Int64, nbytes: Int32, pred: Int32, *, loc=None, ip=None) -> None:
-    """cp.async.bulk.prefetch.L2 of ``nbytes`` at ``addr`` (both multiples of 16) where
-    ``pred`` != 0: one instruction brings a whole range into the L2."""
-    _asm(None, [Int64(addr), Int32(nbytes), Int32(pred)],
-         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$0], $1; }",
-         "l,r,r", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
 def ld_volatile_u64(addr: Int64, *, loc=None, ip=None) -> Uint64:
     """One LL half (word | epoch << 32) in ONE 8-byte load: the only
     atomicity the protocol relies on.  Volatile: never served from L1."""

@@ -106,11 +106,6 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #            a third of the register fast path's code, which a rescue fetches cold from HBM
 #            once per launch (W = 8, N = 512: forced rescue 49.2 -> 40.5 us, the normal path
 #            -0.3..-0.5 us; U = 2 no faster); r2roll=0: round 2 in registers (fast_round)
-#   pf=1     (exact; a candidate) each row's LL rows, both parities, every source, prefetched
-#            into the L2 by 2 W bulk prefetches (cp.async.bulk.prefetch.L2: through the TMA, no
-#            load queue entries; a prefetch.global.L2 per line measured +0.3-0.6 us) at the
-#            launch's start for the first row and one row ahead for the next: the record
-#            loads, which wait for the row's epoch (the parity), then find their lines in the L2
 # Measured and removed in the fourteenth session (exact, no faster; kernels/NOTES.md): rvpr (the
 # rescue select's vectors per round), r2tie (one loop over the g digits), r2agg (match.any reds);
 # in the fifteenth: r2list (a large tie-break over a shared list of the tied keys: -1 us where
@@ -647,15 +642,6 @@ class Merge:
             q, j = self.owner(v, False, None)
             a = self.ll_word_addr(ll0 + Int64(q) * ll_stride, j)
         return a
-
-    @cute.jit
-    def prefetch_ll(self, local: Int64, ll_stride: Int64, t: Int32, rows: Int32, tid: Int32):
-        """pf=1: row t's LL rows of both parities (its parity is known only once its epoch is
-        loaded) from every source into the L2, one bulk prefetch per row by threads
-        tid < 2 W; nothing when t >= rows."""
-        pq = cutlass.min(tid, Int32(2 * self.world - 1))  # parity * W + source: rows ll_stride apart
-        C.bulk_prefetch_l2_if(local + Int64(pq) * ll_stride + Int64(t) * Int64(self.ll_row_bytes),
-                              Int32(self.ll_row_bytes), Int32(tid < Int32(2 * self.world)) & Int32(t < rows))
 
     @cute.jit
     def load_r1_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, ll0: Int64,
@@ -1606,8 +1592,6 @@ class Merge:
         words = cute.make_rmem_tensor((self.kp,), Uint32)
         hb = cute.make_rmem_tensor((1,), Uint32)
         btp = cute.make_rmem_tensor((self.kp1 if self.pre_bt else 1,), Int32)
-        if cutlass.const_expr(TUNE["pf"]):
-            self.prefetch_ll(local, ll_stride, Int32(bid), rows, tid)
         sm_st = sm.st
         if tid < Int32(16):  # fast-path stats slots: [count, max, min, eq count]
             sm_st[tid] = Int32(0)
@@ -1639,8 +1623,6 @@ class Merge:
                 t = t + Int32(nblk)
         while t < rows:
             ep = epn + Int32(1)
-            if cutlass.const_expr(TUNE["pf"]):
-                self.prefetch_ll(local, ll_stride, t + Int32(nblk), rows, tid)
             seq = C.ld_u32(C.state_seq(state, max_rows, t))
             # LL row [parity, 0, t] (layout.ll_row_offset, factored: ll_stride steps the source)
             ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)

@@ -160,13 +160,6 @@ CNT2 = 1
 # barrier instead of three; select_push only, the merge's select is not clustered); "b1w=0":
 # the general step (seventeenth session: -0.1..-0.2 us at C = 1)
 B1W = 1
-# PF (exact; a candidate): select_push prefetches its CTA's slice, cut from the buffer's row
-# length (known at once), into the L2 (cp.async.bulk.prefetch.L2) before the row's end is
-# loaded; the bulk copies, which wait for the end, then read the L2.  1: the whole slice, in
-# launches of at most 2**PFT tokens (rows x cols: a short row's prefetch past its end is
-# wasted HBM traffic); 2: its first TB vectors (8 KB), in every launch.
-PF = 0
-PFT = 22
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -184,7 +177,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
-               "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W", "pf": "PF", "pft": "PFT"}[_k]] = int(_v)  # fmt: skip
+               "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
@@ -358,23 +351,6 @@ def bulk_start(mbar: Int32, dst: Int32, src: Int64, nbytes: Int32, *, loc=None, 
          "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $3;\n\t"
          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$1], [$2], $3, [$0];",
          "r,r,l,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@cute.jit
-def prefetch_slice(row_addr: Int64, span: Int32, csize: Int32, me: Int32, tid: Int32,
-                   first: cutlass.Constexpr):
-    """PF: this CTA's slice of the row as cut from ``span`` (select_row's cut with span =
-    the buffer's row length) into the L2, TB vectors (8 KB) per thread (``first``: only the
-    first TB vectors); nothing unless the row is 16-byte aligned."""
-    lim = cutlass.min(cutlass.max(span, Int32(0)), Int32(layout.MAX_LOCAL_LEN))
-    S = Int32((Uint32(lim + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
-    sb = cutlass.min(me * S, lim)
-    nb = (cutlass.min(S, lim - sb) * Int32(2)) & Int32(-16)
-    if cutlass.const_expr(first):
-        nb = cutlass.min(nb, Int32(TB * 16))
-    o = tid * Int32(TB * 16)
-    ok = Int32((row_addr & Int64(15)) == Int64(0)) & Int32(o < nb)
-    C.bulk_prefetch_l2_if(row_addr + Int64(sb) * Int64(2) + Int64(o), cutlass.min(Int32(TB * 16), nb - o), ok)
 
 
 @dsl_user_op

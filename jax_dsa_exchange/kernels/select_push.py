@@ -128,12 +128,6 @@ class SelectPush:
         # (slices cut from the buffer's row length, so that the bulk copies need not wait for
         # this load, measured no faster and made short rows read their whole buffer row:
         # the slices stay cut from the row's end)
-        # (after the loads above, before the end is clamped: a use of a loaded value waits)
-        if cutlass.const_expr(S.PF == 1):
-            if Int64(rows) * Int64(cols) <= Int64(1 << S.PFT):  # (uniform)
-                S.prefetch_slice(logits + Int64(t) * Int64(cols) * Int64(2), cols, csize, me, tid, False)
-        elif cutlass.const_expr(S.PF == 2):
-            S.prefetch_slice(logits + Int64(t) * Int64(cols) * Int64(2), cols, csize, me, tid, True)
         end = row_end(row_ends, t, cols)
         # (the own-part push derives the mask records in warp 0: at most 32 of them, n <=
         # 2048; a longer row keeps CTA 0's push)

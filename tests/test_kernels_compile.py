@@ -95,8 +95,19 @@ def test_ptx_protocol_instructions(images):
     assert "st.shared::cluster" not in sp and "red.relaxed.cluster" not in sp
     assert re.search(r"st\.volatile\.global\.u64", sp) and "ld.global.nc.v4.u32" in sp
     assert not re.search(r"st\.volatile\.global\.v2\.u32", sp)
-    # the rescue's select runs on one CTA of the merge: no cluster instruction there
-    assert "barrier.cluster" not in mg and "shared::cluster" not in mg
+    mimg = images["merge"][0]
+    if mimg.cluster == 1:
+        # the rescue's select runs on one CTA of the merge: no cluster instruction there
+        assert "barrier.cluster" not in mg and "shared::cluster" not in mg
+    else:
+        # a row over a cluster (Merge.clus): every CTA reads the others' sums (DSMEM loads
+        # after barriers that release its own shared memory), never stores into another CTA's;
+        # a full release barrier only before CTA 0 rewrites a row the cluster wrote
+        assert "fence.release.sync_restrict::shared::cta.cluster" in mg
+        assert "barrier.cluster.arrive.relaxed.aligned" in mg and "barrier.cluster.wait.aligned" in mg
+        assert "barrier.cluster.arrive.release.aligned" in mg
+        assert "mapa.shared::cluster" in mg and "ld.shared::cluster.v4.u32" in mg
+        assert "st.shared::cluster" not in mg and "red.relaxed.cluster" not in mg
     # merge: 8-byte LL halves, system-scope flag protocol, PDL wait, timeout clock
     assert re.search(r"ld\.volatile\.global\.u64", mg)
     assert "griddepcontrol.wait" in mg and "%globaltimer" in mg
@@ -115,7 +126,9 @@ def test_ptx_protocol_instructions(images):
         assert "st.relaxed.sys.global.u32" in mg
         assert "fence.acq_rel.sys" in mg
         assert re.search(r"st\.global\.v4\.u32", mg)  # rescue rows, 16-byte stores
-    assert "trap" not in mg  # a timeout is a status record, never a trap
+    # a timeout is a status record, never a trap (the one trap of a clustered merge: a launch
+    # without its cluster dimensions)
+    assert mg.count("trap;") == (0 if mimg.cluster == 1 else 1)
 
 
 def test_metadata_matches_abi(images, tmp_path):
@@ -127,11 +140,38 @@ def test_metadata_matches_abi(images, tmp_path):
         assert meta["block"] == 512 and meta["smem"] == img.smem
         assert meta["arch"] == "sm_90a" and meta["source_hash"] == cache.source_hash()
         assert meta["config"] == img.config
+        assert meta.get("cluster", 1) == img.cluster
         kinds = _entry_params(img.ptx, img.entry)
         assert [("i64" if k.endswith("64") else "i32") for k in kinds] == [p[1] for p in meta["params"]]
         assert (d / meta["cubin"]).read_bytes() == img.cubin
     back = cache.read_images(d)
     assert {k: v.entry for k, v in back.items()} == {k: v[0].entry for k, v in images.items()}
+
+
+def test_merge_cluster_of_large_rows(monkeypatch):
+    """A merge row of more than merge.CLUS_KP round-1 words per thread is split over a cluster
+    of at most merge.CLUS_MAX CTAs (W = 16, N = 1024: 32 words, 2 CTAs of 16; W = 8, N = 1024:
+    2 CTAs of 8); W = 8, N = 512 stays on one CTA; the clus=4 variant splits W = 16, N = 1024
+    into 4 CTAs of 8.  The cluster size is in the metadata (the launchers read it there)."""
+    from jax_dsa_exchange.kernels import merge
+    from jax_dsa_exchange.kernels.merge import CLUS_KP, CLUS_MAX, Merge
+
+    assert CLUS_MAX == 2 and merge.TUNE["clus"] == CLUS_MAX
+    for cmax, want in ((CLUS_MAX, {(16, 2048, 1024): 2, (8, 2048, 1024): 2, (16, 2048, 512): 2,
+                                   (8, 2048, 512): 1, (8, 256, 64): 1, (16, 4096, 2048): 1}),
+                       (4, {(16, 2048, 1024): 4, (8, 2048, 1024): 2}), (1, {(16, 2048, 1024): 1}),
+                       (0, {(16, 2048, 1024): 1})):
+        monkeypatch.setitem(merge.TUNE, "clus", cmax)
+        for (w, k, n), c in want.items():
+            m = Merge(w, k, n)
+            assert m.clus == c, (cmax, w, k, n, m.clus)
+            if c > 1:
+                assert m.kp1 >= CLUS_KP and m.kp1 * c == m.kp1_row and m.cp * c == w * n
+                assert (w // c) * n == m.cp
+    monkeypatch.setitem(merge.TUNE, "clus", CLUS_MAX)
+    img = cache.compile_images("sm_90a", 16, 2048, 1024)["merge"][0]
+    assert img.cluster == 2 and img.metadata()["cluster"] == 2
+    assert "cluster" not in cache.compile_images("sm_90a", 8, 2048, 512)["merge"][0].metadata()
 
 
 def test_kernel_signatures_are_the_abi():

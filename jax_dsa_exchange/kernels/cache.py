@@ -19,6 +19,7 @@ with ``tag = f"{arch}-w{W}-k{K}-n{N}-{hash[:16]}"``.  The JSON::
      "block": 512 (threads per CTA, 1-D), "smem": <dynamic shared bytes>,
      "config": {"world": W, "topk": K, "local_topk": N},
      "arch": "sm_90a", "source_hash": <sha256 hex>, "grid": <how to size it>,
+     "cluster": C (merge, only where C > 1: every launch in clusters of C CTAs),
      "compile_seconds": <float>, "cubin": <file>, "ptx": <file>}
 
 Loading on the device: keep the cubin and the PTX; if the driver refuses the
@@ -55,8 +56,10 @@ GRID_DOC = {
     "select_push": "(rows * C, 1, 1) in clusters of (C, 1, 1), C = layout.producer_cluster(rows, "
     "cols, split) from the metadata's split and the device's count of co-resident clusters: "
     "cluster b selects and pushes row b",
-    "merge": "(G, 1, 1), 1 <= G <= rows, small enough that the W ranks' merge grids "
-    "are co-resident on their GPUs (docs/DESIGN.md §6.7): CTA b does rows b, b+G, ...",
+    "merge": "(G * C, 1, 1) in clusters of (C, 1, 1), C = the metadata's cluster (1 when absent), "
+    "1 <= G <= rows, small enough that the W ranks' merge grids are co-resident on their GPUs "
+    "(docs/DESIGN.md §6.7; C > 1: G at most the device's co-resident clusters of C): cluster b "
+    "does rows b, b+G, ...",
 }
 
 
@@ -116,6 +119,7 @@ class KernelImage:
     arch: str
     source_hash: str
     split: dict | None = None  # select_push: layout.producer_split() it was built for
+    cluster: int = 1  # merge: CTAs per row, launched as clusters of (cluster, 1, 1) (Merge.clus)
 
     def metadata(self) -> dict:
         meta = {
@@ -126,6 +130,8 @@ class KernelImage:
         }  # fmt: skip
         if self.split is not None:
             meta["split"] = dict(self.split)
+        if self.cluster > 1:
+            meta["cluster"] = self.cluster
         return meta
 
 
@@ -147,7 +153,7 @@ def source_hash(files=SOURCE_FILES) -> str:
 # JAX_DSA_EXCHANGE_MERGE_TUNE knobs that change the merge's code layout only (kernels/merge.py):
 # their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
 # timing-only (merge.TIMING_ONLY)
-MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all")
+MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus")
 
 
 def tune_exact() -> bool:
@@ -241,6 +247,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_lis
                     "rescue_list": bool(rescue_list)},
             arch=arch, source_hash=shash,
             split=_producer_split() if name == "select_push" else None,
+            cluster=int(getattr(obj, "clus", 1)),
         )  # fmt: skip
         out[name] = (img, secs)
     return out
@@ -281,6 +288,7 @@ def read_images(folder) -> dict:
             smem=int(meta["smem"]),
             params=tuple(tuple(p) for p in meta["params"]), config=meta["config"],
             arch=meta["arch"], source_hash=meta["source_hash"], split=meta.get("split"),
+            cluster=int(meta.get("cluster", 1)),
         )  # fmt: skip
     return out
 

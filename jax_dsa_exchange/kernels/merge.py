@@ -70,6 +70,16 @@ SM_SMEM_BYTES = 228 * 1024
 CTA_RESERVED_SMEM = 1024
 N_MARKS = abi.MERGE_PROF_MARKS  # prof=1: clock marks of thread 0, over ids[0, K - N_MARKS:]
 EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
+# A row of more than this many round-1 words per thread is split over a cluster of CTAs
+# (Merge.clus), each holding at least this many: the W = 8, N = 512 kernel's per-thread size,
+# whose code is branch-free with the block-table entries in registers
+CLUS_KP = 8
+# ... of at most this many CTAs (the clus knob's default): W = 16, N = 1024 in 2 CTAs of 16
+# words per thread beat 4 of 8 at R >= 64 and lost at R <= 16 (a 4-CTA row's 256 CTAs at R = 64
+# do not fit the GPU at once; H200, nineteenth session: 20.1 against 30.7 us at R = 64, 18.2
+# against 13.3 at R = 16, 55 against 96 at R = 256; one CTA 29 / 28 / 86)
+CLUS_MAX = 2
+CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
 # cache.source_hash() mixes the string into the cubins' tag (variants coexist in one dir).
@@ -101,6 +111,10 @@ EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (o
 #            the bench's forced rescue, where the rescued K-list's lowest score is the boundary
 #            (W = 8, N = 512: forced rescue 40.8 -> 34.0 us, the normal path unchanged;
 #            fifteenth session)
+#   clus=C   (exact; the default is CLUS_MAX) a row of more than CLUS_KP round-1 words per thread
+#            (W = 16, N = 1024: 32; W = 8, N = 1024: 16) split over a cluster of
+#            min(C, kp1 / CLUS_KP) CTAs (Merge.clus); clus=0 or 1: every row on one CTA, as
+#            before the nineteenth session
 #   r2roll=U (exact; the default is 1) round 2 of a rescue by the fast path's algorithm in loops
 #            rolled over a shared-memory copy of its words, unrolled U times (round2_rolled):
 #            a third of the register fast path's code, which a rescue fetches cold from HBM
@@ -123,6 +137,7 @@ TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush",
 TUNE = dict.fromkeys(TIMING_ONLY + cache.MERGE_EXACT_KNOBS, 0)
 TUNE["r2roll"] = 1  # (the defaults: see above)
 TUNE["r2all"] = 1
+TUNE["clus"] = CLUS_MAX
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
     if _k.strip() not in TUNE:
@@ -137,6 +152,11 @@ def st_relaxed_sys(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
     """A strong store at system scope (after a fence.acq_rel.sys: a release pattern)."""
     C._asm(None, [Int64(addr), Int32(v)], "st.relaxed.sys.global.u32 [$0], $1;",
            "l,r,~{memory}", loc, ip)  # fmt: skip
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    C._asm(None, [], "trap;", "~{memory}", loc, ip)
 
 
 @dsl_user_op
@@ -190,7 +210,8 @@ def smem_bytes(topk: int) -> int:
 
 
 class MergeSmem:
-    def __init__(self, rw: int, stage_words: int = 0, stage2_words: int = 0, r2m_words: int = 0):
+    def __init__(self, rw: int, stage_words: int = 0, stage2_words: int = 0, r2m_words: int = 0,
+                 clus: bool = False):
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K: the producer's select on one CTA (its row is buf)
         self.sel = S.SelectSmem(smem, rw, False)
@@ -220,6 +241,13 @@ class MergeSmem:
         # round 2's words past those the rescue select's hist1 and mask hold (r2roll)
         self.stage2 = smem.allocate_tensor(Int32, cute.make_layout((max(stage2_words, 4),)), 16)
         self.r2m = smem.allocate_tensor(Int32, cute.make_layout((max(r2m_words, 4),)), 16)  # its mask words
+        if clus:
+            # a clustered row (Merge.clus): the cluster's sum of a histogram (or its tied keys'
+            # g, from EQ_MAX on) read by this CTA only, and this CTA's row totals that the
+            # others read through DSMEM (xc)
+            self.hs = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
+            self.he = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
+            self.xc = smem.allocate_tensor(Int32, cute.make_layout((CLUS_XC,)), 16)
 
     def parts(self):
         """The tensors as locals: the DSL cannot carry a Python object whose
@@ -252,6 +280,24 @@ class Merge:
         # (position v = warp * 32 * kp + i * 64 + 2 * lane + h)
         self.kp1 = 2 * -(-self.nk1 // (2 * C.TB))
         self.fast1 = self.kp1 <= KP_MAX
+        self.kp1_row = self.kp1  # (the words per thread of a row on one CTA)
+        # clus: a row of more than CLUS_KP words per thread on one CTA is split over a cluster
+        # of C = min(TUNE clus, kp1 / CLUS_KP) CTAs of k = kp1 / C words per thread, CTA c
+        # holding owner-major positions [c P, (c + 1) P), P = TB * k: whole lists (W / C of
+        # them), each warp's inside one list.  Every
+        # sum the select takes (stats, histograms, tied keys, selected counts) is each CTA's
+        # own, published by a cluster barrier and read through DSMEM, every decision computed
+        # alike in every CTA (so every CTA passes the same cluster barriers); a rescue runs on
+        # CTA 0 alone (kernel).  W = 16, N = 1024 on one CTA was 27 us, the per-key instruction
+        # volume of 32 words per thread on one SM (kernels/NOTES.md, eighteenth session).
+        self.clus = 1
+        c = min(TUNE["clus"], self.kp1 // CLUS_KP, S.CLUSTER_MAX)
+        ck = self.kp1 // c if c > 1 else 0  # words per thread of each CTA
+        if (c > 1 and self.fast1 and ck % 2 == 0 and self.nk1 == c * C.TB * ck
+                and world % c == 0 and n % (32 * ck) == 0):
+            self.clus = c
+            self.kp1 = ck
+        self.cp = self.nk1 // self.clus  # positions per CTA of a row
         self.nk2max = self.slots * topk + (world - self.slots) * n
         self.kp2 = 2 * -(-self.nk2max // (2 * C.TB))
         # (r2radix=1, exact: round 2 by the radix walk from memory; W = 8 N = 512: 124 registers
@@ -282,7 +328,7 @@ class Merge:
         # The rescue select's vectors per round: the producer's U1, except in the large
         # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
         # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
-        self.rescue_u1 = 4 if self.kp1 > BRANCH_FREE_KP else S.U1
+        self.rescue_u1 = 4 if self.kp1_row > BRANCH_FREE_KP else S.U1
         # A row without a rescue ends (and the launch after such a last row) before the
         # rescue's code, not after its ~100 KB (W = 8, N = 512: -0.6..-0.9 us, cold instruction
         # fetch); the large configurations keep one end after it (there ptxas then spilled
@@ -292,7 +338,8 @@ class Merge:
     def _smem(self) -> int:
         """Launch shared memory (bytes) of the MergeSmem parts this configuration allocates."""
         return (smem_bytes(self.topk) + 4 * max(self.stage_words, 4) + 16
-                + 4 * max(self.stage2_words, 4) + 16 + 4 * max(self.r2m_words, 4) + 16)  # fmt: skip
+                + 4 * max(self.stage2_words, 4) + 16 + 4 * max(self.r2m_words, 4) + 16
+                + (4 * (SCORE_BINS + EQ_MAX + CLUS_XC) + 32 if self.clus > 1 else 0))  # fmt: skip
 
     # ---------------------------------------------------------------- keys
 
@@ -589,7 +636,10 @@ class Merge:
 
     @cute.jit
     def pair_pos(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp) -> Int32:
-        return warp * Int32(32 * kp) + Int32(i * 64) + Int32(2) * lane
+        v = warp * Int32(32 * kp) + Int32(i * 64) + Int32(2) * lane
+        if cutlass.const_expr(self.clus > 1):
+            v = v + self.cbase  # (0 in CTA 0, the only one that runs a round 2)
+        return v
 
     @cute.jit
     def owner(self, v: Int32, round2: cutlass.Constexpr, seg: cute.Tensor):
@@ -635,6 +685,8 @@ class Merge:
         a = Int64(0)
         if cutlass.const_expr(self.n % (32 * kp) == 0):
             v0 = warp * Int32(32 * kp)
+            if cutlass.const_expr(self.clus > 1):
+                v0 = v0 + self.cbase
             q0 = v0 // Int32(self.n)
             j0 = v0 - q0 * Int32(self.n)
             a = ll0 + Int64(q0) * ll_stride + Int64((j0 >> Int32(1)) + lane) * Int64(16) + Int64(i * 512)
@@ -661,6 +713,8 @@ class Merge:
         # the mask half of this lane (k = lane < kp)
         mh = good
         vm = warp * Int32(32 * kp) + (lane >> Int32(1)) * Int32(64) + (lane & Int32(1)) * Int32(32)
+        if cutlass.const_expr(self.clus > 1):
+            vm = vm + self.cbase
         if lane < Int32(kp) and vm < Int32(self.nk1):
             q, j = self.owner(vm, False, None)
             mh = C.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
@@ -914,9 +968,10 @@ class Merge:
     @cute.jit
     def tie_break(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr,
                   round2: cutlass.Constexpr, vth: Int32, m: Int32, need: Int32, slot: Int32,
-                  sm: MergeSmem, tid, lane, warp, qj: cute.Tensor) -> Int32:
+                  sm: MergeSmem, tid, lane, warp, qj: cute.Tensor, cl: cutlass.Constexpr = False) -> Int32:
         """gT: the need-th smallest g among the m keys of score vth (their order in the
-        selection: smaller g first)."""
+        selection: smaller g first).  ``cl``: m, need are the cluster's; the tied keys
+        (or their g histograms) are summed over the cluster."""
         fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
         fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
         seg = sm.seg
@@ -944,8 +999,11 @@ class Merge:
                             if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
                                 eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
                                 pos = pos + Int32(1)
-                cute.arch.sync_threads()
-                gT = self.rank_eq(eqb, m, need, tid, sc)
+                if cutlass.const_expr(cl):
+                    gT = self.rank_eq(self.clus_gather_eq(eqb, m, slot, sm, tid), m, need, tid, sc)
+                else:
+                    cute.arch.sync_threads()
+                    gT = self.rank_eq(eqb, m, need, tid, sc)
             else:
                 # many keys at the boundary score: the need-th smallest g among them by
                 # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
@@ -967,17 +1025,21 @@ class Merge:
                                 if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
                                     cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
                                                          Int32(1), sem="relaxed", scope="cta")  # fmt: skip
-                    self.cta_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, warp, sc, 8)
+                    self.find_bin_x(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, tid, lane, warp, sc, 8,
+                                    cl, sm)  # fmt: skip
                     uT = uT | (sc[8] << Int32(lo_))
                     nd = nd - sc[9]
                 gT = gmax - uT
         return gT
 
     @cute.jit
-    def publish_stats(self, cnt: Int32, mx: Int32, mn: Int32, slot: Int32, sm: MergeSmem, tid, lane):
+    def publish_stats(self, cnt: Int32, mx: Int32, mn: Int32, slot: Int32, sm: MergeSmem, tid, lane,
+                      cl: cutlass.Constexpr = False):
         """This thread's count / max / min score of its nonzero words -> the CTA's (warp
         reductions, one atomic each per warp into stats slot ``slot``), the fast path's
-        histograms cleared, one barrier; returns (count, min, max - min)."""
+        histograms cleared, one barrier; returns (count, min, max - min).  ``cl``: the
+        barrier is a cluster barrier and the result the cluster's (every CTA's slot read
+        through DSMEM)."""
         fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
         fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
         cnt = cute.arch.warp_redux_sync(cnt, "add")
@@ -995,10 +1057,119 @@ class Merge:
             fh2[tid] = Int32(0)
             fg2[tid] = Int32(0)
             fg3[tid] = Int32(0)
+        tot = Int32(0)
+        lo = Int32(0)
+        hi = Int32(0)
+        if cutlass.const_expr(cl):
+            S.cluster_sync_local()
+            self.mk(4)
+            st_a = S.smem_addr(st) + slot * Int32(16)
+            lo = Int32(0xFFFF)
+            for r in cutlass.range_constexpr(self.clus):
+                a, b, c, _ = S.ld_dsmem_v4(S.mapa(st_a, Int32(r)))
+                tot = tot + a
+                hi = cutlass.max(hi, b)
+                lo = cutlass.min(lo, c)
+        else:
+            cute.arch.sync_threads()
+            self.mk(4)
+            lo = st[slot * Int32(4) + Int32(2)]
+            tot = st[slot * Int32(4)]
+            hi = st[slot * Int32(4) + Int32(1)]
+        return tot, lo, hi - lo
+
+    @cute.jit
+    def find_bin_x(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, tid, lane, warp,
+                   sc: cute.Tensor, slot: cutlass.Constexpr, cl: cutlass.Constexpr, sm: MergeSmem):
+        """cta_find_bin; ``cl``: over the cluster's sum of ``hist`` -- a cluster barrier
+        publishes every CTA's histogram, thread k < nb / 4 sums bins 4k .. 4k + 3 over the
+        C CTAs (16-byte DSMEM loads, all in flight) into this CTA's hs, warp 0 finds the
+        bin there."""
+        if cutlass.const_expr(cl):
+            hs = sm.hs
+            S.cluster_sync_local()
+            h_a = S.smem_addr(hist) + tid * Int32(16)
+            if tid < Int32(nb // 4):
+                g0 = Int32(0)
+                g1 = Int32(0)
+                g2 = Int32(0)
+                g3 = Int32(0)
+                for r in cutlass.range_constexpr(self.clus):
+                    a, b, c, d = S.ld_dsmem_v4(S.mapa(h_a, Int32(r)))
+                    g0 = g0 + a
+                    g1 = g1 + b
+                    g2 = g2 + c
+                    g3 = g3 + d
+                hs[Int32(4) * tid] = g0
+                hs[Int32(4) * tid + Int32(1)] = g1
+                hs[Int32(4) * tid + Int32(2)] = g2
+                hs[Int32(4) * tid + Int32(3)] = g3
+            cute.arch.sync_threads()
+            if warp == Int32(0):
+                self.warp_find_bin(hs, nb, need, lane, sc, slot)
+            cute.arch.sync_threads()
+        else:
+            self.cta_find_bin(hist, nb, need, lane, warp, sc, slot)
+
+    @cute.jit
+    def clus_gather_eq(self, eqb: cute.Tensor, m: Int32, slot: Int32, sm: MergeSmem, tid) -> cute.Tensor:
+        """The cluster's m keys at the boundary score (each CTA's in its eqb, counted in its
+        stats slot word 3) gathered into this CTA's he after a cluster barrier (which
+        replaces the block barrier after the local gather); returns he."""
+        he = sm.he
+        S.cluster_sync_local()
+        st_a = S.smem_addr(sm.st) + slot * Int32(16) + Int32(12)
+        e_a = S.smem_addr(eqb)
+        if tid < m:
+            off = Int32(0)
+            val = Int32(0)
+            for r in cutlass.range_constexpr(self.clus):
+                c = S.ld_dsmem_u32(S.mapa(st_a, Int32(r)))
+                if tid >= off and tid < off + c:
+                    val = S.ld_dsmem_u32(S.mapa(e_a + (tid - off) * Int32(4), Int32(r)))
+                off = off + c
+            he[tid] = val
         cute.arch.sync_threads()
-        self.mk(4)
-        lo = st[slot * Int32(4) + Int32(2)]
-        return st[slot * Int32(4)], lo, st[slot * Int32(4) + Int32(1)] - lo
+        return he
+
+    @cute.jit
+    def clus_totals(self, wt: cute.Tensor, tot: Int32, flag: Int32, sm: MergeSmem, tid, rank: Int32):
+        """A clustered row's selected counts: this CTA's total, its ranks' counts (their
+        warps' totals: a warp's positions lie in one list) and its failure flag into xc, a
+        cluster barrier, then from every CTA's xc (DSMEM): the selected keys of the CTAs
+        before this one, of the row, of this rank; rcnt[q] = rank q's count (the
+        saturation test); sc[7] = 1 when any CTA saw a failure recorded after its waits."""
+        xc = sm.xc
+        rcnt = sm.rcnt
+        sc = sm.sc
+        npc = self.world // self.clus  # ranks per CTA
+        wpr = self.n // (32 * self.kp1)  # warps per rank
+        if tid < Int32(npc):
+            x = Int32(0)
+            for u in cutlass.range_constexpr(wpr):
+                x = x + (wt[tid * Int32(wpr) + Int32(u)] & Int32(0xFFFF))
+            xc[Int32(1) + tid] = x
+        if tid == Int32(0):
+            xc[0] = tot & Int32(0xFFFF)
+            xc[15] = flag
+        S.cluster_sync_local()
+        xa = S.smem_addr(xc)
+        base = Int32(0)
+        allr = Int32(0)
+        for r in cutlass.range_constexpr(self.clus):
+            x = S.ld_dsmem_u32(S.mapa(xa, Int32(r)))
+            allr = allr + x
+            if Int32(r) < self.crank:
+                base = base + x
+        own = S.ld_dsmem_u32(S.mapa(xa + (Int32(1) + rank % Int32(npc)) * Int32(4), rank // Int32(npc)))
+        if tid < Int32(self.world):
+            rcnt[tid] = S.ld_dsmem_u32(S.mapa(xa + (Int32(1) + tid % Int32(npc)) * Int32(4), tid // Int32(npc)))
+        if tid == Int32(0):
+            f = Int32(0)
+            for r in cutlass.range_constexpr(self.clus):
+                f = f | S.ld_dsmem_u32(S.mapa(xa + Int32(60), Int32(r)))
+            sc[7] = f
+        return base, allr, own
 
     @cute.jit
     def warp_prefix(self, wt: cute.Tensor, warp):
@@ -1030,6 +1201,8 @@ class Merge:
         fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
         seg = sm.seg
         kp = self.kp2 if round2 else self.kp1
+        cl = self.clus > 1 and not round2  # round 1 of a clustered row (a round 2 runs on CTA 0 alone)
+        fl = Int32(0)  # (cl) a failure recorded once this CTA's waits were over
         K = self.topk
         G = self.gbits
         gmax = Int32((1 << G) - 1)
@@ -1058,7 +1231,14 @@ class Merge:
                     cnt = cnt + nz
                     mx = cutlass.max(mx, sv)
                     mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
-            total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane)
+            total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane, cl)
+            if cutlass.const_expr(cl):
+                # every wait of this CTA is over (the barrier above): its status word, in flight
+                # during the select, published with the counts (clus_totals)
+                if tid == Int32(0):
+                    sw0 = C.ld_volatile_u32(status)
+                    if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
+                        fl = Int32(1)
             if total >= Int32(K):
                 shift = Int32(0)
                 while (rng >> shift) >= Int32(SCORE_BINS):
@@ -1074,7 +1254,7 @@ class Merge:
                         if sv != Int32(0):
                             b_ = (sv - lo) >> shift
                         S.red_smem_add(fh_a + b_ * Int32(4), Int32(1))  # unconditional (see the stats)
-                self.cta_find_bin(fh, SCORE_BINS, Int32(K), lane, warp, sc, 0)
+                self.find_bin_x(fh, SCORE_BINS, Int32(K), tid, lane, warp, sc, 0, cl, sm)
                 self.mk(5)
                 b = sc[0]
                 above = sc[1]
@@ -1087,13 +1267,13 @@ class Merge:
                         if sv != Int32(0) and ((sv - lo) >> shift) == b:
                             cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
                                                  scope="cta")  # fmt: skip
-                    self.cta_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, warp, sc, 3)
+                    self.find_bin_x(fh2, SCORE_BINS2, Int32(K) - above, tid, lane, warp, sc, 3, cl, sm)
                     vth = vth + sc[3]
                     above = above + sc[4]
                     m = sc[5]
                 need = Int32(K) - above
                 self.mk(6)
-                gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp, qj)
+                gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp, qj, cl)
                 self.mk(7)
                 T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
         # ---- outputs: selection = s > vth or (s == vth and g <= gT)
@@ -1101,7 +1281,7 @@ class Merge:
         # above), in flight during the outputs: sc[7] = 1 when a timeout was recorded
         # (the row is then voided, see kernel), for rows without a rescue.
         stw = Uint32(0)
-        if cutlass.const_expr(not round2):
+        if cutlass.const_expr(not round2 and not cl):
             if tid == Int32(0):
                 stw = C.ld_volatile_u32(status)
         all_run = Int32(0)
@@ -1158,6 +1338,11 @@ class Merge:
             wbase, tot = self.warp_prefix(wt, warp)
             all_run = tot & Int32(0xFFFF)
             own_run = tot >> Int32(16)
+            if cutlass.const_expr(cl):
+                # the row's positions of this CTA's selected keys start after the CTAs' before
+                # it (its own rank's, if any, are all here: their kv_rows prefix is local)
+                cb, all_run, own_run = self.clus_totals(wt, tot, fl, sm, tid, rank)
+                wbase = wbase + cb
             trow = Int64(t) * Int64(K)
             ids_row = ids + trow * Int64(4)
             kv_row = kv_rows + trow * Int64(4)
@@ -1265,7 +1450,13 @@ class Merge:
                             C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
                             kpos = kpos + own
         self.mk(9)
-        if tid == Int32(0):
+        if cutlass.const_expr(cl):
+            # (sc[7] set by clus_totals; the padding shared by the cluster's CTAs)
+            if tid == Int32(0):
+                pref[self.world] = all_run
+                if self.crank == Int32(0):
+                    C.st_u32(counts + Int64(t) * Int64(4), own_run)
+        elif tid == Int32(0):
             pref[self.world] = all_run
             C.st_u32(counts + Int64(t) * Int64(4), own_run)
             if cutlass.const_expr(not round2):
@@ -1274,10 +1465,15 @@ class Merge:
                     sc[7] = Int32(1)
         if cutlass.const_expr(not TUNE["noout"]):
             trow = Int64(t) * Int64(K)
-            for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
+            p0 = tid  # first padding index of this thread, step
+            pstep = C.TB
+            if cutlass.const_expr(cl):
+                p0 = self.crank * Int32(C.TB) + tid
+                pstep = C.TB * self.clus
+            for i in cutlass.range(own_run + p0, K, pstep, unroll=1):
                 C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
             if ids != Int64(0):
-                for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
+                for i in cutlass.range(all_run + p0, K, pstep, unroll=1):
                     C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
         cute.arch.sync_threads()
         self.mk(10)
@@ -1579,8 +1775,19 @@ class Merge:
         tid = Int32(tid)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sm = MergeSmem(self.rw_k, self.stage_words, self.stage2_words, self.r2m_words)
+        sm = MergeSmem(self.rw_k, self.stage_words, self.stage2_words, self.r2m_words, self.clus > 1)
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
+        # clus: row t on cluster t (its CTAs in the order of their rank crank), G = nblk / C
+        # clusters; cbase = the row's first position of this CTA
+        nstep = nblk
+        t = Int32(bid)
+        if cutlass.const_expr(self.clus > 1):
+            if cute.arch.cluster_size() != Int32(self.clus):
+                trap()  # launched without its cluster: DSMEM would address CTAs that do not exist
+            self.crank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            self.cbase = self.crank * Int32(self.cp)
+            t = cute.arch.cluster_idx()[0]
+            nstep = Int32(nblk) // Int32(self.clus)
         # prof=1 (timing only): thread 0's clock at the points below -> ids[0, K-16:]
         self.mk = C.Marks(TUNE["prof"], N_MARKS)
         self.mk(0)
@@ -1602,7 +1809,6 @@ class Merge:
         rowi = Int32(0)
         last_f = Int32(0)
         finished = Int32(0)  # the launch's end done (after a last row without a rescue)
-        t = Int32(bid)
         refused = Int32(0)
         # epoch of the first row, loaded together with the status word (a plain load of
         # this rank's own state: harmless even when the call is refused); later rows'
@@ -1613,14 +1819,27 @@ class Merge:
         # A failed or closed exchange (status set before this launch) does no exchange
         # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
         stw0 = C.ld_volatile_u32(status)
+        if cutlass.const_expr(self.clus > 1):
+            # CTA 0's word for the whole cluster (the CTAs must agree: each passes the same
+            # cluster barriers); this barrier also has every CTA of the cluster running before
+            # any DSMEM access
+            sm_xc = sm.xc
+            if tid == Int32(0):
+                sm_xc[14] = Int32(stw0)
+            S.cluster_sync_local()
+            stw0 = Uint32(S.ld_dsmem_u32(S.mapa(S.smem_addr(sm_xc) + Int32(56), Int32(0))))
         # page_of's multiplier: one 64-bit division per launch, while the loads above are in
         # flight (block_size < 1 never reaches a lookup: req_ok is 0 then)
         self.pdiv = (Uint64(1) << Uint64(PAGE_SHIFT)) // Uint64(cutlass.max(block_size, Int32(1))) + Uint64(1)
         if stw0 != Uint32(layout.STATUS_OK):
             refused = Int32(1)
             while t < rows:
-                self.empty_row(t, tid, kv_rows, counts, ids, saturated)
-                t = t + Int32(nblk)
+                if cutlass.const_expr(self.clus > 1):
+                    if self.crank == Int32(0):
+                        self.empty_row(t, tid, kv_rows, counts, ids, saturated)
+                else:
+                    self.empty_row(t, tid, kv_rows, counts, ids, saturated)
+                t = t + Int32(nstep)
         while t < rows:
             ep = epn + Int32(1)
             seq = C.ld_u32(C.state_seq(state, max_rows, t))
@@ -1681,7 +1900,7 @@ class Merge:
             # the normal path's instructions at W = 8 (ncu, eleventh session)
             ql = cutlass.min(lane, Int32(W - 1))
             cq = Int32(0)
-            if cutlass.const_expr(self.fast1):
+            if cutlass.const_expr(self.fast1 and self.clus == 1):
                 cq = sm.pref[ql + Int32(1)] - sm.pref[ql]
             else:
                 cq = sm_rcnt[ql]
@@ -1693,7 +1912,35 @@ class Merge:
             if cutlass.const_expr(NO_RESCUE):
                 mask = Int32(0)  # timing-only variants of the normal path
             self.mk(11)
-            if cutlass.const_expr(not self.end_first):
+            if cutlass.const_expr(self.clus > 1):
+                # A clustered row ends on CTA 0 (mask and sc[7] are the cluster's: the same in
+                # every CTA).  Where CTA 0 then rewrites the outputs -- a rescue's round 2, or the
+                # empty row of a failed call -- a cluster barrier that releases global memory
+                # first orders the other CTAs' round-1 stores before its stores.  The others go
+                # on to their next row (their next cluster barrier waits for CTA 0).
+                if mask != Int32(0) or sm.sc[7] != Int32(0):
+                    S.cluster_sync()
+                if self.crank == Int32(0):
+                    if mask == Int32(0):
+                        epn, last_f = self.row_epilogue(t, ep, mask, True, epn, nstep, rows, state, max_rows,
+                                                        saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
+                        if t + Int32(nstep) >= rows:  # this cluster's last row: CTA 0's end here too
+                            self.finish(refused, last_f, rowi + Int32(1), status, sm_seg, tid, peers,
+                                        state, rank, max_rows, host_status, ids, bid)  # fmt: skip
+                            finished = Int32(1)
+                    else:
+                        self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
+                                    rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
+                                    status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
+                                    bt_row, req_ok, bt_cols, block_size, keys, words, hb,
+                                    slot1 + Int32(1), state)  # fmt: skip
+                        if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
+                            C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
+                        epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nstep, rows, state, max_rows,
+                                                        saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
+                elif t + Int32(nstep) < rows:
+                    epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nstep)))
+            elif cutlass.const_expr(not self.end_first):
                 if mask != Int32(0):
                     self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
                                 rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
@@ -1702,7 +1949,7 @@ class Merge:
                                 slot1 + Int32(1), state)  # fmt: skip
                     if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
                         C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
-                epn, last_f = self.row_epilogue(t, ep, mask, None, epn, nblk, rows, state, max_rows,
+                epn, last_f = self.row_epilogue(t, ep, mask, None, epn, nstep, rows, state, max_rows,
                                                 saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
             else:
                 # The row's end for rows without a rescue sits here, before the rescue's code
@@ -1710,10 +1957,10 @@ class Merge:
                 # the normal path fetched its end cold on every launch (ncu, eleventh session:
                 # most of the extra no-instruction stalls against a build without the rescue).
                 if mask == Int32(0):
-                    epn, last_f = self.row_epilogue(t, ep, mask, True, epn, nblk, rows, state, max_rows,
+                    epn, last_f = self.row_epilogue(t, ep, mask, True, epn, nstep, rows, state, max_rows,
                                                     saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
                     if cutlass.const_expr(not TUNE["tailout"]):
-                        if t + Int32(nblk) >= rows:  # this CTA's last row: its end here too
+                        if t + Int32(nstep) >= rows:  # this CTA's last row: its end here too
                             self.finish(refused, last_f, rowi + Int32(1), status, sm_seg, tid, peers,
                                         state, rank, max_rows, host_status, ids, bid)  # fmt: skip
                             finished = Int32(1)
@@ -1725,13 +1972,17 @@ class Merge:
                                 slot1 + Int32(1), state)  # fmt: skip
                     if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
                         C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
-                    epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nblk, rows, state, max_rows,
+                    epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nstep, rows, state, max_rows,
                                                     saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
-            t = t + Int32(nblk)
+            t = t + Int32(nstep)
             rowi = rowi + Int32(1)
         if finished == Int32(0):
             self.finish(refused, last_f, rowi, status, sm_seg, tid, peers, state, rank, max_rows,
                         host_status, ids, bid)  # fmt: skip
+        if cutlass.const_expr(self.clus > 1):
+            # no CTA leaves while another may still read its shared memory
+            S.cluster_arrive()
+            S.cluster_wait()
 
     @cute.jit
     def finish(self, refused: Int32, last_f: Int32, rowi: Int32, status: Int64, sm_seg: cute.Tensor,
@@ -1748,7 +1999,11 @@ class Merge:
             # within a launch, and the CTA whose wait failed sees it (withdraw is idempotent).
             C.pdl_wait()
             fe = last_f
-            if rowi == Int32(0):
+            if cutlass.const_expr(self.clus > 1):
+                # (the other CTAs of a cluster end no row: they read the status here)
+                if rowi == Int32(0) or self.crank != Int32(0):
+                    fe = self.failed(status, sm_seg, tid)
+            elif rowi == Int32(0):
                 fe = self.failed(status, sm_seg, tid)
             if fe != Int32(0):
                 self.withdraw(peers, state, rank, max_rows, tid)

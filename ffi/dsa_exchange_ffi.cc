@@ -242,6 +242,9 @@ struct Kernel {
   // cluster_max == 0: no cluster launch.  smem is then the bytes with a cache of cache_max
   // tokens.
   int split[kSplitWords] = {0, 0, 0, 0, 0, 0, -1, -1, -1, -1, -1, -1, -1, -1};
+  // merge: launched in clusters of this many CTAs, one cluster per row (the metadata's
+  // "cluster", kernels/merge.py Merge.clus); 0: no cluster launch
+  int cluster = 0;
 };
 
 // Rows that run at once, one CTA per SM, in clusters of c: the same rule as
@@ -568,8 +571,10 @@ ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32
   // The kernel itself fills the pinned copy when the status is set (no copy node after
   // every merge: in a CUDA graph it cost ~8 us of stream time per call, issue #13).
   v[kMgHostStatus].i64 = rec.host_status;
+  // merge_grid: rows at once (CTAs, or with a clustered merge its clusters of c CTAs)
   unsigned grid = static_cast<unsigned>(rows < rec.merge_grid ? rows : rec.merge_grid);
-  if (auto e = Launch(d, rec.merge, grid, stream, /*pdl=*/true, v, target, exchange_id, device);
+  const unsigned c = rec.merge.cluster > 1 ? static_cast<unsigned>(rec.merge.cluster) : 1u;
+  if (auto e = Launch(d, rec.merge, grid * c, stream, /*pdl=*/true, v, target, exchange_id, device, c > 1 ? c : 0);
       e.failure())
     return e;
   return ffi::Error::Success();
@@ -777,6 +782,24 @@ int dsa_set_kernel_split(const char* key, int device, int slice_max, int cluster
   MeasureClusterFit(cluster_max > 1 ? GetDriverLocked() : nullptr, device, found->second, cluster_max,
                     v + kSplitBase);
   std::memcpy(found->second.split, v, sizeof(v));
+  return 0;
+}
+
+// A loaded merge kernel built for clusters of `cluster` CTAs per row (its metadata's
+// "cluster"; 1: none): every launch then uses them.  *fit = the clusters of that size the
+// device runs at once (what sizes merge_grid so the W grids stay co-resident), -1 unknown.
+int dsa_set_kernel_cluster(const char* key, int device, int cluster, int* fit) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto found = g_kernels.find({key, device});
+  std::string where = std::string("kernel '") + key + "' on device " + std::to_string(device);
+  if (found == g_kernels.end()) return Fail(where + " is not loaded");
+  if (cluster < 1 || cluster > kProducerClusterMax)
+    return Fail(where + ": cluster " + std::to_string(cluster) + " not in [1, " +
+                std::to_string(kProducerClusterMax) + "]");
+  found->second.cluster = cluster > 1 ? cluster : 0;
+  int f[kProducerClusterMax];
+  MeasureClusterFit(cluster > 1 ? GetDriverLocked() : nullptr, device, found->second, cluster, f);
+  *fit = cluster > 1 ? f[cluster - 1] : -1;
   return 0;
 }
 

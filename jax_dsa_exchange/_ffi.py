@@ -94,6 +94,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_producer_cache_tokens.argtypes = [i32, i32, i32, i32, i32, i32, i32, i32, i32, ip]
     lib.dsa_kernel_cluster_fit.restype = i32
     lib.dsa_kernel_cluster_fit.argtypes = [cp, i32, ip]
+    lib.dsa_set_kernel_cluster.restype = i32
+    lib.dsa_set_kernel_cluster.argtypes = [cp, i32, i32, ip]
     lib.dsa_register_exchange.restype = i32
     lib.dsa_register_exchange.argtypes = [i64, i32, i32, i32, i32, i32, i32, i64, i64, i64, i64, i64, i32, i32, cp, cp,
                                           i64]
@@ -346,6 +348,16 @@ def producer_cache_tokens(rows: int, cols: int, c: int, split: dict) -> int:
     layout.producer_cache_tokens)."""
     vals = [int(split[k]) for k in _SPLIT_KEYS] + [int(split.get(k, 0)) for k in _CACHE_KEYS]
     return int(_require().dsa_producer_cache_tokens(int(rows), int(cols), int(c), *vals, _fit_arg(split)))
+
+
+def set_kernel_cluster(key: str, device: int, cluster: int) -> int:
+    """Tells the launcher that the loaded merge ``key`` runs one cluster of ``cluster`` CTAs
+    per row (its metadata's ``cluster``); call after load_kernel, before register_exchange.
+    Returns the clusters of that size the device runs at once (-1: unknown)."""
+    lib = _require()
+    fit = ctypes.c_int(-1)
+    _check(lib, lib.dsa_set_kernel_cluster(key.encode(), int(device), int(cluster), ctypes.byref(fit)))
+    return int(fit.value)
 
 
 def kernel_cluster_fit(key: str, device: int) -> tuple:

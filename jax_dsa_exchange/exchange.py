@@ -115,6 +115,9 @@ class Exchange:
         self._rdv: Rendezvous | None = None
         self._registered = False
         self._ranks_on_gpu = 1  # ranks whose merge grids share this GPU (merge_grid)
+        # a clustered merge (its metadata's cluster C > 1): C CTAs per row, and the clusters of
+        # C the device runs at once (set when the kernels are loaded; -1 unknown)
+        self._merge_cluster, self._merge_fit = 1, -1
 
     # -- creation ---------------------------------------------------------------------
 
@@ -253,11 +256,18 @@ class Exchange:
 
     @property
     def merge_grid(self) -> int:
-        """CTAs of the merge grid: one per SM, shared among the ranks on this GPU, so
-        every waiting CTA is resident at once (docs/DESIGN.md §6.7)."""
+        """Rows the merge takes at once: one CTA per SM (a clustered merge: the device's
+        co-resident clusters), shared among the ranks on this GPU, so every waiting CTA is
+        resident at once (docs/DESIGN.md §6.7)."""
         cp = _cupy()
         sms = cp.cuda.Device(self.ordinal).attributes["MultiProcessorCount"]
-        return max(1, sms // max(1, self._ranks_on_gpu))
+        ranks = max(1, self._ranks_on_gpu)
+        c = self._merge_cluster
+        if c > 1:
+            # a cluster's CTAs share one GPC: fewer than sms / c run at once (unknown: half)
+            fit = self._merge_fit if self._merge_fit > 0 else sms // (2 * c)
+            return max(1, fit // ranks)
+        return max(1, sms // ranks)
 
     def _register(self) -> None:
         from . import _ffi
@@ -274,6 +284,9 @@ class Exchange:
                           f"{'rl' if self.rescue_list else ''}/{img.source_hash}")
             _ffi.load_kernel(keys[name], img.kernel, img.params, img.cubin, img.ptx, img.entry, self.ordinal,
                              img.block, img.smem)
+            if name == "merge" and img.cluster > 1:
+                self._merge_fit = _ffi.set_kernel_cluster(keys[name], self.ordinal, img.cluster)
+                self._merge_cluster = img.cluster
             if img.split is not None:
                 split = dict(img.split)
                 if self._ranks_on_gpu > 1:

@@ -23,6 +23,7 @@ SYMBOLS = [
     "DsaSelectPush", "DsaMerge", "DsaSelectPushNoGraph", "DsaMergeNoGraph", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
     "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_producer_cache_tokens", "dsa_kernel_cluster_fit", "dsa_launcher_params",
+    "dsa_set_kernel_cluster",
     "dsa_layout_constant",
 ]
 
@@ -122,6 +123,12 @@ def test_register_errors_are_readable():
     with pytest.raises(RuntimeError, match="must be device addresses"):
         _ffi.register_exchange(11, 0, **_reg_kwargs(state=0))
     assert _ffi.num_exchanges() == 0
+
+
+@needs_lib
+def test_set_kernel_cluster_errors_are_readable():
+    with pytest.raises(RuntimeError, match=r"kernel 'nope_merge' on device 0 is not loaded"):
+        _ffi.set_kernel_cluster("nope_merge", 0, 4)
 
 
 @needs_lib

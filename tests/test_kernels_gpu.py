@@ -29,7 +29,10 @@ SMALL_K, SMALL_N = 256, 64
 WORLDS = [1, 2, 4, 8, 16]
 # (W, K, N) configurations these tests use (tools/gpu_kernels_run.sh builds them).
 CONFIGS = ([(w, SMALL_K, SMALL_N) for w in WORLDS] + [(w, SMALL_K, SMALL_K) for w in WORLDS]
-           + [(8, 2048, 512), (16, 2048, 1024), (2, 2048, 512), (16, 4096, 2048)])  # fmt: skip
+           + [(8, 2048, 512), (16, 2048, 1024), (2, 2048, 512), (16, 4096, 2048), (8, 2048, 1024)])  # fmt: skip
+# merges whose row is split over a cluster of CTAs (kernels/merge.py Merge.clus): W = 16, N = 1024
+# and W = 8, N = 1024 over 2 (16 and 8 words per thread)
+CLUSTERED = [(16, 2048, 1024), (8, 2048, 1024)]
 
 _SIMS: dict = {}
 
@@ -116,7 +119,8 @@ def test_consecutive_calls_cycle_epochs():
 
 @pytest.mark.parametrize("world,topk,n,cols,rows", [
     (8, 2048, 512, 20000, 8),      # the production shape
-    (16, 2048, 1024, 5000, 4),     # 32 words/thread in registers; round 2 from memory
+    (16, 2048, 1024, 5000, 4),     # a cluster of 2 CTAs per row; round 2 from memory
+    (8, 2048, 1024, 5000, 4),      # a cluster of 2 CTAs per row; round 2 in registers
     (2, 2048, 512, 1 << 17, 4),    # L = 2**17: bit 16 of l in the mask words
     (16, 4096, 2048, 4500, 2),     # W*N > 32 words/thread: round 1 re-read from memory
 ])  # fmt: skip
@@ -167,7 +171,7 @@ def _mixed_rescue_case(rng, world, topk, n, rows, cols, saturated_rows):
 
 
 @pytest.mark.parametrize("rescue_list", [False, True])
-@pytest.mark.parametrize("world,topk,n", [(8, SMALL_K, SMALL_N), (8, 2048, 512)])
+@pytest.mark.parametrize("world,topk,n", [(8, SMALL_K, SMALL_N), (8, 2048, 512)] + CLUSTERED)
 def test_rescued_and_plain_rows_in_one_cta(world, topk, n, rescue_list):
     """One merge CTA (and three) walking 43 rows: every row rescued, rescued and plain rows
     alternating (a CTA's last row plain after a rescued one: the launch then ends after that
@@ -180,7 +184,9 @@ def test_rescued_and_plain_rows_in_one_cta(world, topk, n, rescue_list):
     cols = max(n, 3 * topk) if topk > SMALL_K else 400
     patterns = [np.ones(rows, bool), np.arange(rows) % 2 == 1, np.arange(rows) % 3 != 1,
                 (np.arange(rows) // 9) % 2 == 0]
-    for grid in (1, 3):
+    # (a clustered merge: every rank's clusters co-resident, W * grid clusters of C)
+    grids = (1, 3) if sim.merge_cluster == 1 or 3 * world <= sim.merge_fit else (1,)
+    for grid in grids:
         for pat in patterns:
             case = _mixed_rescue_case(rng, world, topk, n, rows, cols, pat)
             got = _run_check(sim, case, grid=grid)
@@ -208,6 +214,56 @@ def test_failed_call_over_rescued_and_plain_rows_in_one_cta():
             assert st[1] >= 3 and st[3] == 3, (q, st)
             np.testing.assert_array_equal(got[q]["host_status"], st[:layout.STATUS_REPORT_WORDS])
         for r in range(rows if q != 3 else 3):
+            g = {k: got[q][k][r] for k in ("kv_rows", "counts", "ids")}
+            right = all(np.array_equal(g[k], getattr(ref[q], k)[r]) for k in g)
+            empty = g["counts"] == 0 and (g["kv_rows"] == -1).all() and (g["ids"] == -1).all()
+            assert right or empty, (q, r)
+
+
+@pytest.mark.parametrize("world,topk,n", CLUSTERED)
+def test_clustered_selection_in_one_cta(world, topk, n):
+    """A clustered merge's rows whose selected keys all lie in one CTA of the cluster (the
+    ranks it holds score high: CTA r % C at row r), then in two CTAs; bit-identical to the
+    model (the other CTAs select nothing, the positions of the hot CTA's keys start after
+    the empty CTAs before it)."""
+    sim = sim_for(world, topk, n)
+    c = sim.merge_cluster
+    assert c > 1, f"W={world} N={n}: expected a clustered merge, got cluster {c}"
+    npc = world // c  # ranks per CTA
+    rng = np.random.default_rng(41 + world)
+    rows, cols = 2 * c, 3 * n
+    base = cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows, cols=cols,
+                             row_ends="full")
+    logits = [x.copy() for x in base.logits]
+    for r in range(rows):
+        hot = {r % c} if r < c else {r % c, (r + 1) % c}
+        for q in range(world):
+            if q // npc in hot:
+                logits[q][r] = (logits[q][r].astype(np.float32) + 50).astype(cases.BF16)
+    _run_check(sim, cases.Case("one_cta", world, topk, n, base.block_size, logits, base.row_ends,
+                               base.req_id, base.block_tables))  # fmt: skip
+
+
+@pytest.mark.parametrize("short_rank", ["first_cta", "last_cta"])
+@pytest.mark.parametrize("world,topk,n", CLUSTERED)
+def test_clustered_failed_call_rows_right_or_empty(world, topk, n, short_rank):
+    """A rank of the first (or last) CTA of each cluster pushes only 3 of 8 rows: the
+    others time out naming it, and every row of every rank is right or empty (a cluster
+    voids a row as one: no row half real, half empty)."""
+    from jax_dsa_exchange.testing.sim import Sim
+
+    sim = Sim(world, topk, n, 16)  # fresh buffers: this call leaves them stale
+    short = 1 if short_rank == "first_cta" else world - 1
+    rng = np.random.default_rng(17 + short)
+    case = cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=8, cols=3000)
+    ref = reference.protocol_merge(*case.args, topk=topk, local_topk=n, block_size=case.block_size)
+    got = sim.call(case, short_rank=short, short_rows=3, timeout_us=200_000)
+    for q in range(world):
+        st = got[q]["status"]
+        if q != short:
+            assert st[0] == layout.STATUS_TIMEOUT_ROUND1 and st[1] >= 3 and st[3] == short, (q, st)
+            np.testing.assert_array_equal(got[q]["host_status"], st[:layout.STATUS_REPORT_WORDS])
+        for r in range(8 if q != short else 3):
             g = {k: got[q][k][r] for k in ("kv_rows", "counts", "ids")}
             right = all(np.array_equal(g[k], getattr(ref[q], k)[r]) for k in g)
             empty = g["counts"] == 0 and (g["kv_rows"] == -1).all() and (g["ids"] == -1).all()
@@ -485,13 +541,15 @@ def test_ties_straddling_the_boundary_score(world):
         _run_check(sim, _tie_case(rng, world, SMALL_K, n, 600, ms, tie))
 
 
-def test_ties_straddling_the_boundary_score_large():
-    rng = np.random.default_rng(77)
-    sim = sim_for(8, 2048, 512)
+@pytest.mark.parametrize("world,n", [(8, 512)] + [(w, n) for w, _, n in CLUSTERED])
+def test_ties_straddling_the_boundary_score_large(world, n):
+    """(Clustered: the tied keys of every CTA ranked together, or their g histograms summed.)"""
+    rng = np.random.default_rng(77 + world + n)
+    sim = sim_for(world, 2048, n)
     E = EQ_MAX
     ms = [1, 2, 5, 100, E - 1, E, E + 1, 1500]
-    _run_check(sim, _tie_case(rng, 8, 2048, 512, 4000, ms))
-    _run_check(sim, _tie_case(rng, 8, 2048, 512, 4000, ms, 0x0000), want_ids=False)
+    _run_check(sim, _tie_case(rng, world, 2048, n, 4000, ms))
+    _run_check(sim, _tie_case(rng, world, 2048, n, 4000, ms, 0x0000), want_ids=False)
 
 
 @pytest.mark.parametrize("world,topk,n", [(8, 2048, 512), (16, 2048, 1024), (4, SMALL_K, SMALL_N)])
@@ -514,7 +572,7 @@ def test_wide_score_range(world, topk, n):
     _run_check(sim, cases._finish(rng, "half_wide", world, topk, n, 16, logits, ends))
 
 
-@pytest.mark.parametrize("world,n", [(8, 512), (2, 512), (16, 1024)])
+@pytest.mark.parametrize("world,n", [(8, 512), (2, 512), (16, 1024), (8, 1024)])
 def test_adversarial_large(world, n):
     """The adversarial set (all-equal rows, NaN/±0/±inf, heavy ties, ties at the K-th
     key, short rows, saturated ranks) at K=2048: every selection path of the

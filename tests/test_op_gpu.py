@@ -32,7 +32,8 @@ def _launch(world, script, *args, timeout=300, graphs=None, grace=None):
 @pytest.mark.gpu
 @pytest.mark.parametrize("world,topk,local_topk,graphs,rescue_list", [
     (2, 256, 64, "checked", False), (4, 512, 128, "on", False), (4, 512, 128, "off", False),
-    (8, 2048, 512, "checked", False), (4, 512, 128, "on", True), (8, 2048, 512, "checked", True)])
+    (8, 2048, 512, "checked", False), (4, 512, 128, "on", True), (8, 2048, 512, "checked", True),
+    (8, 2048, 1024, "checked", False)])  # (the last: a clustered merge, 2 CTAs per row)
 def test_multiprocess_decode_loop_matches_oracle(world, topk, local_topk, graphs, rescue_list):
     """Every third layer saturates 1 .. slots ranks (rescues); rescue_list: the exchange's
     producer makes the K-lists the rescues push."""

@@ -164,6 +164,12 @@ class Sim:
         if self.split and self.split.get("cluster_max", 0) > 1:
             self.split["cluster_fit"] = cluster_fit(self.fns["select_push"], sp.block, sp.smem,
                                                     self.split["cluster_max"])
+        # a clustered merge (the metadata's cluster C > 1): clusters of C this device runs at once
+        mg = self.images["merge"]
+        self.merge_cluster = int(mg.cluster)
+        self.merge_fit = -1
+        if self.merge_cluster > 1:
+            self.merge_fit = cluster_fit(self.fns["merge"], mg.block, mg.smem, self.merge_cluster)[self.merge_cluster - 1]
         cp.cuda.Device().synchronize()
 
     def launch_split(self):
@@ -180,7 +186,14 @@ class Sim:
         return layout.producer_cluster(rows, cols, self.launch_split())
 
     def merge_grid(self, rows):
-        return max(1, min(rows, self.cta_budget // self.world))
+        """Rows each rank's merge takes at once (its CTAs, or with a clustered merge its
+        clusters): the W grids co-resident within cta_budget CTAs (and the device's count of
+        co-resident clusters)."""
+        c = self.merge_cluster
+        g = self.cta_budget // (self.world * c)
+        if c > 1 and self.merge_fit >= 0:
+            g = min(g, self.merge_fit // self.world)
+        return max(1, min(rows, g))
 
     def status(self, q):
         s = self.states[q].get()
@@ -243,8 +256,12 @@ class Sim:
                     bt_rows=bt.shape[0], bt_cols=bt.shape[1], block_size=block_size, rank=q,
                     max_rows=self.max_rows, rescue_off=self.lay.rescue_off, flags_off=self.lay.flags_off,
                     timeout_us=timeout_us, host_status=self._host_status[q].ptr))  # fmt: skip
-                self.fns["merge"]((grid or self.merge_grid(rows),), (mg.block,), _typed(mg.params, values),
-                                  shared_mem=mg.smem)  # fmt: skip
+                g = grid or self.merge_grid(rows)
+                if mg.cluster > 1:
+                    launch_cluster(self.fns["merge"], g * mg.cluster, mg.block, mg.smem, self.streams[q],
+                                   mg.params, values, mg.cluster)  # fmt: skip
+                else:
+                    self.fns["merge"]((g,), (mg.block,), _typed(mg.params, values), shared_mem=mg.smem)
 
     def call(self, case, *, want_ids=True, want_sat=True, delay_rank=None, delay_s=0.0,
              skip_rank=None, skip_merge_rank=None, short_rank=None, short_rows=0,

@@ -1,0 +1,83 @@
+"""The clustered merge (kernels/merge.py Merge.clus, nineteenth session) timed against the
+one-CTA merge (clus=0) and another cluster size in one process (GPU machine; cubins prebuilt
+by tools/gpu_clus_run.sh --build).  Merge alone (bench_kernels.time_merge: data pushed, rank
+0's merge, grid min(R, 64) rows at once, CUDA events median, CUPTI kernel median in brackets)
+at K = 2048, L = 8192, R = 1 / 16 / 64 / 256, and the forced rescue of rank 0 at R = 1; the
+default first and last (drift shows as noise); the table last.
+
+  JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins PYTHONPATH=. python3 tools/clus_time.py [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+MT = "JAX_DSA_EXCHANGE_MERGE_TUNE"
+# (name, merge tune, W, N)
+VARIANTS = [
+    ("w16 default", "", 16, 1024),  # clus=2: 2 CTAs per row of 16 words per thread
+    ("w16 clus=4", "clus=4", 16, 1024),  # 4 CTAs per row of 8 words per thread
+    ("w16 clus=0", "clus=0", 16, 1024),  # one CTA per row (before)
+    ("w16 default#2", "", 16, 1024),
+    ("w8n1024 default", "", 8, 1024),  # clus=2: 2 CTAs per row of 8 words
+    ("w8n1024 clus=0", "clus=0", 8, 1024),
+    ("w8n512 default", "", 8, 512),  # (not clustered: the reference point)
+]
+ROWS = (1, 16, 64, 256)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/clus_time.json")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-rescue", action="store_true")
+    a = ap.parse_args(argv)
+    import cupy as cp
+    from bench_kernels import time_merge
+
+    from jax_dsa_exchange.kernels.timing import KernelTimer
+
+    x = cp.empty(256 << 20, cp.uint8)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 0.5:  # clocks ramp
+        x.fill(1)
+        cp.cuda.Device().synchronize()
+    del x
+    res = {}
+    for name, mt, w, n in VARIANTS:
+        os.environ[MT] = mt
+        r = {}
+        try:
+            b = KernelTimer(cp, w, 2048, n, 256)
+            r["cluster"] = b.sim.merge_cluster
+            for R in ROWS:
+                r[f"r{R}"] = (round(time_merge(b, R, 8192, False, iters=a.iters), 2), round(b.last_kernel_us, 2))
+                print(name, R, r[f"r{R}"], flush=True)
+            if not a.no_rescue and "#" not in name:
+                r["r1resc"] = (round(time_merge(b, 1, 8192, True, iters=6, warm=2), 2), round(b.last_kernel_us, 2))
+                print(name, "rescue R=1", r["r1resc"], flush=True)
+            del b
+        except Exception as e:  # noqa: BLE001 - keep timing the others
+            r["error"] = f"{type(e).__name__}: {e}"[:300]
+            print(name, "ERROR", r["error"], flush=True)
+        res[name] = r
+    os.environ[MT] = ""
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    cols = [f"r{R}" for R in ROWS] + ["r1resc"]
+    print("\n== merge alone, K=2048 L=8192 (events us [CUPTI]); r1resc = forced rescue of rank 0, R = 1")
+    print(f"{'variant':18s} {'C':>2s} " + " ".join(f"{c:>15s}" for c in cols))
+    for nm, r in res.items():
+        cells = [f"{r[c][0]:6.2f} [{r[c][1]:6.2f}]" if c in r else f"{'-':>15s}" for c in cols]
+        print(f"{nm:18s} {r.get('cluster', '-')!s:>2s} " + " ".join(cells) + (f"  {r['error']}" if "error" in r else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

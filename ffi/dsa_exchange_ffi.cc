@@ -311,7 +311,14 @@ struct Record {
   // status is set (its host_status parameter); read (no sync) when a call starts (0 = none).
   int64_t host_status;
   Kernel select, merge;  // copies: a CUfunction lives as long as the process
+  // The configuration's merge_wide image (kernels/cache.py OPTIONAL: rows over wider
+  // clusters) and its rows at once; wide_grid 0: none (dsa_set_exchange_wide_merge)
+  Kernel merge_wide;
+  int wide_grid = 0;
 };
+
+// Whether a merge launch over `rows` runs merge_wide: layout.merge_uses_wide (CI-compared)
+bool MergeUsesWide(int rows, int wide_grid) { return wide_grid > 0 && rows > 0 && rows <= wide_grid; }
 
 std::map<std::pair<std::string, int>, Kernel> g_kernels;  // (key, device ordinal)
 std::map<std::pair<int64_t, int>, Record> g_records;      // (exchange id, device ordinal)
@@ -571,10 +578,14 @@ ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32
   // The kernel itself fills the pinned copy when the status is set (no copy node after
   // every merge: in a CUDA graph it cost ~8 us of stream time per call, issue #13).
   v[kMgHostStatus].i64 = rec.host_status;
-  // merge_grid: rows at once (CTAs, or with a clustered merge its clusters of c CTAs)
-  unsigned grid = static_cast<unsigned>(rows < rec.merge_grid ? rows : rec.merge_grid);
-  const unsigned c = rec.merge.cluster > 1 ? static_cast<unsigned>(rec.merge.cluster) : 1u;
-  if (auto e = Launch(d, rec.merge, grid * c, stream, /*pdl=*/true, v, target, exchange_id, device, c > 1 ? c : 0);
+  // merge_grid: rows at once (CTAs, or with a clustered merge its clusters of c CTAs); the
+  // wide image instead when every row has its own cluster of it (then grid = rows)
+  const bool wide = MergeUsesWide(rows, rec.wide_grid);
+  const Kernel& mk = wide ? rec.merge_wide : rec.merge;
+  const int mgrid = wide ? rec.wide_grid : rec.merge_grid;
+  unsigned grid = static_cast<unsigned>(rows < mgrid ? rows : mgrid);
+  const unsigned c = mk.cluster > 1 ? static_cast<unsigned>(mk.cluster) : 1u;
+  if (auto e = Launch(d, mk, grid * c, stream, /*pdl=*/true, v, target, exchange_id, device, c > 1 ? c : 0);
       e.failure())
     return e;
   return ffi::Error::Success();
@@ -880,6 +891,30 @@ int dsa_register_exchange(int64_t exchange_id, int device, int rank, int world, 
   g_records[{exchange_id, device}] = r;
   return 0;
 }
+
+// The registered exchange's merge_wide image (a loaded merge kernel, its clusters set with
+// dsa_set_kernel_cluster and wider than the merge's) and the clusters of it each launch may
+// hold at once (>= 1); launches of rows <= wide_grid then run it (MergeUsesWide).
+int dsa_set_exchange_wide_merge(int64_t exchange_id, int device, const char* key, int wide_grid) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::string where = Where(exchange_id, device);
+  auto r = g_records.find({exchange_id, device});
+  if (r == g_records.end()) return Fail("no exchange registered" + where);
+  auto k = g_kernels.find({key, device});
+  if (k == g_kernels.end())
+    return Fail(std::string("kernel '") + key + "' not loaded on device " + std::to_string(device) + where);
+  if (k->second.kind != "merge") return Fail(std::string("kernel '") + key + "' must be a merge" + where);
+  if (k->second.cluster <= r->second.merge.cluster)
+    return Fail(std::string("kernel '") + key + "': clusters of " + std::to_string(k->second.cluster) +
+                " CTAs, not wider than the merge's " + std::to_string(r->second.merge.cluster) + where);
+  if (wide_grid < 1) return Fail("wide_grid " + std::to_string(wide_grid) + " must be >= 1" + where);
+  r->second.merge_wide = k->second;
+  r->second.wide_grid = wide_grid;
+  return 0;
+}
+
+// The launcher's choice of image (for the CI test that compares it with layout.merge_uses_wide).
+int dsa_merge_uses_wide(int rows, int wide_grid) { return MergeUsesWide(rows, wide_grid) ? 1 : 0; }
 
 int dsa_unregister_exchange(int64_t exchange_id, int device) {
   std::lock_guard<std::mutex> lock(g_mu);

@@ -101,6 +101,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                                           i64]
     lib.dsa_unregister_exchange.restype = i32
     lib.dsa_unregister_exchange.argtypes = [i64, i32]
+    lib.dsa_set_exchange_wide_merge.restype = i32
+    lib.dsa_set_exchange_wide_merge.argtypes = [i64, i32, cp, i32]
+    lib.dsa_merge_uses_wide.restype = i32
+    lib.dsa_merge_uses_wide.argtypes = [i32, i32]
     lib.dsa_num_exchanges.restype = i32
     lib.dsa_num_exchanges.argtypes = []
     lib.dsa_launch_count.restype = ctypes.c_int64
@@ -409,6 +413,20 @@ def register_exchange(
         int(merge_grid), select_key.encode(), merge_key.encode(), int(host_status),
     )
     _check(lib, rc)
+
+
+def set_exchange_wide_merge(exchange_id: int, device: int, key: str, wide_grid: int) -> None:
+    """Gives the registered exchange its configuration's merge_wide image (``key``: loaded, its
+    clusters set with set_kernel_cluster, wider than the merge's) and the clusters of it each
+    launch may hold at once (``wide_grid`` >= 1): a merge over rows <= wide_grid then runs it
+    (layout.merge_uses_wide)."""
+    lib = _require()
+    _check(lib, lib.dsa_set_exchange_wide_merge(int(exchange_id), int(device), key.encode(), int(wide_grid)))
+
+
+def merge_uses_wide(rows: int, wide_grid: int) -> bool:
+    """The launcher's choice of merge image (must equal layout.merge_uses_wide)."""
+    return bool(_require().dsa_merge_uses_wide(int(rows), int(wide_grid)))
 
 
 def unregister_exchange(exchange_id: int, device: int) -> None:

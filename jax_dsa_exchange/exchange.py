@@ -118,6 +118,9 @@ class Exchange:
         # a clustered merge (its metadata's cluster C > 1): C CTAs per row, and the clusters of
         # C the device runs at once (set when the kernels are loaded; -1 unknown)
         self._merge_cluster, self._merge_fit = 1, -1
+        # the configuration's merge_wide image (kernels/cache.py OPTIONAL): its cluster size
+        # and fit alike (cluster 0: none)
+        self._wide_cluster, self._wide_fit = 0, -1
 
     # -- creation ---------------------------------------------------------------------
 
@@ -259,13 +262,21 @@ class Exchange:
         """Rows the merge takes at once: one CTA per SM (a clustered merge: the device's
         co-resident clusters), shared among the ranks on this GPU, so every waiting CTA is
         resident at once (docs/DESIGN.md §6.7)."""
+        return self._grid(self._merge_cluster, self._merge_fit)
+
+    @property
+    def merge_wide_grid(self) -> int:
+        """The same for the configuration's merge_wide image (0: it has none); a merge over at
+        most this many rows runs that image (layout.merge_uses_wide)."""
+        return self._grid(self._wide_cluster, self._wide_fit) if self._wide_cluster > 1 else 0
+
+    def _grid(self, c: int, fit: int) -> int:
         cp = _cupy()
         sms = cp.cuda.Device(self.ordinal).attributes["MultiProcessorCount"]
         ranks = max(1, self._ranks_on_gpu)
-        c = self._merge_cluster
         if c > 1:
             # a cluster's CTAs share one GPC: fewer than sms / c run at once (unknown: half)
-            fit = self._merge_fit if self._merge_fit > 0 else sms // (2 * c)
+            fit = fit if fit > 0 else sms // (2 * c)
             return max(1, fit // ranks)
         return max(1, sms // ranks)
 
@@ -287,6 +298,9 @@ class Exchange:
             if name == "merge" and img.cluster > 1:
                 self._merge_fit = _ffi.set_kernel_cluster(keys[name], self.ordinal, img.cluster)
                 self._merge_cluster = img.cluster
+            if name == "merge_wide":
+                self._wide_fit = _ffi.set_kernel_cluster(keys[name], self.ordinal, img.cluster)
+                self._wide_cluster = img.cluster
             if img.split is not None:
                 split = dict(img.split)
                 if self._ranks_on_gpu > 1:
@@ -308,6 +322,8 @@ class Exchange:
             merge_grid=self.merge_grid, select_key=keys["select_push"], merge_key=keys["merge"],
             host_status=self._host_status.ptr)
         self._registered = True
+        if "merge_wide" in keys:
+            _ffi.set_exchange_wide_merge(self.id, self.ordinal, keys["merge_wide"], self.merge_wide_grid)
 
     def read_state(self) -> dict:
         """Host copy of the local state (synchronizes the device): epochs, rescue

@@ -174,6 +174,17 @@ def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:
     return c
 
 
+def merge_uses_wide(rows: int, wide_grid: int) -> bool:
+    """Whether a merge launch over ``rows`` rows runs the configuration's merge_wide image
+    (kernels/cache.py OPTIONAL: rows over wider clusters) instead of its merge: when it has one
+    (``wide_grid`` > 0: the clusters of its size each rank's launch may hold at once) and every
+    row then has its own cluster.  Past that a row's cluster does several rows one after
+    another, which the narrower clusters of the merge do faster (H200, W = 16, N = 1024: 4 CTAs
+    per row 12.6 us at R = 1, 31.3 at R = 64; 2 CTAs 19.5 and 20.5; twentieth session).  The C++
+    launcher's rule is this one (dsa_merge_uses_wide, tests/test_ffi.py)."""
+    return int(wide_grid) > 0 and 0 < int(rows) <= int(wide_grid)
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 

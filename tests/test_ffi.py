@@ -23,7 +23,7 @@ SYMBOLS = [
     "DsaSelectPush", "DsaMerge", "DsaSelectPushNoGraph", "DsaMergeNoGraph", "dsa_last_error", "dsa_driver_available", "dsa_load_kernel",
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
     "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_producer_cache_tokens", "dsa_kernel_cluster_fit", "dsa_launcher_params",
-    "dsa_set_kernel_cluster",
+    "dsa_set_kernel_cluster", "dsa_set_exchange_wide_merge", "dsa_merge_uses_wide",
     "dsa_layout_constant",
 ]
 
@@ -129,6 +129,23 @@ def test_register_errors_are_readable():
 def test_set_kernel_cluster_errors_are_readable():
     with pytest.raises(RuntimeError, match=r"kernel 'nope_merge' on device 0 is not loaded"):
         _ffi.set_kernel_cluster("nope_merge", 0, 4)
+
+
+@needs_lib
+def test_set_exchange_wide_merge_errors_are_readable():
+    with pytest.raises(RuntimeError, match=r"no exchange registered \(exchange 987654"):
+        _ffi.set_exchange_wide_merge(987654, 0, "nope_merge", 4)
+
+
+@needs_lib
+def test_merge_image_choice_is_layouts():
+    """The launcher runs merge_wide exactly where layout.merge_uses_wide says: a wide image
+    (wide_grid > 0) and every row its own cluster of it."""
+    for wide_grid in (0, 1, 7, 30, 66):
+        for rows in (0, 1, 2, 7, 8, 29, 30, 31, 64, 65, 66, 67, 256):
+            want = layout.merge_uses_wide(rows, wide_grid)
+            assert _ffi.merge_uses_wide(rows, wide_grid) == want, (rows, wide_grid)
+            assert want == (wide_grid > 0 and 1 <= rows <= wide_grid)
 
 
 @needs_lib

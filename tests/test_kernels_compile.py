@@ -135,8 +135,8 @@ def test_metadata_matches_abi(images, tmp_path):
     d = cache.write_images(images, tmp_path)
     for name, (img, _) in images.items():
         meta = json.loads((d / f"{name}.json").read_text())
-        assert [tuple(p) for p in meta["params"]] == list(abi.KERNELS[name].pairs())
-        assert meta["entry"] == img.entry and meta["kernel"] == name
+        assert [tuple(p) for p in meta["params"]] == list(abi.KERNELS[cache.KIND[name]].pairs())
+        assert meta["entry"] == img.entry and meta["kernel"] == cache.KIND[name]
         assert meta["block"] == 512 and meta["smem"] == img.smem
         assert meta["arch"] == "sm_90a" and meta["source_hash"] == cache.source_hash()
         assert meta["config"] == img.config
@@ -169,9 +169,21 @@ def test_merge_cluster_of_large_rows(monkeypatch):
                 assert m.kp1 >= CLUS_KP and m.kp1 * c == m.kp1_row and m.cp * c == w * n
                 assert (w // c) * n == m.cp
     monkeypatch.setitem(merge.TUNE, "clus", CLUS_MAX)
-    img = cache.compile_images("sm_90a", 16, 2048, 1024)["merge"][0]
+    imgs = cache.compile_images("sm_90a", 16, 2048, 1024)
+    img = imgs["merge"][0]
     assert img.cluster == 2 and img.metadata()["cluster"] == 2
+    # its second image, rows over clusters of merge.CLUS_WIDE: the same kernel and ABI, merge
+    # written last (its json marks the folder complete)
+    assert list(imgs) == ["select_push", "merge_wide", "merge"]
+    wide = imgs["merge_wide"][0]
+    assert wide.kernel == "merge" and wide.params == img.params and wide.cluster == merge.CLUS_WIDE == 4
+    assert wide.metadata()["cluster"] == 4 and wide.cubin != img.cubin
     assert "cluster" not in cache.compile_images("sm_90a", 8, 2048, 512)["merge"][0].metadata()
+    # which configurations have one (wider than their merge's own clusters)
+    for (w, k, n), want in {(16, 2048, 1024): True, (8, 2048, 2048): True, (8, 2048, 1024): False,
+                            (16, 2048, 512): False, (8, 2048, 512): False, (16, 4096, 2048): False}.items():
+        assert cache.has_wide_merge(w, k, n) == want, (w, k, n)
+    assert "merge_wide" not in cache.compile_images("sm_90a", 8, 2048, 512)
 
 
 def test_kernel_signatures_are_the_abi():

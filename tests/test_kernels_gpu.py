@@ -33,6 +33,13 @@ CONFIGS = ([(w, SMALL_K, SMALL_N) for w in WORLDS] + [(w, SMALL_K, SMALL_K) for 
 # merges whose row is split over a cluster of CTAs (kernels/merge.py Merge.clus): W = 16, N = 1024
 # and W = 8, N = 1024 over 2 (16 and 8 words per thread)
 CLUSTERED = [(16, 2048, 1024), (8, 2048, 1024)]
+# ... and those with a second merge image of wider clusters (kernels/cache.py OPTIONAL):
+# W = 16, N = 1024 over 4 CTAs
+WIDE = [(16, 2048, 1024)]
+# which merge image the sims launch: "auto" (the launcher's choice by rows), "merge" or
+# "merge_wide" (every call on it where the configuration has one: tools/gpu_clus_run.sh runs
+# the tests again so)
+TEST_MERGE = os.environ.get("JAX_DSA_EXCHANGE_TEST_MERGE", "auto")
 
 _SIMS: dict = {}
 
@@ -51,7 +58,7 @@ def sim_for(world, topk, n, max_rows=64, rescue_list=None):
         rescue_list = os.environ.get("JAX_DSA_EXCHANGE_TEST_RESCUE_LIST", "") == "1"
     key = (world, topk, n, rescue_list)
     if key not in _SIMS or _SIMS[key].max_rows < max_rows:
-        _SIMS[key] = Sim(world, topk, n, max_rows, rescue_list=rescue_list)
+        _SIMS[key] = Sim(world, topk, n, max_rows, rescue_list=rescue_list, merge=TEST_MERGE)
     return _SIMS[key]
 
 
@@ -252,7 +259,7 @@ def test_clustered_failed_call_rows_right_or_empty(world, topk, n, short_rank):
     voids a row as one: no row half real, half empty)."""
     from jax_dsa_exchange.testing.sim import Sim
 
-    sim = Sim(world, topk, n, 16)  # fresh buffers: this call leaves them stale
+    sim = Sim(world, topk, n, 16, merge=TEST_MERGE)  # fresh buffers: this call leaves them stale
     short = 1 if short_rank == "first_cta" else world - 1
     rng = np.random.default_rng(17 + short)
     case = cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=8, cols=3000)
@@ -268,6 +275,33 @@ def test_clustered_failed_call_rows_right_or_empty(world, topk, n, short_rank):
             right = all(np.array_equal(g[k], getattr(ref[q], k)[r]) for k in g)
             empty = g["counts"] == 0 and (g["kv_rows"] == -1).all() and (g["ids"] == -1).all()
             assert right or empty, (q, r)
+
+
+@pytest.mark.parametrize("world,topk,n", WIDE)
+def test_wide_merge_image(world, topk, n):
+    """The configuration's merge_wide image (rows over clusters of merge.CLUS_WIDE CTAs):
+    bit-identical to the model on random, tied, saturated and adversarial rows, one cluster
+    walking several rows too; and the launcher's choice: merge_wide while every row has its
+    own cluster of it, the merge above."""
+    from jax_dsa_exchange.testing.sim import Sim
+
+    sim = Sim(world, topk, n, 16, merge="merge_wide")
+    assert sim.merge_cluster == CLUS_WIDE and sim.images["merge_wide"].kernel == "merge", sim.merge_cluster
+    rng = np.random.default_rng(61 + world)
+    for rows in (1, 3, 6):
+        _run_check(sim, cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows,
+                                          cols=4000, row_ends="mixed"))  # fmt: skip
+        _run_check(sim, cases.saturating_case(rng, world, topk, n, 1 + rows % 3, rows=rows, cols=3 * topk))
+    _run_check(sim, _tie_case(rng, world, topk, n, 4000, [1, 2, 100, EQ_MAX, EQ_MAX + 1, 1500]))
+    for c in cases.adversarial_cases(rng, world=world, topk=topk, local_topk=n, rows=4, cols=3000,
+                                     saturating_rows=2):
+        _run_check(sim, c)
+    auto = Sim(world, topk, n, 64)
+    g = auto.image_grid("merge_wide")
+    assert g >= 1 and auto.merge_image(1) == "merge_wide" and auto.merge_image(g) == "merge_wide"
+    assert auto.merge_image(g + 1) == "merge" and auto.merge_grid(g + 1) <= auto.image_grid("merge")
+    for rows in (1, g, g + 1):
+        _run_check(auto, cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows, cols=3000))
 
 
 def test_delayed_rank():
@@ -494,6 +528,7 @@ def test_out_of_range_lookups_give_minus_one():
 
 
 EQ_MAX = 256  # merge.EQ_MAX (the GPU machine has no CuTe DSL to import merge.py; the compile test checks it)
+CLUS_WIDE = 4  # merge.CLUS_WIDE (likewise)
 
 
 def _tie_case(rng, world, topk, local_topk, cols, ms, tie_bits=0x3F80):

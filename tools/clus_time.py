@@ -1,8 +1,8 @@
 """The clustered merge (kernels/merge.py Merge.clus, nineteenth session) timed against the
-one-CTA merge (clus=0) and another cluster size in one process (GPU machine; cubins prebuilt
+one-CTA merge (clus=0) and the merge_wide image (4 CTAs per row) in one process (GPU machine; cubins prebuilt
 by tools/gpu_clus_run.sh --build).  Merge alone (bench_kernels.time_merge: data pushed, rank
 0's merge, grid min(R, 64) rows at once, CUDA events median, CUPTI kernel median in brackets)
-at K = 2048, L = 8192, R = 1 / 16 / 64 / 256, and the forced rescue of rank 0 at R = 1; the
+at K = 2048, L = 8192, R = 1 / 16 / 24 / 32 / 64 / 256, and the forced rescue of rank 0 at R = 1; the
 default first and last (drift shows as noise); the table last.
 
   JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins PYTHONPATH=. python3 tools/clus_time.py [--out F.json]
@@ -19,17 +19,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 MT = "JAX_DSA_EXCHANGE_MERGE_TUNE"
-# (name, merge tune, W, N)
+# (name, merge tune, W, N, merge image: kernels/cache.py)
 VARIANTS = [
-    ("w16 default", "", 16, 1024),  # clus=2: 2 CTAs per row of 16 words per thread
-    ("w16 clus=4", "clus=4", 16, 1024),  # 4 CTAs per row of 8 words per thread
-    ("w16 clus=0", "clus=0", 16, 1024),  # one CTA per row (before)
-    ("w16 default#2", "", 16, 1024),
-    ("w8n1024 default", "", 8, 1024),  # clus=2: 2 CTAs per row of 8 words
-    ("w8n1024 clus=0", "clus=0", 8, 1024),
-    ("w8n512 default", "", 8, 512),  # (not clustered: the reference point)
+    ("w16 merge", "", 16, 1024, "merge"),  # clus=2: 2 CTAs per row of 16 words per thread
+    ("w16 merge_wide", "", 16, 1024, "merge_wide"),  # 4 CTAs per row of 8 words per thread
+    ("w16 clus=0", "clus=0", 16, 1024, "merge"),  # one CTA per row (before)
+    ("w16 merge#2", "", 16, 1024, "merge"),
+    ("w8n1024 merge", "", 8, 1024, "merge"),  # clus=2: 2 CTAs per row of 8 words
+    ("w8n1024 clus=0", "clus=0", 8, 1024, "merge"),
+    ("w8n512 merge", "", 8, 512, "merge"),  # (not clustered: the reference point)
 ]
-ROWS = (1, 16, 64, 256)
+ROWS = (1, 16, 24, 32, 64, 256)
 
 
 def main(argv=None):
@@ -50,12 +50,15 @@ def main(argv=None):
         cp.cuda.Device().synchronize()
     del x
     res = {}
-    for name, mt, w, n in VARIANTS:
+    fit = {}
+    for name, mt, w, n, image in VARIANTS:
         os.environ[MT] = mt
         r = {}
         try:
-            b = KernelTimer(cp, w, 2048, n, 256)
+            b = KernelTimer(cp, w, 2048, n, 256, merge=image)
             r["cluster"] = b.sim.merge_cluster
+            if image == "merge_wide":
+                fit[w, n] = r["fit"] = b.sim.merge_fit  # clusters of 4 the GPU holds at once
             for R in ROWS:
                 r[f"r{R}"] = (round(time_merge(b, R, 8192, False, iters=a.iters), 2), round(b.last_kernel_us, 2))
                 print(name, R, r[f"r{R}"], flush=True)
@@ -68,6 +71,15 @@ def main(argv=None):
             print(name, "ERROR", r["error"], flush=True)
         res[name] = r
     os.environ[MT] = ""
+    # the launcher with one rank per GPU: merge_wide where layout.merge_uses_wide(R, its fit)
+    from jax_dsa_exchange import layout
+
+    for (w, n), f in fit.items():
+        nar, wid = res.get(f"w{w} merge", {}), res.get(f"w{w} merge_wide", {})
+        res[f"w{w} launcher"] = {"cluster": "*", **{
+            f"r{R}": (wid if layout.merge_uses_wide(R, f) else nar)[f"r{R}"] for R in ROWS
+            if f"r{R}" in nar and f"r{R}" in wid}}
+        print(f"W={w} N={n}: merge_wide fit {f} clusters: the launcher runs it at R <= {f}")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     cols = [f"r{R}" for R in ROWS] + ["r1resc"]

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The clustered merge (nineteenth session, kernels/merge.py Merge.clus) in ONE call on the GPU
 # machine: the GPU kernel + select tests (the clustered configurations W = 16 / 8, N = 1024
-# among them), memcheck and racecheck of the clustered tests, then tools/clus_time.py.
+# among them; W = 16 again with every call on its merge_wide image, twentieth session),
+# memcheck and racecheck of the clustered tests, then tools/clus_time.py.
 #   build here (~8 min):  PY=.venv/bin/python bash tools/gpu_clus_run.sh --build
 #   run there:            OUT=dir bash tools/gpu_clus_run.sh   (carry .cubins, build/ffi_lib)
 #   NO_TESTS=1 / NO_SAN=1 / NO_TIME=1 leave out the tests / the sanitizers / the timing
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
   PY=$PY bash tools/gpu_kernels_run.sh --build > /tmp/clus_build.log 2>&1 || { echo "build failed: /tmp/clus_build.log"; exit 1; }
-  for v in "clus=0 16 1024" "clus=4 16 1024" "clus=0 8 1024"; do
+  for v in "clus=0 16 1024" "clus=0 8 1024"; do
     set -- $v
     JAX_DSA_EXCHANGE_MERGE_TUNE=$1 $PY -m jax_dsa_exchange.build --topk 2048 --local-topk $3 --world $2 \
       --out .cubins >> /tmp/clus_build.log 2>&1 || { echo "build $v failed: /tmp/clus_build.log"; exit 1; }
@@ -28,17 +29,26 @@ if [ -z "$NO_TESTS" ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rfEs -x ${PYTEST_K:+-k "$PYTEST_K"} \
     tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
   grep -E "passed|failed|Error|error" "$OUT/tests.log" | tail -8
+  echo "== the W = 16 N = 1024 kernel tests again, every call on merge_wide (4 CTAs per row)"
+  JAX_DSA_EXCHANGE_TEST_MERGE=merge_wide timeout ${WIDE_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfEs -x \
+    tests/test_kernels_gpu.py -k "16-2048-1024 or 16-1024" > "$OUT/tests_wide.log" 2>&1 || rc=1
+  grep -E "passed|failed|Error|error" "$OUT/tests_wide.log" | tail -8
 fi
 if [ -z "$NO_SAN" ]; then
   echo "== memcheck: the clustered tests"
   timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
-    -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "clustered or 16-2048-1024 or 8-2048-1024 or 16-1024 or 8-1024" \
+    -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "${MEMCHECK_K:-clustered or 16-2048-1024 or 8-2048-1024 or 16-1024 or 8-1024 or wide_merge_image}" \
     > "$OUT/memcheck.log" 2>&1 || rc=1
   grep -E "ERROR SUMMARY|passed|failed|Invalid" "$OUT/memcheck.log" | tail -4
   echo "== racecheck: the clustered one-CTA-selection test"
   timeout ${RACE_TIMEOUT:-90} compute-sanitizer --tool racecheck --print-limit 20 python3 -m pytest -q \
     -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "clustered_selection_in_one_cta" > "$OUT/racecheck.log" 2>&1 || rc=1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" "$OUT/racecheck.log" | tail -4
+  echo "== racecheck: the same test at W = 16 on merge_wide"
+  JAX_DSA_EXCHANGE_TEST_MERGE=merge_wide timeout ${RACE_TIMEOUT:-90} compute-sanitizer --tool racecheck --print-limit 20 \
+    python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "clustered_selection_in_one_cta and 16" \
+    > "$OUT/racecheck_wide.log" 2>&1 || rc=1
+  grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" "$OUT/racecheck_wide.log" | tail -4
 fi
 [ -n "$NO_TIME" ] && exit $rc
 echo "== timing"

@@ -12,14 +12,15 @@ with the CuTe DSL when it is importable (and store into the user cache); else
 a clear error naming the configuration and the build command.
 
 On disk, per configuration: ``<dir>/<tag>/{select_push,merge}.{cubin,ptx,json}``
-with ``tag = f"{arch}-w{W}-k{K}-n{N}-{hash[:16]}"``.  The JSON::
+with ``tag = f"{arch}-w{W}-k{K}-n{N}-{hash[:16]}"``, and ``merge_wide.*`` where the
+configuration has a second merge of wider clusters (:data:`OPTIONAL`).  The JSON::
 
     {"kernel": "select_push" | "merge", "entry": <PTX entry symbol>,
      "params": [[name, "i64" | "i32"], ...]  (launch order),
      "block": 512 (threads per CTA, 1-D), "smem": <dynamic shared bytes>,
      "config": {"world": W, "topk": K, "local_topk": N},
      "arch": "sm_90a", "source_hash": <sha256 hex>, "grid": <how to size it>,
-     "cluster": C (merge, only where C > 1: every launch in clusters of C CTAs),
+     "cluster": C (merge, merge_wide: only where C > 1: every launch in clusters of C CTAs),
      "compile_seconds": <float>, "cubin": <file>, "ptx": <file>}
 
 Loading on the device: keep the cubin and the PTX; if the driver refuses the
@@ -39,6 +40,13 @@ import time
 from .. import layout
 
 KERNELS = ("select_push", "merge")
+# Images a configuration may have besides KERNELS.  merge_wide: the same merge (kernel "merge",
+# the same ABI) with rows over clusters of up to merge.CLUS_WIDE CTAs, built where that is wider
+# than the merge's own clusters; the launcher runs it instead of the merge when every row of a
+# call has its own cluster at once (layout.merge_uses_wide).  Written before merge.json, whose
+# presence marks a folder complete.
+OPTIONAL = ("merge_wide",)
+KIND = {"select_push": "select_push", "merge": "merge", "merge_wide": "merge"}  # image -> kernel (ABI)
 _HERE = pathlib.Path(__file__).resolve().parent
 SOURCE_FILES = (
     _HERE / "abi.py",
@@ -59,7 +67,8 @@ GRID_DOC = {
     "merge": "(G * C, 1, 1) in clusters of (C, 1, 1), C = the metadata's cluster (1 when absent), "
     "1 <= G <= rows, small enough that the W ranks' merge grids are co-resident on their GPUs "
     "(docs/DESIGN.md §6.7; C > 1: G at most the device's co-resident clusters of C): cluster b "
-    "does rows b, b+G, ...",
+    "does rows b, b+G, ...; where the configuration has a merge_wide image, that one instead "
+    "(the same rule, its own C and G) when layout.merge_uses_wide(rows, its G)",
 }
 
 
@@ -200,9 +209,16 @@ def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_l
         from .select_push import SelectPush
 
         return SelectPush(world, local_topk, topk, rescue_list)
-    from .merge import Merge
+    from .merge import CLUS_WIDE, Merge
 
-    return Merge(world, topk, local_topk, rescue_list)
+    return Merge(world, topk, local_topk, rescue_list, clus=CLUS_WIDE if kernel == "merge_wide" else None)
+
+
+def has_wide_merge(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
+    """Whether the configuration gets a merge_wide image: its clusters wider than the merge's
+    (needs the CuTe DSL: the kernels' own rule, Merge.clus)."""
+    return (_kernel_object("merge_wide", world, topk, local_topk, rescue_list).clus
+            > _kernel_object("merge", world, topk, local_topk, rescue_list).clus)
 
 
 def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: int,
@@ -227,22 +243,24 @@ def _producer_split() -> dict:
 
 
 def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_list: bool = False) -> dict:
-    """Compile both kernels -> {name: (KernelImage, compile seconds)}."""
+    """Compile both kernels (and merge_wide where the configuration has it) -> {name:
+    (KernelImage, compile seconds)}, merge last."""
     layout.check_config(world, topk, local_topk)
     from .abi import KERNELS as ABIS
     from .common import TB
 
     shash = source_hash()
     out = {}
-    for name in KERNELS:
+    names = ("select_push", "merge_wide", "merge") if has_wide_merge(world, topk, local_topk, rescue_list) else KERNELS
+    for name in names:
         obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk, rescue_list)
         entries = list(compiled.kernel_info)
         if len(entries) != 1:
             raise RuntimeError(f"{name}: expected one kernel entry, got {entries}")
         img = KernelImage(
-            kernel=name, entry=entries[0], cubin=bytes(compiled.__cubin__),
+            kernel=KIND[name], entry=entries[0], cubin=bytes(compiled.__cubin__),
             ptx=str(compiled.__ptx__), block=TB, smem=int(obj.smem),
-            params=ABIS[name].pairs(),
+            params=ABIS[KIND[name]].pairs(),
             config={"world": world, "topk": topk, "local_topk": local_topk,
                     "rescue_list": bool(rescue_list)},
             arch=arch, source_hash=shash,
@@ -279,7 +297,7 @@ def write_images(images: dict, out_dir) -> pathlib.Path:
 def read_images(folder) -> dict:
     d = pathlib.Path(folder)
     out = {}
-    for name in KERNELS:
+    for name in KERNELS + tuple(n for n in OPTIONAL if (d / f"{n}.json").is_file()):
         meta = json.loads((d / f"{name}.json").read_text())
         out[name] = KernelImage(
             kernel=meta["kernel"], entry=meta["entry"],

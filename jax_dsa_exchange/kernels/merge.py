@@ -79,6 +79,10 @@ CLUS_KP = 8
 # do not fit the GPU at once; H200, nineteenth session: 20.1 against 30.7 us at R = 64, 18.2
 # against 13.3 at R = 16, 55 against 96 at R = 256; one CTA 29 / 28 / 86)
 CLUS_MAX = 2
+# ... and the launcher's second image of such a configuration (cache: "merge_wide"): clusters of
+# up to this many CTAs, launched instead when every row of the call has its own cluster at once
+# (layout.merge_uses_wide): 12.6 against 19.5 us at W = 16, N = 1024, R = 1 (twentieth session)
+CLUS_WIDE = 4
 CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
@@ -263,7 +267,8 @@ class Merge:
     """Exchange merge for one static (world, topk, local_topk, rescue_list: a rescue pushes
     the producer's K-list of the row instead of selecting the row itself)."""
 
-    def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False):
+    def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False, clus: int | None = None):
+        """``clus``: the most CTAs of a clustered row (None: the clus knob, CLUS_MAX)."""
         layout.check_config(world, topk, n)
         self.world, self.topk, self.n = world, topk, n
         self.gbits = layout.gid_bits(world)
@@ -291,7 +296,7 @@ class Merge:
         # CTA 0 alone (kernel).  W = 16, N = 1024 on one CTA was 27 us, the per-key instruction
         # volume of 32 words per thread on one SM (kernels/NOTES.md, eighteenth session).
         self.clus = 1
-        c = min(TUNE["clus"], self.kp1 // CLUS_KP, S.CLUSTER_MAX)
+        c = min(TUNE["clus"] if clus is None else clus, self.kp1 // CLUS_KP, S.CLUSTER_MAX)
         ck = self.kp1 // c if c > 1 else 0  # words per thread of each CTA
         if (c > 1 and self.fast1 and ck % 2 == 0 and self.nk1 == c * C.TB * ck
                 and world % c == 0 and n % (32 * ck) == 0):

@@ -56,14 +56,15 @@ class KernelTimer:
     """Device time of rank 0's select+push and merge, W ranks simulated in one process
     (testing.sim), CUDA events, inputs rotating over several sets."""
 
-    def __init__(self, cp, world, topk, n, max_rows, pattern="random", spacer_mb=256, rescue_list=False):
+    def __init__(self, cp, world, topk, n, max_rows, pattern="random", spacer_mb=256, rescue_list=False,
+                 merge="auto"):
         from ..testing.sim import Sim
 
         if pattern not in PATTERNS:
             raise ValueError(f"pattern {pattern!r}: one of {sorted(PATTERNS)}")
         self.pattern = pattern
         self.cp = cp
-        self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world, rescue_list=rescue_list)
+        self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world, rescue_list=rescue_list, merge=merge)
         # the memset before each timed launch: keeps the stream busy while the host enqueues,
         # and at 256 MB (> the 50 MB L2) leaves the L2 cold, code included (spacer_mb=1:
         # L2 warm, the events then include some enqueue time; the CUPTI durations do not)

@@ -129,8 +129,14 @@ def _load_function(img, tmpdir):
 
 class Sim:
     def __init__(self, world, topk, local_topk, max_rows, *, arch="sm_90a", cta_budget=96,
-                 rescue_list=False):
+                 rescue_list=False, merge="auto"):
+        """``merge``: which merge image every call launches: "auto" the launcher's choice
+        (layout.merge_uses_wide), "merge" or "merge_wide" (the configuration's, where it has
+        one: else "merge")."""
         import cupy as cp
+
+        if merge not in ("auto", "merge", "merge_wide"):
+            raise ValueError(f"merge={merge!r}: expected 'auto', 'merge' or 'merge_wide'")
 
         self.cp = cp
         self.world, self.topk, self.n, self.max_rows = world, topk, local_topk, max_rows
@@ -164,12 +170,19 @@ class Sim:
         if self.split and self.split.get("cluster_max", 0) > 1:
             self.split["cluster_fit"] = cluster_fit(self.fns["select_push"], sp.block, sp.smem,
                                                     self.split["cluster_max"])
-        # a clustered merge (the metadata's cluster C > 1): clusters of C this device runs at once
-        mg = self.images["merge"]
-        self.merge_cluster = int(mg.cluster)
-        self.merge_fit = -1
-        if self.merge_cluster > 1:
-            self.merge_fit = cluster_fit(self.fns["merge"], mg.block, mg.smem, self.merge_cluster)[self.merge_cluster - 1]
+        # a clustered merge (the metadata's cluster C > 1): clusters of C this device runs at
+        # once, of each merge image
+        self.fits = {}
+        for name in ("merge", "merge_wide"):
+            if name in self.images and self.images[name].cluster > 1:
+                mg = self.images[name]
+                self.fits[name] = cluster_fit(self.fns[name], mg.block, mg.smem, mg.cluster)[mg.cluster - 1]
+        self.merge_choice = merge if merge == "auto" or merge in self.images else "merge"
+        # the image a call launches when forced, else the merge's (merge_cluster / merge_fit:
+        # what the tests size their grids by)
+        shown = "merge" if self.merge_choice == "auto" else self.merge_choice
+        self.merge_cluster = int(self.images[shown].cluster)
+        self.merge_fit = self.fits.get(shown, -1)
         cp.cuda.Device().synchronize()
 
     def launch_split(self):
@@ -185,15 +198,27 @@ class Sim:
         """CTAs per row the launcher picks for [rows, cols] on this device."""
         return layout.producer_cluster(rows, cols, self.launch_split())
 
-    def merge_grid(self, rows):
-        """Rows each rank's merge takes at once (its CTAs, or with a clustered merge its
-        clusters): the W grids co-resident within cta_budget CTAs (and the device's count of
-        co-resident clusters)."""
-        c = self.merge_cluster
+    def image_grid(self, name):
+        """Rows each rank's launch of merge image ``name`` takes at once (its CTAs, or with a
+        clustered merge its clusters): the W grids co-resident within cta_budget CTAs (and
+        the device's count of co-resident clusters)."""
+        c = self.images[name].cluster
         g = self.cta_budget // (self.world * c)
-        if c > 1 and self.merge_fit >= 0:
-            g = min(g, self.merge_fit // self.world)
-        return max(1, min(rows, g))
+        if c > 1 and self.fits.get(name, -1) >= 0:
+            g = min(g, self.fits[name] // self.world)
+        return max(1, g)
+
+    def merge_image(self, rows):
+        """The merge image a call over ``rows`` launches: the forced one, or the launcher's
+        choice (merge_wide where the configuration has it and every row gets its own cluster)."""
+        if self.merge_choice != "auto":
+            return self.merge_choice
+        wide = self.image_grid("merge_wide") if "merge_wide" in self.images else 0
+        return "merge_wide" if layout.merge_uses_wide(rows, wide) else "merge"
+
+    def merge_grid(self, rows):
+        """Rows each rank's merge over ``rows`` rows takes at once (merge_image's grid)."""
+        return min(rows, self.image_grid(self.merge_image(rows)))
 
     def status(self, q):
         s = self.states[q].get()
@@ -227,7 +252,8 @@ class Sim:
     def launch_rank(self, q, d, rows, cols, block_size, *, want_ids=True, want_sat=True,
                     timeout_us=2_000_000, grid=None, producer=True, merge=True,
                     cluster=None):  # fmt: skip
-        sp, mg = self.images["select_push"], self.images["merge"]
+        name = self.merge_image(rows)
+        sp, mg = self.images["select_push"], self.images[name]
         with self.streams[q]:
             if producer:
                 # the split, the slice cache and the shared memory for it as the C++ launcher
@@ -258,10 +284,10 @@ class Sim:
                     timeout_us=timeout_us, host_status=self._host_status[q].ptr))  # fmt: skip
                 g = grid or self.merge_grid(rows)
                 if mg.cluster > 1:
-                    launch_cluster(self.fns["merge"], g * mg.cluster, mg.block, mg.smem, self.streams[q],
+                    launch_cluster(self.fns[name], g * mg.cluster, mg.block, mg.smem, self.streams[q],
                                    mg.params, values, mg.cluster)  # fmt: skip
                 else:
-                    self.fns["merge"]((g,), (mg.block,), _typed(mg.params, values), shared_mem=mg.smem)
+                    self.fns[name]((g,), (mg.block,), _typed(mg.params, values), shared_mem=mg.smem)
 
     def call(self, case, *, want_ids=True, want_sat=True, delay_rank=None, delay_s=0.0,
              skip_rank=None, skip_merge_rank=None, short_rank=None, short_rows=0,

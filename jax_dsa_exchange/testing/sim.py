@@ -107,13 +107,17 @@ def cluster_fit(fn, block, smem, cluster_max):
     return tuple(out)
 
 
-def _load_function(img, tmpdir):
-    """cubin first; if the driver refuses it (newer toolkit), the PTX (JIT)."""
+def _load_function(img, tmpdir, name=None):
+    """cubin first; if the driver refuses it (newer toolkit), the PTX (JIT).  The file is named
+    after the image (``name``): merge and merge_wide are both kernel "merge", and CuPy caches a
+    RawModule loaded from a path (or loads it lazily), so with one file name for both, merge_wide's
+    launches ran the merge's code on clusters of 4: its cluster-size check trapped
+    (unspecified launch failure; twenty-first session)."""
     import cupy as cp
 
     errors = []
     for ext, data in (("cubin", img.cubin), ("ptx", img.ptx.encode())):
-        path = os.path.join(tmpdir, f"{img.kernel}.{ext}")
+        path = os.path.join(tmpdir, f"{name or img.kernel}.{ext}")
         with open(path, "wb") as f:
             f.write(data)
         try:
@@ -148,7 +152,7 @@ class Sim:
         self.fns, self.loaded_from = {}, {}
         self._mods = []
         for name, img in self.images.items():
-            mod, fn, ext = _load_function(img, self._tmp.name)
+            mod, fn, ext = _load_function(img, self._tmp.name, name)
             self._mods.append(mod)
             self.fns[name], self.loaded_from[name] = fn, ext
         self.bufs = [cp.zeros(self.lay.nbytes, cp.uint8) for _ in range(world)]

@@ -168,6 +168,17 @@ def test_merge_cluster_of_large_rows(monkeypatch):
             if c > 1:
                 assert m.kp1 >= CLUS_KP and m.kp1 * c == m.kp1_row and m.cp * c == w * n
                 assert (w // c) * n == m.cp
+    # the ckp candidate (fewest words per thread of a clustered CTA): W = 8, N = 512 over 2 CTAs
+    # of 4 words, over 4 of 2; W = 8, N = 1024 over 4 of 4; W = 16, N = 1024 over 8 of 4
+    assert merge.TUNE["ckp"] == CLUS_KP
+    for ckp, cmax, (w, k, n), c in ((4, 2, (8, 2048, 512), 2), (2, 4, (8, 2048, 512), 4),
+                                    (4, 4, (8, 2048, 1024), 4), (4, 8, (16, 2048, 1024), 8),
+                                    (4, 2, (8, 256, 64), 1)):
+        monkeypatch.setitem(merge.TUNE, "ckp", ckp)
+        monkeypatch.setitem(merge.TUNE, "clus", cmax)
+        m = Merge(w, k, n)
+        assert m.clus == c and m.kp1 * c == m.kp1_row, (ckp, cmax, w, k, n, m.clus, m.kp1)
+    monkeypatch.setitem(merge.TUNE, "ckp", CLUS_KP)
     monkeypatch.setitem(merge.TUNE, "clus", CLUS_MAX)
     imgs = cache.compile_images("sm_90a", 16, 2048, 1024)
     img = imgs["merge"][0]

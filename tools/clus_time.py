@@ -28,6 +28,11 @@ VARIANTS = [
     ("w8n1024 merge", "", 8, 1024, "merge"),  # clus=2: 2 CTAs per row of 8 words
     ("w8n1024 clus=0", "clus=0", 8, 1024, "merge"),
     ("w8n512 merge", "", 8, 512, "merge"),  # (not clustered: the reference point)
+    # twenty-first session's candidates (merge.py ckp): fewer words per thread of a clustered CTA
+    ("w8n512 ckp=4", "ckp=4", 8, 512, "merge"),  # 2 CTAs of 4 words
+    ("w8n512 ckp=2 c4", "ckp=2,clus=4", 8, 512, "merge"),  # 4 CTAs of 2 words
+    ("w8n1024 ckp=4 c4", "ckp=4,clus=4", 8, 1024, "merge"),  # 4 CTAs of 4 words
+    ("w8n512 merge#2", "", 8, 512, "merge"),
 ]
 ROWS = (1, 16, 24, 32, 64, 256)
 

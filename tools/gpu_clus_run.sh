@@ -5,13 +5,15 @@
 # memcheck and racecheck of the clustered tests, then tools/clus_time.py.
 #   build here (~8 min):  PY=.venv/bin/python bash tools/gpu_clus_run.sh --build
 #   run there:            OUT=dir bash tools/gpu_clus_run.sh   (carry .cubins, build/ffi_lib)
-#   NO_TESTS=1 / NO_SAN=1 / NO_TIME=1 leave out the tests / the sanitizers / the timing
+#   NO_TESTS=1 / NO_VARIANTS=1 / NO_SAN=1 / NO_TIME=1 leave out the tests / the candidates' tests /
+#   the sanitizers / the timing
 set -o pipefail
 cd "$(dirname "$0")/.."
 if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}; PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")
   PY=$PY bash tools/gpu_kernels_run.sh --build > /tmp/clus_build.log 2>&1 || { echo "build failed: /tmp/clus_build.log"; exit 1; }
-  for v in "clus=0 16 1024" "clus=0 8 1024"; do
+  # the one-CTA merge, and the twenty-first session's candidates: fewer words per clustered CTA
+  for v in "clus=0 16 1024" "clus=0 8 1024" "ckp=4 8 512" "ckp=2,clus=4 8 512" "ckp=4,clus=4 8 1024"; do
     set -- $v
     JAX_DSA_EXCHANGE_MERGE_TUNE=$1 $PY -m jax_dsa_exchange.build --topk 2048 --local-topk $3 --world $2 \
       --out .cubins >> /tmp/clus_build.log 2>&1 || { echo "build $v failed: /tmp/clus_build.log"; exit 1; }
@@ -33,6 +35,24 @@ if [ -z "$NO_TESTS" ]; then
   JAX_DSA_EXCHANGE_TEST_MERGE=merge_wide timeout ${WIDE_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfEs -x \
     tests/test_kernels_gpu.py -k "16-2048-1024 or 16-1024" > "$OUT/tests_wide.log" 2>&1 || rc=1
   grep -E "passed|failed|Error|error" "$OUT/tests_wide.log" | tail -8
+fi
+if [ -z "$NO_VARIANTS" ]; then
+  # the candidates' exactness (cubins of their tune tag, their configuration only)
+  T=tests/test_kernels_gpu.py
+  N512="$T::test_large_configs[8-2048-512-20000-8] $T::test_rescued_and_plain_rows_in_one_cta[8-2048-512-False]
+    $T::test_clustered_selection_in_one_cta[8-2048-512] $T::test_clustered_failed_call_rows_right_or_empty[8-2048-512-last_cta]
+    $T::test_ties_straddling_the_boundary_score_large[8-512] $T::test_wide_score_range[8-2048-512]
+    $T::test_adversarial_large[8-512] $T::test_rescue_tie_heavy[8-2048-512-False]"
+  N1024="$T::test_large_configs[8-2048-1024-5000-4] $T::test_rescued_and_plain_rows_in_one_cta[8-2048-1024-False]
+    $T::test_clustered_selection_in_one_cta[8-2048-1024] $T::test_clustered_failed_call_rows_right_or_empty[8-2048-1024-first_cta]
+    $T::test_ties_straddling_the_boundary_score_large[8-1024] $T::test_adversarial_large[8-1024]"
+  for v in "ckp=4 N512" "ckp=2,clus=4 N512" "ckp=4,clus=4 N1024"; do
+    t=${v%% *}; name=${v##* }; ids=${!name}
+    echo "== variant $t: kernel tests of its configuration"
+    JAX_DSA_EXCHANGE_MERGE_TUNE=$t JAX_DSA_EXCHANGE_TEST_MERGE=merge timeout ${VAR_TIMEOUT:-90} python3 -m pytest -q \
+      -p no:cacheprovider -rfEs -x $(set -f; echo $ids) > "$OUT/tests_${t//[=,]/_}.log" 2>&1 || rc=1
+    grep -E "passed|failed|Error|error" "$OUT/tests_${t//[=,]/_}.log" | tail -4
+  done
 fi
 if [ -z "$NO_SAN" ]; then
   echo "== memcheck: the clustered tests"

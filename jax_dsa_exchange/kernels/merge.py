@@ -119,6 +119,9 @@ CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
 #            (W = 16, N = 1024: 32; W = 8, N = 1024: 16) split over a cluster of
 #            min(C, kp1 / CLUS_KP) CTAs (Merge.clus); clus=0 or 1: every row on one CTA, as
 #            before the nineteenth session
+#   ckp=K    (exact; the default is CLUS_KP) the fewest round-1 words per thread of a clustered
+#            CTA: ckp=4 splits W = 8, N = 512 (8 words) over 2 CTAs, ckp=4 clus=4 W = 8, N = 1024
+#            over 4 (a candidate, twenty-first session)
 #   r2roll=U (exact; the default is 1) round 2 of a rescue by the fast path's algorithm in loops
 #            rolled over a shared-memory copy of its words, unrolled U times (round2_rolled):
 #            a third of the register fast path's code, which a rescue fetches cold from HBM
@@ -142,6 +145,7 @@ TUNE = dict.fromkeys(TIMING_ONLY + cache.MERGE_EXACT_KNOBS, 0)
 TUNE["r2roll"] = 1  # (the defaults: see above)
 TUNE["r2all"] = 1
 TUNE["clus"] = CLUS_MAX
+TUNE["ckp"] = CLUS_KP
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
     if _k.strip() not in TUNE:
@@ -296,7 +300,7 @@ class Merge:
         # CTA 0 alone (kernel).  W = 16, N = 1024 on one CTA was 27 us, the per-key instruction
         # volume of 32 words per thread on one SM (kernels/NOTES.md, eighteenth session).
         self.clus = 1
-        c = min(TUNE["clus"] if clus is None else clus, self.kp1 // CLUS_KP, S.CLUSTER_MAX)
+        c = min(TUNE["clus"] if clus is None else clus, self.kp1 // max(2, TUNE["ckp"]), S.CLUSTER_MAX)
         ck = self.kp1 // c if c > 1 else 0  # words per thread of each CTA
         if (c > 1 and self.fast1 and ck % 2 == 0 and self.nk1 == c * C.TB * ck
                 and world % c == 0 and n % (32 * ck) == 0):

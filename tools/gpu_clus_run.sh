@@ -2,7 +2,7 @@
 # The clustered merge (nineteenth session, kernels/merge.py Merge.clus) in ONE call on the GPU
 # machine: the GPU kernel + select tests (the clustered configurations W = 16 / 8, N = 1024
 # among them; W = 16 again with every call on its merge_wide image, twentieth session),
-# memcheck and racecheck of the clustered tests, then tools/clus_time.py.
+# tools/clus_time.py, then memcheck and racecheck of the clustered tests.
 #   build here (~8 min):  PY=.venv/bin/python bash tools/gpu_clus_run.sh --build
 #   run there:            OUT=dir bash tools/gpu_clus_run.sh   (carry .cubins, build/ffi_lib)
 #   NO_TESTS=1 / NO_VARIANTS=1 / NO_SAN=1 / NO_TIME=1 leave out the tests / the candidates' tests /
@@ -54,6 +54,11 @@ if [ -z "$NO_VARIANTS" ]; then
     grep -E "passed|failed|Error|error" "$OUT/tests_${t//[=,]/_}.log" | tail -4
   done
 fi
+if [ -z "$NO_TIME" ]; then
+  echo "== timing"
+  timeout ${TIME_TIMEOUT:-300} python3 tools/clus_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1
+  tail -14 "$OUT/time.log"
+fi
 if [ -z "$NO_SAN" ]; then
   echo "== memcheck: the clustered tests"
   timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
@@ -70,8 +75,4 @@ if [ -z "$NO_SAN" ]; then
     > "$OUT/racecheck_wide.log" 2>&1 || rc=1
   grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" "$OUT/racecheck_wide.log" | tail -4
 fi
-[ -n "$NO_TIME" ] && exit $rc
-echo "== timing"
-timeout ${TIME_TIMEOUT:-300} python3 tools/clus_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1
-tail -12 "$OUT/time.log"
 exit $rc

@@ -152,7 +152,9 @@ def test_merge_cluster_of_large_rows(monkeypatch):
     """A merge row of more than merge.CLUS_KP round-1 words per thread is split over a cluster
     of at most merge.CLUS_MAX CTAs (W = 16, N = 1024: 32 words, 2 CTAs of 16; W = 8, N = 1024:
     2 CTAs of 8); W = 8, N = 512 stays on one CTA; the clus=4 variant splits W = 16, N = 1024
-    into 4 CTAs of 8.  The cluster size is in the metadata (the launchers read it there)."""
+    into 4 CTAs of 8.  The cluster size is in the metadata (the launchers read it there); the
+    merge_wide image's clusters (CLUS_WIDE of at least WIDE_KP words) where the merge's are
+    narrower."""
     from jax_dsa_exchange.kernels import merge
     from jax_dsa_exchange.kernels.merge import CLUS_KP, CLUS_MAX, Merge
 
@@ -191,9 +193,16 @@ def test_merge_cluster_of_large_rows(monkeypatch):
     assert wide.metadata()["cluster"] == 4 and wide.cubin != img.cubin
     assert "cluster" not in cache.compile_images("sm_90a", 8, 2048, 512)["merge"][0].metadata()
     # which configurations have one (wider than their merge's own clusters)
-    for (w, k, n), want in {(16, 2048, 1024): True, (8, 2048, 2048): True, (8, 2048, 1024): False,
-                            (16, 2048, 512): False, (8, 2048, 512): False, (16, 4096, 2048): False}.items():
+    # (where the merge is clustered: W = 8, N = 1024 over 4 CTAs of merge.WIDE_KP = 4 words; not
+    # W = 8, N = 512, whose merge is one CTA)
+    for (w, k, n), want in {(16, 2048, 1024): True, (8, 2048, 2048): True, (8, 2048, 1024): True,
+                            (16, 2048, 512): True, (8, 2048, 512): False, (16, 4096, 2048): False,
+                            (8, 256, 64): False}.items():
         assert cache.has_wide_merge(w, k, n) == want, (w, k, n)
+    assert merge.WIDE_KP == 4
+    for (w, k, n), (c, kp) in {(16, 2048, 1024): (4, 8), (8, 2048, 1024): (4, 4), (8, 2048, 2048): (4, 8)}.items():
+        m = cache._kernel_object("merge_wide", w, k, n)
+        assert (m.clus, m.kp1) == (c, kp), (w, k, n, m.clus, m.kp1)
     assert "merge_wide" not in cache.compile_images("sm_90a", 8, 2048, 512)
 
 

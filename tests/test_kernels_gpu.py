@@ -37,8 +37,8 @@ CLUSTERED = [(16, 2048, 1024), (8, 2048, 1024)]
 # CTAs of 4 words): the clustered tests run there where the build does, else skip
 MAYBE_CLUSTERED = [(8, 2048, 512)]
 # ... and those with a second merge image of wider clusters (kernels/cache.py OPTIONAL):
-# W = 16, N = 1024 over 4 CTAs
-WIDE = [(16, 2048, 1024)]
+# W = 16, N = 1024 over 4 CTAs of 8 words, W = 8, N = 1024 over 4 of 4
+WIDE = [(16, 2048, 1024), (8, 2048, 1024)]
 # which merge image the sims launch: "auto" (the launcher's choice by rows), "merge" or
 # "merge_wide" (every call on it where the configuration has one: tools/gpu_clus_run.sh runs
 # the tests again so)
@@ -296,7 +296,8 @@ def test_wide_merge_image(world, topk, n):
     for rows in (1, 3, 6):
         _run_check(sim, cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows,
                                           cols=4000, row_ends="mixed"))  # fmt: skip
-        _run_check(sim, cases.saturating_case(rng, world, topk, n, 1 + rows % 3, rows=rows, cols=3 * topk))
+        _run_check(sim, cases.saturating_case(rng, world, topk, n, min(1 + rows % 3, (topk - 1) // n),
+                                              rows=rows, cols=3 * topk))
     _run_check(sim, _tie_case(rng, world, topk, n, 4000, [1, 2, 100, EQ_MAX, EQ_MAX + 1, 1500]))
     for c in cases.adversarial_cases(rng, world=world, topk=topk, local_topk=n, rows=4, cols=3000,
                                      saturating_rows=2):

@@ -44,6 +44,20 @@ def test_multiprocess_decode_loop_matches_oracle(world, topk, local_topk, graphs
     assert r.stdout.count("RANK OK") == world
 
 
+@requires_gpu_stack
+@pytest.mark.gpu
+def test_multiprocess_decode_loop_on_merge_wide():
+    """W = 8, N = 1024 with 2 rows per call: every row has its own cluster of 4, so the C++
+    launcher runs the exchange's merge_wide image (layout.merge_uses_wide); the answers are the
+    oracle's (rescues included)."""
+    args = ["--topk", "2048", "--local-topk", "1024", "--rows", "2", "--cols", "4096",
+            "--layers", "4", "--steps", "3"]
+    r = _launch(8, "op_worker.py", *args, timeout=400, graphs="checked")
+    assert r.returncode == 0
+    assert r.stdout.count("RANK OK") == 8
+    assert r.stdout.count("merge image: merge_wide") == 8, r.stdout[-2000:]
+
+
 def _dsf_needed():
     from jax_dsa_exchange.op import dynamic_slice_fusion_workaround_needed
 

@@ -26,12 +26,11 @@ VARIANTS = [
     ("w16 clus=0", "clus=0", 16, 1024, "merge"),  # one CTA per row (before)
     ("w16 merge#2", "", 16, 1024, "merge"),
     ("w8n1024 merge", "", 8, 1024, "merge"),  # clus=2: 2 CTAs per row of 8 words
+    ("w8n1024 merge_wide", "", 8, 1024, "merge_wide"),  # 4 CTAs per row of 4 words
     ("w8n1024 clus=0", "clus=0", 8, 1024, "merge"),
     ("w8n512 merge", "", 8, 512, "merge"),  # (not clustered: the reference point)
-    # twenty-first session's candidates (merge.py ckp): fewer words per thread of a clustered CTA
-    ("w8n512 ckp=4", "ckp=4", 8, 512, "merge"),  # 2 CTAs of 4 words
-    ("w8n512 ckp=2 c4", "ckp=2,clus=4", 8, 512, "merge"),  # 4 CTAs of 2 words
-    ("w8n1024 ckp=4 c4", "ckp=4,clus=4", 8, 1024, "merge"),  # 4 CTAs of 4 words
+    # (twenty-first session's candidates, rejected: ("w8n512 ckp=4", "ckp=4", 8, 512, "merge"): 2 CTAs
+    # of 4 words; ("w8n512 ckp=2 c4", "ckp=2,clus=4", 8, 512, "merge"): 4 CTAs of 2 words)
     ("w8n512 merge#2", "", 8, 512, "merge"),
 ]
 ROWS = (1, 16, 24, 32, 64, 256)
@@ -63,7 +62,7 @@ def main(argv=None):
             b = KernelTimer(cp, w, 2048, n, 256, merge=image)
             r["cluster"] = b.sim.merge_cluster
             if image == "merge_wide":
-                fit[w, n] = r["fit"] = b.sim.merge_fit  # clusters of 4 the GPU holds at once
+                fit[name[:-len(" merge_wide")]] = r["fit"] = b.sim.merge_fit  # clusters of 4 the GPU holds at once
             for R in ROWS:
                 r[f"r{R}"] = (round(time_merge(b, R, 8192, False, iters=a.iters), 2), round(b.last_kernel_us, 2))
                 print(name, R, r[f"r{R}"], flush=True)
@@ -79,12 +78,12 @@ def main(argv=None):
     # the launcher with one rank per GPU: merge_wide where layout.merge_uses_wide(R, its fit)
     from jax_dsa_exchange import layout
 
-    for (w, n), f in fit.items():
-        nar, wid = res.get(f"w{w} merge", {}), res.get(f"w{w} merge_wide", {})
-        res[f"w{w} launcher"] = {"cluster": "*", **{
+    for pre, f in fit.items():
+        nar, wid = res.get(f"{pre} merge", {}), res.get(f"{pre} merge_wide", {})
+        res[f"{pre} launcher"] = {"cluster": "*", **{
             f"r{R}": (wid if layout.merge_uses_wide(R, f) else nar)[f"r{R}"] for R in ROWS
             if f"r{R}" in nar and f"r{R}" in wid}}
-        print(f"W={w} N={n}: merge_wide fit {f} clusters: the launcher runs it at R <= {f}")
+        print(f"{pre}: merge_wide fit {f} clusters: the launcher runs it at R <= {f}")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     cols = [f"r{R}" for R in ROWS] + ["r1resc"]

@@ -41,8 +41,8 @@ from .. import layout
 
 KERNELS = ("select_push", "merge")
 # Images a configuration may have besides KERNELS.  merge_wide: the same merge (kernel "merge",
-# the same ABI) with rows over clusters of up to merge.CLUS_WIDE CTAs, built where that is wider
-# than the merge's own clusters; the launcher runs it instead of the merge when every row of a
+# the same ABI) with rows over clusters of up to merge.CLUS_WIDE CTAs (of at least merge.WIDE_KP
+# words per thread), built where the merge is clustered and that is wider; the launcher runs it instead of the merge when every row of a
 # call has its own cluster at once (layout.merge_uses_wide).  Written before merge.json, whose
 # presence marks a folder complete.
 OPTIONAL = ("merge_wide",)
@@ -209,16 +209,18 @@ def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_l
         from .select_push import SelectPush
 
         return SelectPush(world, local_topk, topk, rescue_list)
-    from .merge import CLUS_WIDE, Merge
+    from .merge import CLUS_WIDE, WIDE_KP, Merge
 
-    return Merge(world, topk, local_topk, rescue_list, clus=CLUS_WIDE if kernel == "merge_wide" else None)
+    if kernel == "merge_wide":
+        return Merge(world, topk, local_topk, rescue_list, clus=CLUS_WIDE, min_kp=WIDE_KP)
+    return Merge(world, topk, local_topk, rescue_list)
 
 
 def has_wide_merge(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
-    """Whether the configuration gets a merge_wide image: its clusters wider than the merge's
-    (needs the CuTe DSL: the kernels' own rule, Merge.clus)."""
-    return (_kernel_object("merge_wide", world, topk, local_topk, rescue_list).clus
-            > _kernel_object("merge", world, topk, local_topk, rescue_list).clus)
+    """Whether the configuration gets a merge_wide image: its merge is clustered and the wide
+    image's clusters are wider (needs the CuTe DSL: the kernels' own rule, Merge.clus)."""
+    m = _kernel_object("merge", world, topk, local_topk, rescue_list).clus
+    return m > 1 and _kernel_object("merge_wide", world, topk, local_topk, rescue_list).clus > m
 
 
 def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: int,

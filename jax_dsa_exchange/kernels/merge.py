@@ -83,6 +83,11 @@ CLUS_MAX = 2
 # up to this many CTAs, launched instead when every row of the call has its own cluster at once
 # (layout.merge_uses_wide): 12.6 against 19.5 us at W = 16, N = 1024, R = 1 (twentieth session)
 CLUS_WIDE = 4
+# ... whose CTAs hold at least this many words per thread (fewer than the merge's CLUS_KP): W = 8,
+# N = 1024 over 4 CTAs of 4 words 10.8 / 11.5 us at R = 1 / 16 against 12.3 / 12.1 over 2 of 8;
+# only where the merge itself is clustered (W = 8, N = 512 over 2 CTAs of 4 words: 10.7 against
+# 10.0 on one CTA; twenty-first session)
+WIDE_KP = 4
 CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
@@ -271,8 +276,10 @@ class Merge:
     """Exchange merge for one static (world, topk, local_topk, rescue_list: a rescue pushes
     the producer's K-list of the row instead of selecting the row itself)."""
 
-    def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False, clus: int | None = None):
-        """``clus``: the most CTAs of a clustered row (None: the clus knob, CLUS_MAX)."""
+    def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False, clus: int | None = None,
+                 min_kp: int | None = None):
+        """``clus``: the most CTAs of a clustered row (None: the clus knob, CLUS_MAX); ``min_kp``:
+        the fewest round-1 words per thread of a clustered CTA (None: the ckp knob, CLUS_KP)."""
         layout.check_config(world, topk, n)
         self.world, self.topk, self.n = world, topk, n
         self.gbits = layout.gid_bits(world)
@@ -300,7 +307,8 @@ class Merge:
         # CTA 0 alone (kernel).  W = 16, N = 1024 on one CTA was 27 us, the per-key instruction
         # volume of 32 words per thread on one SM (kernels/NOTES.md, eighteenth session).
         self.clus = 1
-        c = min(TUNE["clus"] if clus is None else clus, self.kp1 // max(2, TUNE["ckp"]), S.CLUSTER_MAX)
+        c = min(TUNE["clus"] if clus is None else clus, self.kp1 // max(2, TUNE["ckp"] if min_kp is None else min_kp),
+                S.CLUSTER_MAX)
         ck = self.kp1 // c if c > 1 else 0  # words per thread of each CTA
         if (c > 1 and self.fast1 and ck % 2 == 0 and self.nk1 == c * C.TB * ck
                 and world % c == 0 and n % (32 * ck) == 0):

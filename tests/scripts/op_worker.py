@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_dsa_exchange import reference  # noqa: E402
+from jax_dsa_exchange import layout, reference  # noqa: E402
 from jax_dsa_exchange.testing import cases  # noqa: E402
 from jax_dsa_exchange.exchange import Exchange  # noqa: E402
 from jax_dsa_exchange.op import compiler_options, jit, topk_exchange_merge  # noqa: E402
@@ -56,6 +56,9 @@ a = p.parse_args()
 K, N, R, L, B = a.topk, a.local_topk, a.rows, a.cols, 16
 
 ex = Exchange.create(topk=K, local_topk=N, max_rows=R, timeout_us=a.timeout_us, rescue_list=a.rescue_list)
+# which merge image the launcher runs for these R rows (the op tests assert it where it matters)
+print(f"merge image: {'merge_wide' if layout.merge_uses_wide(R, ex.merge_wide_grid) else 'merge'} "
+      f"(wide grid {ex.merge_wide_grid})", flush=True)
 
 
 @(jax.jit if a.no_workaround else jit)

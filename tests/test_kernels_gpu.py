@@ -29,16 +29,17 @@ SMALL_K, SMALL_N = 256, 64
 WORLDS = [1, 2, 4, 8, 16]
 # (W, K, N) configurations these tests use (tools/gpu_kernels_run.sh builds them).
 CONFIGS = ([(w, SMALL_K, SMALL_N) for w in WORLDS] + [(w, SMALL_K, SMALL_K) for w in WORLDS]
-           + [(8, 2048, 512), (16, 2048, 1024), (2, 2048, 512), (16, 4096, 2048), (8, 2048, 1024)])  # fmt: skip
-# merges whose row is split over a cluster of CTAs (kernels/merge.py Merge.clus): W = 16, N = 1024
-# and W = 8, N = 1024 over 2 (16 and 8 words per thread)
-CLUSTERED = [(16, 2048, 1024), (8, 2048, 1024)]
+           + [(8, 2048, 512), (16, 2048, 1024), (2, 2048, 512), (16, 4096, 2048), (8, 2048, 1024),
+              (16, 2048, 512)])  # fmt: skip
+# merges whose row is split over a cluster of CTAs (kernels/merge.py Merge.clus): W = 16, N = 1024,
+# W = 8, N = 1024 and W = 16, N = 512 over 2 (16, 8 and 8 words per thread)
+CLUSTERED = [(16, 2048, 1024), (8, 2048, 1024), (16, 2048, 512)]
 # ... and the configuration a candidate build may cluster (merge.py ckp=4: W = 8, N = 512 over 2
 # CTAs of 4 words): the clustered tests run there where the build does, else skip
 MAYBE_CLUSTERED = [(8, 2048, 512)]
 # ... and those with a second merge image of wider clusters (kernels/cache.py OPTIONAL):
-# W = 16, N = 1024 over 4 CTAs of 8 words, W = 8, N = 1024 over 4 of 4
-WIDE = [(16, 2048, 1024), (8, 2048, 1024)]
+# W = 16, N = 1024 over 4 CTAs of 8 words, W = 8, N = 1024 and W = 16, N = 512 over 4 of 4
+WIDE = [(16, 2048, 1024), (8, 2048, 1024), (16, 2048, 512)]
 # which merge image the sims launch: "auto" (the launcher's choice by rows), "merge" or
 # "merge_wide" (every call on it where the configuration has one: tools/gpu_clus_run.sh runs
 # the tests again so)

@@ -29,6 +29,8 @@ VARIANTS = [
     ("w8n1024 merge_wide", "", 8, 1024, "merge_wide"),  # 4 CTAs per row of 4 words
     ("w8n1024 clus=0", "clus=0", 8, 1024, "merge"),
     ("w8n512 merge", "", 8, 512, "merge"),  # (not clustered: the reference point)
+    ("w16n512 merge", "", 16, 512, "merge"),  # 2 CTAs per row of 8 words
+    ("w16n512 merge_wide", "", 16, 512, "merge_wide"),  # 4 CTAs per row of 4 words
     # (twenty-first session's candidates, rejected: ("w8n512 ckp=4", "ckp=4", 8, 512, "merge"): 2 CTAs
     # of 4 words; ("w8n512 ckp=2 c4", "ckp=2,clus=4", 8, 512, "merge"): 4 CTAs of 2 words)
     ("w8n512 merge#2", "", 8, 512, "merge"),

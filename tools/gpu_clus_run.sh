@@ -32,9 +32,9 @@ if [ -z "$NO_TESTS" ]; then
   timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -rfEs -x ${PYTEST_K:+-k "$PYTEST_K"} \
     tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
   grep -E "passed|failed|Error|error" "$OUT/tests.log" | tail -8
-  echo "== the W = 16 and W = 8 N = 1024 kernel tests again, every call on merge_wide (4 CTAs per row)"
+  echo "== the kernel tests of the merge_wide configurations again, every call on merge_wide (4 CTAs per row)"
   JAX_DSA_EXCHANGE_TEST_MERGE=merge_wide timeout ${WIDE_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -rfEs -x \
-    tests/test_kernels_gpu.py -k "2048-1024 or 16-1024 or 8-1024" > "$OUT/tests_wide.log" 2>&1 || rc=1
+    tests/test_kernels_gpu.py -k "${WIDE_K:-2048-1024 or 16-1024 or 8-1024 or 16-2048-512 or 16-512}" > "$OUT/tests_wide.log" 2>&1 || rc=1
   grep -E "passed|failed|Error|error" "$OUT/tests_wide.log" | tail -8
 fi
 if [ -z "$NO_VARIANTS" ]; then

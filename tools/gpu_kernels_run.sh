@@ -10,7 +10,7 @@ if [ "$1" = "--build" ]; then
   # (--both: the rescue_list kernels too, for the tests that run both kinds)
   $PY -m jax_dsa_exchange.build --topk 256 --local-topk 64 256 --world 1 2 4 8 16 --both --out .cubins &&
   $PY -m jax_dsa_exchange.build --topk 2048 --local-topk 256 512 1024 --world 8 --both --out .cubins &&
-  $PY -m jax_dsa_exchange.build --topk 2048 --local-topk 1024 --world 16 --both --out .cubins &&
+  $PY -m jax_dsa_exchange.build --topk 2048 --local-topk 512 1024 --world 16 --both --out .cubins &&
   $PY -m jax_dsa_exchange.build --topk 2048 --local-topk 512 --world 2 --both --out .cubins &&
   $PY -m jax_dsa_exchange.build --topk 4096 --local-topk 2048 --world 16 --both --out .cubins &&
   $PY -m jax_dsa_exchange.build --topk 2048 --local-topk 2048 --world 8 16 --out .cubins

@@ -13,7 +13,9 @@ warm-up; inputs rotate over several sets) of
   rescue (random logits) and with a forced rescue (rank 0's scores + 100, so
   rank 0 is saturated on every row and also computes its local top-K of L);
 
-next to a device copy bandwidth and jax.lax.top_k baselines measured in the
+(``--pair``: rank 0's producer and merge back to back on one stream, the merge under PDL as
+the C++ launcher launches it and in plain stream order, next to each alone: what the merge
+adds to a decode step) next to a device copy bandwidth and jax.lax.top_k baselines measured in the
 same run on [R, L] (what select+push replaces) and on [R, W*N] (the merge's
 round 1), each as device time of 16 dependent calls in one jitted loop.  Ends with a table; "read" = one read of R x L bf16 at the
 measured copy bandwidth (bytes / (read + write rate of a copy)).
@@ -149,6 +151,41 @@ def merge_only(cp, a):
     return res
 
 
+def pair_times(cp, a):
+    """The decode step's pair on rank 0 (producer then merge on one stream, the other ranks'
+    rows already pushed), with the merge under PDL (as the C++ launcher launches it) and in
+    plain stream order, next to the producer and the merge each timed alone in the same
+    run: what the merge adds to a step is the pair minus the producer alone."""
+    res = []
+    for n in a.n:
+        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern, spacer_mb=a.spacer_mb)
+        print(f"N={n}: loaded {b.sim.loaded_from}", flush=True)
+        for R in a.rows:
+            for L in a.cols:
+                tp, _ = b.run(R, L, rescue=False, iters=a.iters, warm=3, merge=False)
+                kp = b.last_producer_kernel_us
+                tm = time_merge(b, R, L, False, iters=a.iters)
+                km = b.last_kernel_us
+                t_pdl = b.pair(R, L, True, iters=a.iters)
+                s_pdl, ov = b.last_pair_span_us, b.last_pair_overlap_us
+                t_seq = b.pair(R, L, False, iters=a.iters)
+                s_seq = b.last_pair_span_us
+                res.append((n, R, L, tp, kp, tm, km, t_seq, s_seq, t_pdl, s_pdl, ov))
+                print(f"pair N={n} R={R} L={L}: producer {tp:.2f} (kernel {kp:.2f}) merge {tm:.2f} (kernel "
+                      f"{km:.2f}) pair plain {t_seq:.2f} (span {s_seq:.2f}) pair PDL {t_pdl:.2f} (span "
+                      f"{s_pdl:.2f}, merge started {ov:.2f} us before the producer ended)", flush=True)  # fmt: skip
+        del b
+    print(f"\nthe pair on rank 0, W={a.world} K={a.topk}; us, median; events = CUDA events around the "
+          f"launches (after a busy stream), span = CUPTI from the producer's start to the merge's end; "
+          f"'+merge' = pair (PDL) - producer alone, events and span - producer kernel")  # fmt: skip
+    print(f"{'N':>5} {'R':>4} {'L':>7} | {'prod':>6} {'kern':>6} | {'merge':>6} {'kern':>6} | {'plain':>6} "
+          f"{'span':>6} | {'PDL':>6} {'span':>6} | {'+merge':>6} {'+span':>6}")  # fmt: skip
+    for n, R, L, tp, kp, tm, km, t_seq, s_seq, t_pdl, s_pdl, ov in res:
+        print(f"{n:>5} {R:>4} {L:>7} | {tp:6.2f} {kp:6.2f} | {tm:6.2f} {km:6.2f} | {t_seq:6.2f} {s_seq:6.2f} | "
+              f"{t_pdl:6.2f} {s_pdl:6.2f} | {t_pdl - tp:6.2f} {s_pdl - kp:6.2f}")  # fmt: skip
+    return res
+
+
 def probe(cp, world, topk, n, reps=20):
     """select_push per launch when launched back to back (a CUDA graph of reps
     launches, median of 5 replays; no other kernel in between) at R = 1: empty rows (the fixed
@@ -221,6 +258,8 @@ def main(argv=None):
     ap.add_argument("--pattern", default="random", help="input scores: random | recent (kernels.timing.PATTERNS)")
     ap.add_argument("--merge-only", action="store_true",
                     help="merge alone vs top-k of 64-bit keys (torch, jax); rescue vs local top-K")
+    ap.add_argument("--pair", action="store_true",
+                    help="rank 0's producer + merge on one stream, merge under PDL and not, vs each alone")
     ap.add_argument("--spacer-mb", type=int, default=256,
                     help="the memset before each timed launch (MB): 256 leaves the L2 cold; 1 keeps it warm")
     a = ap.parse_args(argv)
@@ -240,6 +279,9 @@ def main(argv=None):
 
     if a.merge_only:
         merge_only(cp, a)
+        return
+    if a.pair:
+        pair_times(cp, a)
         return
     bw = copy_bandwidth(cp)
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)

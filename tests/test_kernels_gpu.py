@@ -104,6 +104,21 @@ def test_adversarial(world):
             _run_check(sim, case, want_ids=False, want_sat=False)
 
 
+@pytest.mark.parametrize("world,topk,n", [(w, SMALL_K, SMALL_N) for w in (1, 2, 4, 8)] + [(8, 2048, 512)])
+def test_merge_under_pdl_behind_its_producer(world, topk, n):
+    """Each rank's producer then its merge on one stream, the merge launched with programmatic
+    stream serialization (the C++ launcher's launch): its CTAs start while the producer runs
+    (griddepcontrol), and every output is still the protocol model's, rescues included;
+    several calls in a row, so a merge's epoch bump meets the next call's producer."""
+    rng = np.random.default_rng(4200 + world)
+    sim = sim_for(world, topk, n)
+    allc = cases.adversarial_cases(rng, world=world, topk=topk, local_topk=n, rows=4,
+                                   cols=3000 if topk > SMALL_K else None, saturating_rows=2)  # fmt: skip
+    for rep in range(2):
+        for case in allc:
+            _run_check(sim, case, pdl=True)
+
+
 def test_consecutive_calls_cycle_epochs():
     """Hundreds of calls on the same buffers, fresh data each time, varying
     row counts (rows' epochs drift apart), rescues mixed in."""

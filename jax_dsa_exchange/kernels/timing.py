@@ -171,6 +171,53 @@ class KernelTimer:
         return statistics.median(tp), statistics.median(tm)
 
 
+    def pair(self, R, L, pdl, iters=12, warm=3, seed=0):
+        """Rank 0's producer and merge back to back on its stream (the decode step's order),
+        the other ranks' data already pushed: median CUDA-event time of the pair, and
+        ``last_pair_span_us``, the median CUPTI span from the producer's start to the merge's
+        end (no launch latency).  ``pdl``: the merge under programmatic stream serialization,
+        as the C++ launcher launches it (its CTAs start once every producer CTA has started
+        and triggered, so its launch and its first loads overlap the producer); else plain
+        stream order.  Merge grid min(R, 64) as in the merge-alone timing."""
+        cp, sim, W = self.cp, self.sim, self.world
+        clock = KernelClock()
+        nsets = 2 if R * L * W * 2 > (1 << 29) else 4
+        sets = self.inputs(R, L, nsets, False, seed)
+        s0 = sim.streams[0]
+        tm = []
+        for it in range(warm + iters):
+            d = sets[it % nsets]
+            if it == warm:
+                clock.__enter__()
+            for q in range(1, W):
+                sim.launch_rank(q, d[q], R, L, 64, merge=False)
+            cp.cuda.Device().synchronize()
+            e0, e1 = _events(cp)
+            with s0:
+                self.spacer.fill(it & 0xFF)
+                e0.record(s0)
+                sim.launch_rank(0, d[0], R, L, 64, grid=min(R, 64), pdl=pdl)
+                e1.record(s0)
+            s0.synchronize()
+            for q in range(1, W):
+                sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
+            cp.cuda.Device().synchronize()
+            if it >= warm:
+                tm.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+        clock.__exit__(None, None, None)
+        st = sim.status(0)
+        assert st[0] == 0, f"status {st}"
+        # per iteration: W - 1 producers, rank 0's producer, then rank 0's merge first of W
+        ps = clock.starts_and_durations("kernelsselect_push")[W - 1::W]
+        ms = clock.starts_and_durations("kernelsmerge")[0::W]
+        spans = [m0 + md - p0 for (p0, _), (m0, md) in zip(ps, ms)]
+        self.last_pair_span_us = statistics.median(spans) if len(spans) == iters and len(ms) == iters else float("nan")
+        self.last_pair_overlap_us = (statistics.median([p0 + pd - m0 for (p0, pd), (m0, _) in zip(ps, ms)])
+                                     if len(spans) == iters else float("nan"))  # fmt: skip
+        del sets
+        return statistics.median(tm)
+
+
 class KernelClock:
     """Kernel execution times (start, duration) from CUPTI through ``torch.profiler``, where
     PyTorch with CUDA is importable (it records every kernel of the process, CuPy's too).

@@ -26,6 +26,7 @@ POISON = -123456789  # outputs are filled with this before every call
 
 # cuLaunchKernelEx through ctypes: CuPy's launch has no cluster dimensions.
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttrValue(ctypes.Union):
@@ -51,9 +52,11 @@ def _typed(params, values):
     return tuple((np.int64 if t == "i64" else np.int32)(v) for (_, t), v in zip(params, values))
 
 
-def launch_cluster(fn, grid, block, smem, stream, params, values, cluster):
-    """Launch CuPy function ``fn`` with a (cluster, 1, 1) cluster; ``params`` are the
-    kernel metadata's (name, "i64" | "i32") pairs, ``values`` their values."""
+def launch_cluster(fn, grid, block, smem, stream, params, values, cluster, pdl=False):
+    """Launch CuPy function ``fn`` with a (cluster, 1, 1) cluster (none where ``cluster`` is 0);
+    ``params`` are the kernel metadata's (name, "i64" | "i32") pairs, ``values`` their values.
+    ``pdl``: programmatic stream serialization, as the C++ launcher launches the merge (it may
+    start once every CTA of the kernel before it on the stream has triggered, or exited)."""
     global _LIBCUDA
     if _LIBCUDA is None:
         _LIBCUDA = ctypes.CDLL("libcuda.so.1")
@@ -61,20 +64,27 @@ def launch_cluster(fn, grid, block, smem, stream, params, values, cluster):
     assert len(params) == len(values), (params, values)
     args = [(ctypes.c_int64 if t == "i64" else ctypes.c_int32)(int(v)) for (_, t), v in zip(params, values)]
     ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-    attr = _LaunchAttr()
-    attr.id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value.dim[0], attr.value.dim[1], attr.value.dim[2] = int(cluster), 1, 1
+    attrs = (_LaunchAttr * 2)()
+    n = 0
+    if pdl:
+        attrs[n].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n].value.dim[0] = 1  # programmaticStreamSerializationAllowed (an int at offset 0)
+        n += 1
+    if cluster:
+        attrs[n].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attrs[n].value.dim[0], attrs[n].value.dim[1], attrs[n].value.dim[2] = int(cluster), 1, 1
+        n += 1
     cfg = _LaunchConfig()
     cfg.grid[0], cfg.grid[1], cfg.grid[2] = int(grid), 1, 1
     cfg.block[0], cfg.block[1], cfg.block[2] = int(block), 1, 1
     cfg.smem = int(smem)
     cfg.stream = ctypes.c_void_p(int(stream.ptr))
-    cfg.attrs = ctypes.pointer(attr)
-    cfg.nattrs = 1
+    cfg.attrs = ctypes.cast(attrs, ctypes.POINTER(_LaunchAttr)) if n else None
+    cfg.nattrs = n
     handle = fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr  # RawKernel -> its CUfunction
     rc = _LIBCUDA.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(int(handle)), ptrs, None)
     if rc != 0:
-        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid}, cluster {cluster})")
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid}, cluster {cluster}, pdl {pdl})")
 
 
 def cluster_fit(fn, block, smem, cluster_max):
@@ -255,7 +265,10 @@ class Sim:
 
     def launch_rank(self, q, d, rows, cols, block_size, *, want_ids=True, want_sat=True,
                     timeout_us=2_000_000, grid=None, producer=True, merge=True,
-                    cluster=None):  # fmt: skip
+                    cluster=None, pdl=False):  # fmt: skip
+        """Rank q's select_push and / or merge on its stream; ``pdl`` launches the merge with
+        programmatic stream serialization (as the C++ launcher does): behind this rank's
+        producer it then starts once every producer CTA has triggered."""
         name = self.merge_image(rows)
         sp, mg = self.images["select_push"], self.images[name]
         with self.streams[q]:
@@ -287,27 +300,40 @@ class Sim:
                     max_rows=self.max_rows, rescue_off=self.lay.rescue_off, flags_off=self.lay.flags_off,
                     timeout_us=timeout_us, host_status=self._host_status[q].ptr))  # fmt: skip
                 g = grid or self.merge_grid(rows)
-                if mg.cluster > 1:
-                    launch_cluster(self.fns[name], g * mg.cluster, mg.block, mg.smem, self.streams[q],
-                                   mg.params, values, mg.cluster)  # fmt: skip
+                if mg.cluster > 1 or pdl:
+                    c = mg.cluster if mg.cluster > 1 else 0
+                    launch_cluster(self.fns[name], g * max(c, 1), mg.block, mg.smem, self.streams[q],
+                                   mg.params, values, c, pdl=pdl)  # fmt: skip
                 else:
                     self.fns[name]((g,), (mg.block,), _typed(mg.params, values), shared_mem=mg.smem)
 
     def call(self, case, *, want_ids=True, want_sat=True, delay_rank=None, delay_s=0.0,
              skip_rank=None, skip_merge_rank=None, short_rank=None, short_rows=0,
-             timeout_us=2_000_000, grid=None, cluster=None):  # fmt: skip
+             timeout_us=2_000_000, grid=None, cluster=None, pdl=False):  # fmt: skip
         """One exchange call of every rank on a Case -> per-rank dict of NumPy
         outputs (kv_rows, counts, ids, saturated, status).  ``skip_rank``
         never pushes (its merge still runs); ``skip_merge_rank`` pushes but
         never merges (so never rescues); ``delay_rank`` starts late;
         ``short_rank`` calls with only ``short_rows`` rows (its outputs past
-        them stay poisoned)."""
+        them stay poisoned).  ``pdl``: each rank's producer then its merge on its
+        stream, the merge under programmatic stream serialization (the C++
+        launcher's order; the merge then starts while its producer runs); only
+        for small calls, whose W producers and W merges all fit on the GPU at once,
+        and not with the other options."""
         cp = self.cp
         dev = self.upload(case)
         cp.cuda.Device().synchronize()
         R, L = case.rows, case.cols[0]
         kw = dict(want_ids=want_ids, want_sat=want_sat, timeout_us=timeout_us, grid=grid,
                   cluster=cluster)  # cluster: CTAs per row of select_push (None: the policy)
+        if pdl:
+            if delay_rank is not None or skip_rank is not None or skip_merge_rank is not None or short_rank is not None:
+                raise ValueError("pdl=True runs every rank's full call: no delay / skip / short rank")
+            for q in range(self.world):
+                self.launch_rank(q, dev[q], R, L, case.block_size, pdl=True, **kw)
+            for s in self.streams:
+                s.synchronize()
+            return self._outputs(dev)
         # All on-time producers first; the merges wait for them (an event per
         # producer).  On W GPUs each rank's producer has its GPU to itself; here a
         # producer cluster (up to 8 CTAs in one GPC) could find no room beside the
@@ -333,6 +359,9 @@ class Sim:
                              **dict(kw, cluster=1))  # fmt: skip
         for s in self.streams:
             s.synchronize()
+        return self._outputs(dev)
+
+    def _outputs(self, dev):
         out = []
         for q in range(self.world):
             d = dev[q]

@@ -143,6 +143,11 @@ CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
 # fused, eqwarp, peers and r2batch were rejected and removed (their code: commit e8d324e).
 # The exact candidates of branch merge-fast3 (ostage, oball, tie=1/2; kernels/NOTES.md "Merge
 # variants, third round") were measured within noise and removed (their code: commit 08ca710).
+#   bpoll=1  (exact; the default) round 1's stale LL halves of a batch re-polled together, every
+#            load in flight at once, until none is stale (load_r1_fast); bpoll=0: each stale
+#            half waited for in turn, a round trip each once the data has landed (under PDL the
+#            merge starts while its producer runs, so all of its own list is stale; twenty-second
+#            session)
 TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
 TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
                "rnoflag", "rnowait", "rnor2", "norescue", "prof")
@@ -151,6 +156,7 @@ TUNE["r2roll"] = 1  # (the defaults: see above)
 TUNE["r2all"] = 1
 TUNE["clus"] = CLUS_MAX
 TUNE["ckp"] = CLUS_KP
+TUNE["bpoll"] = 1
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
     if _k.strip() not in TUNE:
@@ -758,7 +764,12 @@ class Merge:
                 if cutlass.const_expr(b0 + k < np_):
                     bad = bad | Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep) | Int32(
                         Int32(Uint32(d1[k] >> Uint64(32))) != ep)
+            if cutlass.const_expr(TUNE["bpoll"]):
+                if bad != Int32(0):
+                    mh, bad = self.poll_batch(d0, d1, mh, vm, b0, B, np_, kp, lane, warp, ll0, ll_stride,
+                                              ep, status, t, timeout_ns)  # fmt: skip
             if bad != Int32(0):
+                # (bpoll: only after a timeout or a failure elsewhere; each wait then gives up at once)
                 if cutlass.const_expr(b0 == 0):
                     if Int32(Uint32(mh >> Uint64(32))) != ep:
                         q, j = self.owner(vm, False, None)
@@ -793,6 +804,64 @@ class Merge:
                     hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
                         ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
         hb[0] = hbits
+
+    @cute.jit
+    def poll_batch(self, d0: cute.Tensor, d1: cute.Tensor, mh: Uint64, vm: Int32, b0: cutlass.Constexpr,
+                   B: cutlass.Constexpr, np_: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
+                   ll0: Int64, ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64):
+        """(bpoll) Re-load every stale half of a round-1 batch (and, in batch 0, the mask half)
+        together, predicated, until none is stale; returns (mh, bad).  A merge that starts
+        under PDL while its producer runs finds all of its own list stale: waiting for the
+        halves one at a time then cost a round trip per half after the data had landed.  The
+        timeout (from the first poll) is recorded here, for the owner of a half still stale;
+        once the status is set (here or by another wait) it returns with bad != 0 and the
+        per-half waits after it give up at once."""
+        start = C.globaltimer()
+        bad = Int32(1)
+        go = Int32(1)
+        while go != Int32(0):
+            stw = C.ld_volatile_u32(status)
+            qbad = Int32(-1)
+            if cutlass.const_expr(b0 == 0):
+                sm_ = Int32(Int32(Uint32(mh >> Uint64(32))) != ep)
+                qm, jm = self.owner(vm, False, None)
+                nm = C.ld_volatile_u64_if(self.ll_word_addr(ll0 + Int64(qm) * ll_stride,
+                                                            Int32(self.n) + (jm >> Int32(5))), sm_)  # fmt: skip
+                if sm_ != Int32(0):
+                    mh = nm
+            for k in cutlass.range_constexpr(B):
+                if cutlass.const_expr(b0 + k < np_):
+                    v = self.pair_pos(b0 + k, kp, lane, warp)
+                    a0 = self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp)
+                    s0 = Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep)
+                    s1 = Int32(Int32(Uint32(d1[k] >> Uint64(32))) != ep)
+                    n0 = C.ld_volatile_u64_if(a0, s0)
+                    n1 = C.ld_volatile_u64_if(a0 + Int64(layout.LL_HALF_BYTES), s1)
+                    if s0 != Int32(0):
+                        d0[k] = n0
+                    if s1 != Int32(0):
+                        d1[k] = n1
+            bad = Int32(0)
+            if cutlass.const_expr(b0 == 0):
+                if Int32(Uint32(mh >> Uint64(32))) != ep:
+                    bad = Int32(1)
+                    qm, jm = self.owner(vm, False, None)
+                    qbad = qm
+            for k in cutlass.range_constexpr(B):
+                if cutlass.const_expr(b0 + k < np_):
+                    if Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep) | Int32(
+                            Int32(Uint32(d1[k] >> Uint64(32))) != ep) != Int32(0):  # fmt: skip
+                        bad = Int32(1)
+                        q, j = self.owner(self.pair_pos(b0 + k, kp, lane, warp), False, None)
+                        qbad = q
+            if bad == Int32(0):
+                go = Int32(0)
+            elif stw != Uint32(layout.STATUS_OK):
+                go = Int32(0)
+            elif C.globaltimer() - start > timeout_ns:
+                self.record(status, Int32(layout.STATUS_TIMEOUT_ROUND1), t, ep, qbad)
+                go = Int32(0)
+        return mh, bad
 
     @cute.jit
     def fake_r1(self, words: cute.Tensor, hb: cute.Tensor, lane, warp):

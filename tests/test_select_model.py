@@ -352,3 +352,177 @@ def test_ord16_short_form_and_its_guard():
             mine_guard = (guard >> shift) & 0x8000
             assert np.array_equal(mine_guard != 0, special), (other, shift)
             assert np.array_equal(mine[~special], want[~special]), (other, shift)
+
+
+def test_swar_mask_is_the_per_token_compare():
+    """select.swar_mask (SWAR=1): pass 2's mask bits from a packed 11-bit compare of an ord16
+    pair equal the per-token rule o >= mthr, for every ord16 a valid bf16 or NaN / padding (0)
+    can have, in both halves, at every threshold the kernel uses (1, and b1 << 5 for b1 >= 3)."""
+    from jax_dsa_exchange.kernels.select import swar_mask  # noqa: F401  (the kernel's helper exists)
+
+    def swar(w, thr):  # w: uint32 pairs; the kernel's arithmetic, one of the four words (j = 0)
+        x = ((w >> 5) & 0x07FF07FF) | 0x08000800
+        y = (x - np.uint32(thr * 0x00010001)) & 0xFFFFFFFF
+        m = (y >> 11) & 0x00010001
+        return (m | (m >> 15)) & 0x3
+
+    o = reference.ord16(np.arange(65536, dtype=np.uint32).astype(np.uint16)).astype(np.uint32)
+    assert o[o != 0].min() >= 0x7F  # (why mthr = 1 may compare as a bin >= 1)
+    for mthr in [1] + [b << 5 for b in (3, 4, 5, 63, 64, 1023, 1024, 1025, 2046, 2047)]:
+        thr = max(mthr >> 5, 1)
+        for other in (0, 0x7F, (mthr - 1) & 0xFFFF, mthr, 0xFFFF):
+            if 0 < other < 0x7F:
+                continue  # (no bf16 has that ord16)
+            for shift in (0, 16):
+                w = (o << shift) | (np.uint32(other) << (16 - shift))
+                got = swar(w, thr)
+                lo = (w & 0xFFFF) >= mthr
+                hi = (w >> 16) >= mthr
+                assert np.array_equal(got, lo.astype(np.uint32) | (hi.astype(np.uint32) << 1)), (mthr, other, shift)
+
+
+def first_bin_warp_model(h1: np.ndarray, n: int):
+    """select.first_bin_warp (H1W=1) step by step: lane l sums 16 chunks of 4 bins from the
+    top of bins [2048 - 64 (l + 1), 2048 - 64 l), a warp scan, the crossing lane walks its
+    chunks, then the chunk's bins -> (b1, above, total) or None (fewer than n)."""
+    h = h1.astype(np.int64).copy()
+    h[0] = 0
+    lanes = []
+    for lane in range(32):
+        hbase = NB1 - 64 - 64 * lane
+        lanes.append([int(h[hbase + 60 - 4 * j: hbase + 64 - 4 * j].sum()) for j in range(16)])
+    tot = [sum(c) for c in lanes]
+    inc = np.cumsum(tot)
+    total = int(inc[-1])
+    for lane in range(32):
+        r = int(inc[lane] - tot[lane])
+        if r < n <= inc[lane]:
+            hbase = NB1 - 64 - 64 * lane
+            for j in range(16):
+                if r + lanes[lane][j] >= n:
+                    break
+                r += lanes[lane][j]
+            cb = hbase + 60 - 4 * j
+            for p in range(4):
+                x = int(h[cb + 3 - p])
+                if r + x >= n:
+                    return cb + 3 - p, r, total
+                r += x
+            raise AssertionError("no bin")
+    return None, None, total
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_first_bin_warp_model_is_the_scan(seed):
+    """first_bin_warp_model gives the block scan's boundary bin, count above it and total
+    (split_select_model's), on random, sparse, one-bin and bin-0-heavy histograms, n at and
+    around the edges of lanes and chunks."""
+    rng = np.random.default_rng(seed)
+    hs = [rng.poisson(4, NB1), np.bincount(rng.integers(0, NB1, 50), minlength=NB1),
+          np.zeros(NB1, np.int64), rng.integers(0, 3, NB1)]
+    hs[2][rng.integers(1, NB1)] = 900
+    hs[3][0] = 10**6  # invalid tokens: never counted
+    for h in hs:
+        g = h.astype(np.int64).copy()
+        g[0] = 0
+        total = int(g.sum())
+        ns = {1, 2, 7, 256, 512, 2048, total - 1, total, total + 1,
+              int(g[-64:].sum()), int(g[-64:].sum()) + 1, int(g[-4:].sum()) + 1}
+        for n in sorted(x for x in ns if x >= 1):
+            b1, above, tot = first_bin_warp_model(h, n)
+            assert tot == total
+            if total < n:
+                assert b1 is None
+                continue
+            from_top = np.cumsum(g[::-1])
+            i = int(np.searchsorted(from_top, n))
+            assert b1 == NB1 - 1 - i and above == int(from_top[i] - g[b1]), (n, b1, above)
+
+
+def own_stats_warp_model(h1: np.ndarray, nlo: int):
+    """select.own_stats_warp (H1W = 2): (valid count, nlo-th bin from the top or 0, top
+    non-empty bin or 0) by first_bin_warp_model's walk."""
+    b, _, total = first_bin_warp_model(h1, nlo)
+    top, _, _ = first_bin_warp_model(h1, 1)
+    return total, (b or 0), (top or 0)
+
+
+def first_bin_warp_cluster_model(hs: np.ndarray, me: int, n: int):
+    """select.first_bin_warp_cluster (H1W = 2) on the C histograms ``hs`` seen from CTA
+    ``me``: lo / hi from the CTAs' own stats, lane l sums group (hi >> 2) - l (>= lo >> 2) over
+    the CTAs -> (b1, above, own_above, total) or None where [lo, hi] spans > 32 groups (the
+    block scan runs there)."""
+    stats = [own_stats_warp_model(h, n) for h in hs]
+    total = sum(s[0] for s in stats)
+    lo = max(s[1] for s in stats)
+    hi = max(s[2] for s in stats)
+    if (hi >> 2) - (lo >> 2) >= 32:
+        return None
+    g = hs.astype(np.int64).sum(0)
+    own = hs[me].astype(np.int64).copy()
+    g[0] = own[0] = 0
+    rg = rl = 0
+    for lane in range(32):
+        grp = (hi >> 2) - lane
+        if grp < (lo >> 2) or grp < 0:
+            break
+        for p in range(4):
+            b = 4 * grp + 3 - p
+            if rg < n <= rg + g[b]:
+                return b, rg, rl, total
+            rg += int(g[b])
+            rl += int(own[b])
+    return None, None, None, total
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_h1w2_cluster_steps_are_the_block_scans(seed):
+    """own_stats_warp_model and first_bin_warp_cluster_model give what the kernel's block
+    scans give (the plain top-down counts over the summed histograms) for every C the bounded
+    path runs at, on random slices, slices of few tokens, slices with all their tokens in one
+    bin, and wide ranges (where the warp path must decline)."""
+    rng = np.random.default_rng(seed)
+    for csize in range(2, layout.PRODUCER_CLUSTER_MAX + 1):
+        for kind in ("normal", "few", "one-bin", "wide"):
+            if kind == "normal":
+                o = [reference.ord16(((rng.standard_normal(8192).astype(np.float32).view(np.uint32)) >> 16)
+                                     .astype(np.uint16)).astype(np.int64) for _ in range(csize)]
+            elif kind == "few":
+                o = [rng.integers(0x7F, 0x10000, int(rng.integers(0, 40))) for _ in range(csize)]
+            elif kind == "one-bin":
+                o = [np.full(3000, 0xC000 + 32 * c) for c in range(csize)]
+            else:
+                o = [np.concatenate([rng.integers(0x7F, 0x1000, 600), rng.integers(0xF000, 0x10000, 3)])
+                     for _ in range(csize)]
+            hs = np.array([np.bincount(x[x != 0] >> 5, minlength=NB1) for x in o])
+            for h in hs:
+                g = h.astype(np.int64).copy()
+                g[0] = 0
+                for nlo in (1, 64, 512, 2048):
+                    total, nth, top = own_stats_warp_model(h, nlo)
+                    assert total == int(g.sum())
+                    nz = np.flatnonzero(g)
+                    assert top == (int(nz.max()) if nz.size else 0)
+                    ft = np.cumsum(g[::-1])
+                    assert nth == (0 if total < nlo else NB1 - 1 - int(np.searchsorted(ft, nlo)))
+            g = hs.astype(np.int64).sum(0)
+            g[0] = 0
+            for n in (1, 64, 512, 2048):
+                for me in range(csize):
+                    got = first_bin_warp_cluster_model(hs, me, n)
+                    if kind in ("normal", "one-bin"):
+                        assert got is not None, (kind, n)  # the warp path serves these
+                    if kind == "wide" and n >= 64:
+                        assert got is None, n  # declined: the block scan runs
+                    if got is None:
+                        continue
+                    b1, above, own_above, total = got
+                    assert total == int(g.sum())
+                    if total < n:
+                        assert b1 is None
+                        continue
+                    ft = np.cumsum(g[::-1])
+                    i = int(np.searchsorted(ft, n))
+                    assert b1 == NB1 - 1 - i and above == int(ft[i] - g[b1])
+                    own = hs[me].astype(np.int64)
+                    assert own_above == int(own[b1 + 1:].sum())

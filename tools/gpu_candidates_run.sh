@@ -5,7 +5,8 @@
 # COMBO_M / COMBO_S (environment, at --build and at the run) to it: the GPU tests, memcheck and
 # racecheck then run with it (empty: the default); TEST_RESCUE_LIST=1 runs those checks on the
 # rescue-list kernels (Exchange.create(rescue_list=True)) instead; PROF_S=knobs (at --build and
-# at the run) adds select phase profiles, default against those knobs.
+# at the run) adds select phase profiles, default against those knobs (PROF_SHAPES="R,L ...": the
+# shapes, default "1,8192 1,131072 64,131072").
 #   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
 #       -> .cubins: the default and the combination COMBO_M + COMBO_S for every test configuration;
 #          each variant of tools/candidates_time.py for W=8 K=2048 N=512 (its rescue-list kind for
@@ -68,7 +69,7 @@ fi
 if [ -n "$PROF_S" ]; then  # (PROF_S=knobs, built with --build too: select phase profiles, default vs those)
   echo "== phase profiles (select): default, $PROF_S"
   for t in "" "$PROF_S"; do
-    timeout 90 python3 tools/phase_profile.py --only select ${t:+--select-tune $t} --shapes 1,8192 1,131072 64,131072 >> "$OUT/prof_select.log" 2>&1
+    timeout 90 python3 tools/phase_profile.py --only select ${t:+--select-tune $t} --shapes ${PROF_SHAPES:-1,8192 1,131072 64,131072} >> "$OUT/prof_select.log" 2>&1
     timeout 60 python3 tools/phase_profile.py --only select ${t:+--select-tune $t} --pattern recent --shapes 1,131072 >> "$OUT/prof_select.log" 2>&1
   done
   grep -E "^== |walk|scan|push" "$OUT/prof_select.log" | grep -v "CTA [1-7] " | cut -c1-110 | head -80

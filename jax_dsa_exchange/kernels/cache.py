@@ -167,12 +167,12 @@ MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus",
 
 def tune_exact() -> bool:
     """False when the tune strings select a timing-only build: ``JAX_DSA_EXCHANGE_SELECT_TUNE``
-    with ``skip=...`` (select.SKIP leaves a stage out) or ``prof=1`` (phase marks over row 0's
-    logits) or ``JAX_DSA_EXCHANGE_MERGE_TUNE``
+    with ``skip=...`` (select.SKIP leaves a stage out), ``prof=1`` (phase marks over row 0's
+    logits) or ``rep=2`` (the select run twice) or ``JAX_DSA_EXCHANGE_MERGE_TUNE``
     with any knob of merge.TIMING_ONLY on (all but MERGE_EXACT_KNOBS): the outputs are
     wrong; the GPU tests and ``Exchange`` refuse those builds."""
     tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")
-    if any(kv.split("=")[0].strip() in ("skip", "prof") and kv.split("=", 1)[1].strip() not in ("", "0")
+    if any(kv.split("=")[0].strip() in ("skip", "prof", "rep") and kv.split("=", 1)[1].strip() not in ("", "0")
            for kv in tune.split(",") if "=" in kv):  # fmt: skip
         return False
     mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")

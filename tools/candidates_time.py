@@ -28,7 +28,7 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 VARIANTS = [
     ("default", "", "", "mp"),  # b1w=1 (seventeenth session), cnt2=1, flat=2, r2roll=1, r2all=1
     # twenty-third session, exact, measured and removed (no gain): h1w=1, h1w=2, swar=1 (commit
-    # 3c0ffee); timing only: skip=push / pass2 / compact / hist1+pass2+dsmem+compact+push, and
+    # b631992); timing only: skip=push / pass2 / compact / hist1+pass2+dsmem+compact+push, and
     # skip=select+push (the floor), each "p"
     ("rep2", "", "rep=2", "p"),  # timing only: the select twice in one launch (the second warm)
     ("default#2", "", "", "p"),

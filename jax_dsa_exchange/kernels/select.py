@@ -160,18 +160,10 @@ CNT2 = 1
 # barrier instead of three; select_push only, the merge's select is not clustered); "b1w=0":
 # the general step (seventeenth session: -0.1..-0.2 us at C = 1)
 B1W = 1
-# H1W (exact; "h1w=0" the block scan): a one-CTA select (C = 1, and the merge's rescue select)
-# finds the first histogram's boundary bin in warp 0 alone (each lane 64 bins, one warp scan,
-# the crossing lane walks its chunk sums): 2 block barriers fewer on that phase; "h1w=2" also
-# a bounded cluster's (C >= BOUNDED_MIN) own counts before the first cluster barrier and, where
-# its bins [lo, hi] span <= 32 groups of 4, the cluster's boundary bin after it
-H1W = 0
-# SWAR (exact; "swar=0" per token): pass 2's mask bits two tokens at a time, by a packed
-# 11-bit compare of an ord16 pair against the bin threshold (shift, mask, subtract, mask)
-SWAR = 0
-# "rep=2", timing only: select_push runs its select twice (the second from warm instruction
-# caches, L2 and shared memory layout; with prof=1 the marks are the second's): what the chain
-# costs once its code is resident
+# "rep=2", timing only: select_push runs its select twice (the second with its code, its
+# inputs and the launch's first loads resident; with prof=1 the marks are the second's): what
+# the chain costs once nothing is cold (twenty-third session: at R = 1, L = 8K every phase
+# after the first costs what it costs cold)
 REP = 1
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
@@ -191,7 +183,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
                "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "h1w": "H1W", "swar": "SWAR", "rep": "REP"}[_k]] = int(_v)  # fmt: skip
+               "rep": "REP"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
@@ -1025,283 +1017,6 @@ def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid)
 
 
 @cute.jit
-def swar_mask(xs: cute.Tensor, off: cutlass.Constexpr, thr2: Uint32) -> Int32:
-    """Pass 2's 8 mask bits of the ord16 pairs xs[off : off + 4] (bit k: token k's o >> 5 >=
-    t, thr2 = t * 0x10001, 1 <= t < 2**11): per pair, both 11-bit bins with a guard bit set,
-    minus t in each half (no borrow crosses a half: each stays >= 1), the guard bits left
-    where o >> 5 >= t (bits 11 and 27), moved to bits 2j and 2j + 16, then folded."""
-    m = Uint32(0)
-    for j in cutlass.range_constexpr(4):
-        x = ((Uint32(xs[off + j]) >> Uint32(5)) & Uint32(0x07FF07FF)) | Uint32(0x08000800)
-        y = x - thr2
-        m = m | ((y >> Uint32(11 - 2 * j)) & Uint32(0x00010001 << (2 * j)))
-    return Int32((m | (m >> Uint32(15))) & Uint32(0xFF))
-
-
-@cute.jit
-def own_stats_warp(nlo: cutlass.Constexpr, h1_a: Int32, pub: cute.Tensor, lane, warp):
-    """(H1W = 2) what a bounded cluster's CTA publishes before the first cluster barrier, by
-    warp 0 alone: pub[4] = its valid count, pub[5] = its nlo-th bin from the top (0: fewer),
-    pub[6] = its top non-empty bin (0: none); first_bin_warp's chunk sums."""
-    if warp == Int32(0):
-        hbase = Int32(NB1 - 64) - lane * Int32(64)
-        cs = cute.make_rmem_tensor((16,), Int32)
-        tot = Int32(0)
-        for j in cutlass.range_constexpr(16):
-            a, b, c, d = ld_smem_v4(h1_a + (hbase + Int32(60 - 4 * j)) * Int32(4))
-            if cutlass.const_expr(j == 15):
-                if lane == Int32(31):
-                    a = Int32(0)  # bin 0
-            cs[j] = a + b + c + d
-            tot = tot + cs[j]
-        inc = C.warp_incl_scan(tot, lane)
-        total = cute.arch.shuffle_sync(inc, Int32(31))
-        r = inc - tot
-        nth = Int32(0)
-        top = Int32(0)
-        # the first non-empty lane (its count reaches 1) gives the top bin, the lane where the
-        # count reaches nlo the nlo-th
-        for q in cutlass.range_constexpr(2):
-            want = 1 if q == 0 else nlo
-            if r < Int32(want) and inc >= Int32(want):
-                rr = r
-                jj = Int32(0)
-                rj = Int32(0)
-                hit = Int32(0)
-                for j in cutlass.range_constexpr(16):
-                    if hit == Int32(0) and rr + cs[j] >= Int32(want):
-                        jj = Int32(j)
-                        rj = rr
-                        hit = Int32(1)
-                    rr = rr + cs[j]
-                cb = hbase + Int32(60) - Int32(4) * jj
-                a, b, c, d = ld_smem_v4(h1_a + cb * Int32(4))
-                if cb == Int32(0):
-                    a = Int32(0)
-                xv = (d, c, b, a)
-                hit = Int32(0)
-                for p in cutlass.range_constexpr(4):
-                    if hit == Int32(0) and rj + xv[p] >= Int32(want):
-                        if cutlass.const_expr(q == 0):
-                            top = cb + Int32(3 - p)
-                        else:
-                            nth = cb + Int32(3 - p)
-                        hit = Int32(1)
-                    rj = rj + xv[p]
-        nth = cute.arch.warp_redux_sync(nth, "max")
-        top = cute.arch.warp_redux_sync(top, "max")
-        if lane == Int32(0):
-            pub[4] = total
-            pub[5] = nth
-            pub[6] = top
-
-
-@cute.jit
-def cluster_range(pub_a: Int32, csize: Int32, lane):
-    """(lo, hi, valid count) of a bounded cluster from its CTAs' pub[4..6] (DSMEM: lane r < C
-    reads CTA r's), as first_bin_block computes them; every warp."""
-    pt = Int32(0)
-    pl = Int32(0)
-    ph = Int32(0)
-    pz = Int32(0)
-    if lane < csize:
-        pt, pl, ph, pz = ld_dsmem_v4(mapa(pub_a + Int32(16), lane))
-    return (cute.arch.warp_redux_sync(pl, "max"), cute.arch.warp_redux_sync(ph, "max"),
-            cute.arch.warp_redux_sync(pt, "add"))  # fmt: skip
-
-
-@cute.jit
-def first_bin_warp_cluster(n: cutlass.Constexpr, n2: cutlass.Constexpr, dual: cutlass.Constexpr,
-                           h1_a: Int32, scal: cute.Tensor, pub: cute.Tensor, lo: Int32, hi: Int32,
-                           cl_total: Int32, csize: Int32, lane, warp):
-    """first_bin_block's results for a bounded cluster whose bins [lo, hi] lie in at most 32
-    groups of 4 (H1W = 2), by warp 0 alone: lane l sums group (hi >> 2) - l over the C CTAs
-    (DSMEM, all in flight) and its own, two warp scans, the crossing lane walks its 4 bins.
-    The boundary bin is >= lo and every bin above hi is empty in every CTA, so the counts
-    above it are the block scan's.  Ends with a block barrier."""
-    if warp == Int32(0):
-        g = (hi >> Int32(2)) - lane
-        xs = cute.make_rmem_tensor((4,), Int32)
-        ys = cute.make_rmem_tensor((4,), Int32)
-        for k in cutlass.range_constexpr(4):
-            xs[k] = Int32(0)
-            ys[k] = Int32(0)
-        if g >= (lo >> Int32(2)) and g >= Int32(0):
-            for r in cutlass.range_constexpr(CLUSTER_MAX):
-                if Int32(r) < csize:
-                    a, b, c, d = ld_dsmem_v4(mapa(h1_a + g * Int32(16), Int32(r)))
-                    xs[0] = xs[0] + a
-                    xs[1] = xs[1] + b
-                    xs[2] = xs[2] + c
-                    xs[3] = xs[3] + d
-            a, b, c, d = ld_smem_v4(h1_a + g * Int32(16))
-            ys[0] = a
-            ys[1] = b
-            ys[2] = c
-            ys[3] = d
-            if g == Int32(0):
-                xs[0] = Int32(0)  # bin 0
-                ys[0] = Int32(0)
-        sg = xs[0] + xs[1] + xs[2] + xs[3]
-        sl = ys[0] + ys[1] + ys[2] + ys[3]
-        ig = C.warp_incl_scan(sg, lane)
-        il = C.warp_incl_scan(sl, lane)
-        for q in cutlass.range_constexpr(1 + int(dual)):
-            m = n2 if q == 0 and dual else n
-            ko = _K if q == 0 and dual else 0
-            rg = ig - sg
-            rl = il - sl
-            if rg < Int32(m) and ig >= Int32(m):
-                hit = Int32(0)
-                for p in cutlass.range_constexpr(4):
-                    if hit == Int32(0) and rg + xs[3 - p] >= Int32(m):
-                        scal[ko + _B1] = g * Int32(4) + Int32(3 - p)
-                        scal[ko + _ABOVE1] = rg
-                        scal[ko + _OWN_ABOVE1] = rl
-                        hit = Int32(1)
-                    rg = rg + xs[3 - p]
-                    rl = rl + ys[3 - p]
-        if lane == Int32(0):
-            scal[_TOTAL] = cl_total
-            pub[1] = pub[4]  # (this CTA's valid count, published before the barrier)
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def first_bin_block(n: cutlass.Constexpr, n2: cutlass.Constexpr, dual: cutlass.Constexpr,
-                    bounded: cutlass.Constexpr, clustered: cutlass.Constexpr, hist1: cute.Tensor,
-                    scal: cute.Tensor, pub: cute.Tensor, wt: cute.Tensor, h1_a: Int32, pub_a: Int32,
-                    hb: Int32, csize: Int32, tid, lane, warp):
-    """The cluster's first histogram (its bins [lo, hi] only when ``bounded`` and C >=
-    BOUNDED_MIN) and its boundary bin by a block scan: scal[_B1], _ABOVE1, _OWN_ABOVE1 (and
-    n2's at + _K), scal[_TOTAL], pub[1]; ends with a block barrier."""
-    lc = cute.make_rmem_tensor((BPT,), Int32)
-    gc = cute.make_rmem_tensor((BPT,), Int32)
-    # ---- the cluster's first histogram; boundary bin b1
-    for p in cutlass.range_constexpr(BPT):
-        lc[p] = hist1[hb + Int32(p)]
-        gc[p] = Int32(0)
-    if cutlass.const_expr("hist1" not in SKIP):
-        if tid == Int32(TB - 1):
-            lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-    cl_total = Int32(-1)  # the cluster's valid count when bounded (else the scan's)
-    if cutlass.const_expr(bounded):
-        if csize >= Int32(BOUNDED_MIN):
-            # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
-            pt = Int32(0)
-            pl = Int32(0)
-            ph = Int32(0)
-            pz = Int32(0)
-            if lane < csize:
-                pt, pl, ph, pz = ld_dsmem_v4(mapa(pub_a + Int32(16), lane))
-            cl_total = cute.arch.warp_redux_sync(pt, "add")
-            lo = cute.arch.warp_redux_sync(pl, "max")
-            hi = cute.arch.warp_redux_sync(ph, "max")
-            if hb + Int32(BPT - 1) >= lo and hb <= hi:
-                sum_cluster_bins(h1_a, hb, csize, gc)
-        elif one_cta(csize) != Int32(0):
-            for p in cutlass.range_constexpr(BPT):
-                gc[p] = lc[p]
-        else:
-            sum_cluster_bins(h1_a, hb, csize, gc)  # every bin
-    elif cutlass.const_expr(clustered and "dsmem" not in SKIP):
-        # (a timing-only build without the first histogram: every bin summed)
-        sum_cluster_bins(h1_a, hb, csize, gc)
-    else:
-        for p in cutlass.range_constexpr(BPT):
-            gc[p] = lc[p]
-    if cutlass.const_expr("hist1" not in SKIP):
-        if tid == Int32(TB - 1):
-            gc[0] = Int32(0)
-    sg = gc[0] + gc[1] + gc[2] + gc[3]
-    sl = lc[0] + lc[1] + lc[2] + lc[3]
-    ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
-    if cl_total >= Int32(0):
-        tg = cl_total  # (the scan summed only the bins in [lo, hi])
-    if cutlass.const_expr(dual):
-        rgk = ig - sg
-        rlk = il - sl
-        if rgk < Int32(n2) and ig >= Int32(n2):
-            for p in cutlass.range_constexpr(BPT):
-                c = gc[BPT - 1 - p]
-                if c > Int32(0) and rgk < Int32(n2) and rgk + c >= Int32(n2):
-                    scal[_K + _B1] = hb + Int32(BPT - 1 - p)
-                    scal[_K + _ABOVE1] = rgk
-                    scal[_K + _OWN_ABOVE1] = rlk
-                rgk = rgk + c
-                rlk = rlk + lc[BPT - 1 - p]
-    rg = ig - sg
-    rl = il - sl
-    if rg < Int32(n) and ig >= Int32(n):
-        for p in cutlass.range_constexpr(BPT):
-            c = gc[BPT - 1 - p]
-            if c > Int32(0) and rg < Int32(n) and rg + c >= Int32(n):
-                scal[_B1] = hb + Int32(BPT - 1 - p)
-                scal[_ABOVE1] = rg
-                scal[_OWN_ABOVE1] = rl
-            rg = rg + c
-            rl = rl + lc[BPT - 1 - p]
-    if tid == Int32(0):
-        scal[_TOTAL] = tg
-        pub[1] = tl
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def first_bin_warp(n: cutlass.Constexpr, n2: cutlass.Constexpr, dual: cutlass.Constexpr, h1_a: Int32,
-                   scal: cute.Tensor, pub: cute.Tensor, lane, warp):
-    """first_bin_block's results for a one-CTA select, by warp 0 alone (H1W): lane l sums
-    bins [NB1 - 64 (l + 1), NB1 - 64 l) in 16 chunks of 4 (16-byte loads, all in flight), one
-    warp scan ranks the lanes from the top, and the lane where the count reaches n walks its
-    chunk sums, then that chunk's 4 bins.  Bin 0 (the invalid tokens) is dropped.  Ends with
-    a block barrier (the other warps wait there)."""
-    if warp == Int32(0):
-        hbase = Int32(NB1 - 64) - lane * Int32(64)
-        cs = cute.make_rmem_tensor((16,), Int32)
-        tot = Int32(0)
-        for j in cutlass.range_constexpr(16):  # chunk j: bins hbase + 60 - 4j .. + 3 (from the top)
-            a, b, c, d = ld_smem_v4(h1_a + (hbase + Int32(60 - 4 * j)) * Int32(4))
-            if cutlass.const_expr(j == 15):
-                if lane == Int32(31):
-                    a = Int32(0)  # bin 0
-            cs[j] = a + b + c + d
-            tot = tot + cs[j]
-        inc = C.warp_incl_scan(tot, lane)  # valid tokens in bins >= hbase
-        total = cute.arch.shuffle_sync(inc, Int32(31))
-        for q in cutlass.range_constexpr(1 + int(dual)):
-            m = n2 if q == 0 and dual else n
-            ko = _K if q == 0 and dual else 0
-            r = inc - tot  # above this lane's bins
-            if r < Int32(m) and inc >= Int32(m):
-                jj = Int32(0)
-                rj = Int32(0)
-                hit = Int32(0)
-                for j in cutlass.range_constexpr(16):
-                    if hit == Int32(0) and r + cs[j] >= Int32(m):
-                        jj = Int32(j)
-                        rj = r
-                        hit = Int32(1)
-                    r = r + cs[j]
-                cb = hbase + Int32(60) - Int32(4) * jj
-                a, b, c, d = ld_smem_v4(h1_a + cb * Int32(4))
-                if cb == Int32(0):
-                    a = Int32(0)  # bin 0
-                xv = (d, c, b, a)
-                hit = Int32(0)
-                for p in cutlass.range_constexpr(4):
-                    if hit == Int32(0) and rj + xv[p] >= Int32(m):
-                        scal[ko + _B1] = cb + Int32(3 - p)
-                        scal[ko + _ABOVE1] = rj
-                        scal[ko + _OWN_ABOVE1] = rj
-                        hit = Int32(1)
-                    rj = rj + xv[p]
-        if lane == Int32(0):
-            scal[_TOTAL] = total
-            pub[1] = total
-    cute.arch.sync_threads()
-
-
-@cute.jit
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
                cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
@@ -1470,68 +1185,110 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             # Each CTA publishes [own valid count, own n-th bin (0: fewer than n), own top
             # bin (0: none)] in pub[4..6] before the first cluster barrier.
             cute.arch.sync_threads()  # hist1 complete
-            if cutlass.const_expr(H1W >= 2):
-                own_stats_warp(nlo, h1_a, pub, lane, warp)
-            else:
+            for p in cutlass.range_constexpr(BPT):
+                lc[p] = hist1[hb + Int32(p)]
+            if tid == Int32(TB - 1):
+                lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+            sl0 = lc[0] + lc[1] + lc[2] + lc[3]
+            inc0 = C.warp_incl_scan(sl0, lane)
+            if lane == Int32(31):
+                wt[warp] = inc0
+            cute.arch.sync_threads()
+            tl0 = Int32(0)
+            for w in cutlass.range_constexpr(NWARPS):
+                x0 = wt[w]
+                if Int32(w) < warp:
+                    inc0 = inc0 + x0
+                tl0 = tl0 + x0
+            r0 = inc0 - sl0  # own scores in bins above this thread's
+            if r0 < Int32(nlo) and inc0 >= Int32(nlo):
                 for p in cutlass.range_constexpr(BPT):
-                    lc[p] = hist1[hb + Int32(p)]
-                if tid == Int32(TB - 1):
-                    lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-                sl0 = lc[0] + lc[1] + lc[2] + lc[3]
-                inc0 = C.warp_incl_scan(sl0, lane)
-                if lane == Int32(31):
-                    wt[warp] = inc0
-                cute.arch.sync_threads()
-                tl0 = Int32(0)
-                for w in cutlass.range_constexpr(NWARPS):
-                    x0 = wt[w]
-                    if Int32(w) < warp:
-                        inc0 = inc0 + x0
-                    tl0 = tl0 + x0
-                r0 = inc0 - sl0  # own scores in bins above this thread's
-                if r0 < Int32(nlo) and inc0 >= Int32(nlo):
-                    for p in cutlass.range_constexpr(BPT):
-                        c0 = lc[BPT - 1 - p]
-                        if c0 > Int32(0) and r0 < Int32(nlo) and r0 + c0 >= Int32(nlo):
-                            pub[5] = hb + Int32(BPT - 1 - p)
-                        r0 = r0 + c0
-                if sl0 > Int32(0) and inc0 == sl0:
-                    top = hb
-                    for p in cutlass.range_constexpr(1, BPT):
-                        if lc[p] > Int32(0):
-                            top = hb + Int32(p)
-                    pub[6] = top
-                if tid == Int32(0):
-                    pub[4] = tl0
-                    if tl0 < Int32(nlo):
-                        pub[5] = Int32(0)
-                    if tl0 == Int32(0):
-                        pub[6] = Int32(0)
+                    c0 = lc[BPT - 1 - p]
+                    if c0 > Int32(0) and r0 < Int32(nlo) and r0 + c0 >= Int32(nlo):
+                        pub[5] = hb + Int32(BPT - 1 - p)
+                    r0 = r0 + c0
+            if sl0 > Int32(0) and inc0 == sl0:
+                top = hb
+                for p in cutlass.range_constexpr(1, BPT):
+                    if lc[p] > Int32(0):
+                        top = hb + Int32(p)
+                pub[6] = top
+            if tid == Int32(0):
+                pub[4] = tl0
+                if tl0 < Int32(nlo):
+                    pub[5] = Int32(0)
+                if tl0 == Int32(0):
+                    pub[6] = Int32(0)
     csync_n(clustered, csize)
     mk(3)
-    if cutlass.const_expr(H1W and "hist1" not in SKIP):
-        solo = Int32(1)  # (not clustered: the merge's rescue select, one CTA)
-        if cutlass.const_expr(clustered):
-            solo = one_cta(csize)
-        narrow = Int32(0)  # (H1W = 2) a bounded cluster whose [lo, hi] spans <= 32 groups of 4 bins
-        lo = Int32(0)
-        hi = Int32(0)
-        cl_total = Int32(0)
-        if cutlass.const_expr(H1W >= 2 and bounded):
-            if solo == Int32(0) and csize >= Int32(BOUNDED_MIN):
-                lo, hi, cl_total = cluster_range(pub_a, csize, lane)
-                if (hi >> Int32(2)) - (lo >> Int32(2)) < Int32(32):
-                    narrow = Int32(1)
-        if solo != Int32(0):
-            first_bin_warp(n, n2, dual, h1_a, scal, pub, lane, warp)
-        elif narrow != Int32(0):
-            first_bin_warp_cluster(n, n2, dual, h1_a, scal, pub, lo, hi, cl_total, csize, lane, warp)
+    # ---- the cluster's first histogram; boundary bin b1
+    for p in cutlass.range_constexpr(BPT):
+        lc[p] = hist1[hb + Int32(p)]
+        gc[p] = Int32(0)
+    if cutlass.const_expr("hist1" not in SKIP):
+        if tid == Int32(TB - 1):
+            lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+    cl_total = Int32(-1)  # the cluster's valid count when bounded (else the scan's)
+    if cutlass.const_expr(bounded):
+        if csize >= Int32(BOUNDED_MIN):
+            # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
+            pt = Int32(0)
+            pl = Int32(0)
+            ph = Int32(0)
+            pz = Int32(0)
+            if lane < csize:
+                pt, pl, ph, pz = ld_dsmem_v4(mapa(pub_a + Int32(16), lane))
+            cl_total = cute.arch.warp_redux_sync(pt, "add")
+            lo = cute.arch.warp_redux_sync(pl, "max")
+            hi = cute.arch.warp_redux_sync(ph, "max")
+            if hb + Int32(BPT - 1) >= lo and hb <= hi:
+                sum_cluster_bins(h1_a, hb, csize, gc)
+        elif one_cta(csize) != Int32(0):
+            for p in cutlass.range_constexpr(BPT):
+                gc[p] = lc[p]
         else:
-            first_bin_block(n, n2, dual, bounded, clustered, hist1, scal, pub, wt, h1_a, pub_a, hb,
-                            csize, tid, lane, warp)  # fmt: skip
+            sum_cluster_bins(h1_a, hb, csize, gc)  # every bin
+    elif cutlass.const_expr(clustered and "dsmem" not in SKIP):
+        # (a timing-only build without the first histogram: every bin summed)
+        sum_cluster_bins(h1_a, hb, csize, gc)
     else:
-        first_bin_block(n, n2, dual, bounded, clustered, hist1, scal, pub, wt, h1_a, pub_a, hb, csize,
-                        tid, lane, warp)  # fmt: skip
+        for p in cutlass.range_constexpr(BPT):
+            gc[p] = lc[p]
+    if cutlass.const_expr("hist1" not in SKIP):
+        if tid == Int32(TB - 1):
+            gc[0] = Int32(0)
+    sg = gc[0] + gc[1] + gc[2] + gc[3]
+    sl = lc[0] + lc[1] + lc[2] + lc[3]
+    ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
+    if cl_total >= Int32(0):
+        tg = cl_total  # (the scan summed only the bins in [lo, hi])
+    if cutlass.const_expr(dual):
+        rgk = ig - sg
+        rlk = il - sl
+        if rgk < Int32(n2) and ig >= Int32(n2):
+            for p in cutlass.range_constexpr(BPT):
+                c = gc[BPT - 1 - p]
+                if c > Int32(0) and rgk < Int32(n2) and rgk + c >= Int32(n2):
+                    scal[_K + _B1] = hb + Int32(BPT - 1 - p)
+                    scal[_K + _ABOVE1] = rgk
+                    scal[_K + _OWN_ABOVE1] = rlk
+                rgk = rgk + c
+                rlk = rlk + lc[BPT - 1 - p]
+    rg = ig - sg
+    rl = il - sl
+    if rg < Int32(n) and ig >= Int32(n):
+        for p in cutlass.range_constexpr(BPT):
+            c = gc[BPT - 1 - p]
+            if c > Int32(0) and rg < Int32(n) and rg + c >= Int32(n):
+                scal[_B1] = hb + Int32(BPT - 1 - p)
+                scal[_ABOVE1] = rg
+                scal[_OWN_ABOVE1] = rl
+            rg = rg + c
+            rl = rl + lc[BPT - 1 - p]
+    if tid == Int32(0):
+        scal[_TOTAL] = tg
+        pub[1] = tl
+    cute.arch.sync_threads()
     mk(4)
     total = scal[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
     b1 = scal[_B1]
@@ -1566,36 +1323,28 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         # over stale shared memory and past the slice)
         for i in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
             mask[i] = Int32(0)
-    thr2 = Uint32(0)
-    if cutlass.const_expr(SWAR):
-        # (mthr is 1 or a bin's first score, b1 << 5 with b1 >= 3: o >= mthr <=> o >> 5 >=
-        # max(mthr >> 5, 1), since every valid ord16 is >= 0x7F and an invalid one is 0)
-        thr2 = cutlass.max(mthr >> Uint32(5), Uint32(1)) * Uint32(0x00010001)
     if total > Int32(0):
         if cutlass.const_expr("pass2" not in SKIP):
             for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
                 get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
                 for u in cutlass.range_constexpr(vpr):
                     mb = Int32(0)
-                    if cutlass.const_expr(SWAR):
-                        mb = swar_mask(xs, 4 * u, thr2)
-                    else:
-                        for k in cutlass.range_constexpr(8):
-                            o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                            if o >= mthr:
-                                mb = mb | Int32(1 << k)
+                    for k in cutlass.range_constexpr(8):
+                        o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                        if o >= mthr:
+                            mb = mb | Int32(1 << k)
                     # a slice re-read from global memory counts bin b1 here (its tokens are in
                     # registers now), and so does a big one (LIST); a kept one walks the
                     # mask's set bits below instead
                     if (keep == Int32(0) or big != Int32(0)) and mb != Int32(0):
                         for k in cutlass.range_constexpr(8):
-                            oh = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                            o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                             # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
-                            red_smem_inc_if(h2_a + Int32(oh & Uint32(NB2 - 1)) * Int32(4),
-                                            Int32(oh >> Uint32(16 - B1)), b1c)  # fmt: skip
+                            red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                            Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
                             if cutlass.const_expr(dual):
-                                red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(oh & Uint32(NB2 - 1)) * Int32(4),
-                                                Int32(oh >> Uint32(16 - B1)), b1kc)  # fmt: skip
+                                red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                                Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
                     vi = base + tid + Int32(u * TB)
                     if vi < nvec4:
                         st_smem_u8(mask_a + vi, mb)

@@ -67,7 +67,7 @@ def test_timing_only_builds_are_not_exact(monkeypatch):
                             ("", "r2roll=0", True), ("", "r2roll=2", True), ("", "r2all=0", True), ("", "r2all=1", True),
                             ("", "r2radix=1,prof=1", False),
                             ("cid=0,one=0", "", True), ("cid=0,skip=push", "", False),
-                            ("", "epijump=1,norescue=1", False)]:
+                            ("", "epijump=1,norescue=1", False), ("rep=2", "", False), ("rep=1", "", True)]:
         monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", sel)
         monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", mer)
         assert cache.tune_exact() is exact, (sel, mer)

@@ -366,6 +366,9 @@ def test_select_tune_variants(tmp_path):
     r = ptx("skip=pass2+push")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "st.volatile.global.v2.u64" not in r.stdout  # no push
+    r = ptx("rep=2")  # (timing only) the select twice: its bulk copies issued from two places
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("cp.async.bulk.shared::cluster.global") == 2 * sp.count("cp.async.bulk.shared::cluster.global") > 0
     # CID (on by default; cid=0 the old way): the row from %clusterid.x, the slice length by
     # an unsigned division: two signed divisions fewer on the path to the first loads
     r = ptx("cid=0")

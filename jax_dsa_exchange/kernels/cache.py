@@ -172,7 +172,8 @@ def tune_exact() -> bool:
     with any knob of merge.TIMING_ONLY on (all but MERGE_EXACT_KNOBS): the outputs are
     wrong; the GPU tests and ``Exchange`` refuse those builds."""
     tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")
-    if any(kv.split("=")[0].strip() in ("skip", "prof", "rep") and kv.split("=", 1)[1].strip() not in ("", "0")
+    off = {"skip": ("", "0"), "prof": ("", "0"), "rep": ("", "0", "1")}  # (rep=1: the select once)
+    if any(kv.split("=")[0].strip() in off and kv.split("=", 1)[1].strip() not in off[kv.split("=")[0].strip()]
            for kv in tune.split(",") if "=" in kv):  # fmt: skip
         return False
     mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")

@@ -136,24 +136,21 @@ class SelectPush:
         k_out = None
         if cutlass.const_expr(self.n2 > 0):
             k_out = C.state_klist(epoch, max_rows, t, layout.row_words(self.n2))
+        select = functools.partial(
+            S.select_row, logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(),
+            tid, lane, warp, csize, me, True, True, cache_tokens,
+            early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own, n2=self.n2,
+            k_out=k_out)  # fmt: skip
         if cutlass.const_expr("select" not in S.SKIP and S.REP > 1):  # rep=2: timing only
             for _r in cutlass.range_constexpr(S.REP - 1):
-                S.select_row(
-                    logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(), tid,
-                    lane, warp, csize, me, True, True, cache_tokens,
-                    early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own,
-                    n2=self.n2, k_out=k_out)  # fmt: skip
+                select()
                 if cutlass.const_expr(own):
                     if S.one_cta(csize) == Int32(0):
                         S.cluster_wait()
                 S.cluster_sync()  # (no CTA still in the first select when another starts the next)
                 mk(0)
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
-            p0, p1, p_end, writer = S.select_row(
-                logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(), tid,
-                lane, warp, csize, me, True, True, cache_tokens, mk=mk,
-                early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own,
-                n2=self.n2, k_out=k_out)  # fmt: skip
+            p0, p1, p_end, writer = select(mk=mk)
         else:
             store_peers(psm, pv, tid, self.world)
             cute.arch.sync_threads()  # psm is read by other threads of the CTA

@@ -52,6 +52,7 @@ SOURCE_FILES = (
     _HERE / "abi.py",
     _HERE / "common.py",
     _HERE / "select.py",
+    _HERE / "lean.py",
     _HERE / "select_push.py",
     _HERE / "merge.py",
     _HERE.parent / "layout.py",

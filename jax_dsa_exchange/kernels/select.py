@@ -165,6 +165,11 @@ B1W = 1
 # the chain costs once nothing is cold (twenty-third session: at R = 1, L = 8K every phase
 # after the first costs what it costs cold)
 REP = 1
+# LEAN (exact; "lean=0" select_row alone): select_push takes a slice of at most
+# lean.SLICE_MAX tokens (16 KB of ord16 over the CTA's registers) through lean.select_row_lean
+# (twenty-fourth session: fewer phases, no mask walks); longer slices, the rescue list's
+# second count and the merge's rescue keep select_row
+LEAN = 0
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -183,7 +188,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
                "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "rep": "REP"}[_k]] = int(_v)  # fmt: skip
+               "rep": "REP", "lean": "LEAN"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:

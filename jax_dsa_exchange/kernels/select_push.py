@@ -25,6 +25,7 @@ from cutlass import Int32, Int64, Uint32, Uint64
 from .. import layout
 from . import abi
 from . import common as C
+from . import lean as LS
 from . import select as S
 
 ABI = abi.SELECT_PUSH
@@ -150,7 +151,18 @@ class SelectPush:
                 S.cluster_sync()  # (no CTA still in the first select when another starts the next)
                 mk(0)
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
-            p0, p1, p_end, writer = select(mk=mk)
+            if cutlass.const_expr(S.LEAN and own and self.n2 == 0 and S.REP == 1 and not S.SKIP):
+                lean = functools.partial(
+                    LS.select_row_lean, logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw,
+                    sm.parts(), tid, lane, warp, csize, me, mk=mk,
+                    early=functools.partial(store_peers, psm, pv, tid, self.world))  # fmt: skip
+                # (uniform over the cluster: every CTA of it takes the same select)
+                if LS.thread_len(LS.slice_len(end, csize)) <= Int32(LS.TMAX):
+                    p0, p1, p_end, writer = lean()
+                else:
+                    p0, p1, p_end, writer = select(mk=mk)
+            else:
+                p0, p1, p_end, writer = select(mk=mk)
         else:
             store_peers(psm, pv, tid, self.world)
             cute.arch.sync_threads()  # psm is read by other threads of the CTA

@@ -1,0 +1,374 @@
+"""The lean select (``select.LEAN``): a CTA's slice of at most ``TB * TMAX`` tokens held in
+registers, each thread a contiguous run of tokens, for select_push (docs/DESIGN.md §4 on one
+rank).  Same inputs, outputs and cluster protocol as ``select.select_row(..., own_part=True)``
+(the packed row's positions of this CTA's slice in its own row buffer, a relaxed cluster
+arrival, the caller's wait before exit), with fewer phases:
+
+1. every thread issues its 16-byte loads (its ``ch`` tokens, ``ch`` = the slice over TB
+   threads rounded up to 8) before anything waits on them; the counters are zeroed meanwhile;
+2. **pass 1** from registers: ord16, the 11-bit histogram, and per warp the top ord16 and
+   the valid count (one shared ``red`` each per warp); the tokens' ord16 are also kept in
+   shared memory at their slice position (the sparse walks below read them back);
+3. one **cluster barrier**; warp 0 scans the cluster's histogram *from its top bin down* in
+   windows of 32 bins (a lane a bin, every CTA's count by DSMEM in flight at once), usually
+   one window: no block scan, no pass over 2048 bins; one block barrier;
+4. **pass 2** from registers: a bit per token (score bin >= the boundary bin b1) in a
+   per-thread mask word, and the 32-bin second histogram of the bin-b1 tokens;
+5. one **cluster barrier**; warp 0 finds the boundary score v, need_eq and the counts of the
+   CTAs before this one and of this one; one block barrier;
+6. the compaction: each thread walks the set bits of its mask word (its candidates, in index
+   order) twice, counts (> v, == v) then, after one pair block scan, writes each kept word to
+   its final position (one CTA's kept tokens are one range of positions).
+
+Six block-level barriers in all (two of them cluster barriers) where ``select_row`` takes ~12,
+and no pass over the slice after pass 2.  Exactness as select_row: the boundary, the counts and
+every position come from exact integer counts over the whole row.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from . import common as C
+from . import select as S
+
+TB = C.TB
+NWARPS = C.NWARPS
+TMAX = 32  # tokens per thread at most (16 registers of ord16 pairs)
+NVEC = TMAX // 8  # 16-byte vectors per thread
+SLICE_MAX = TB * TMAX  # the longest slice the lean select takes (16384 tokens)
+SH1 = 16 - S.B1  # ord16 >> SH1 = the first histogram's bin
+BIN_MIN = 0x007F >> SH1  # the lowest bin a valid score reaches (ord16 >= 0x7F: -inf)
+# pub slots (read by the other CTAs of the cluster): own count above b1, own valid count, top ord16
+_P_ABOVE, _P_VALID, _P_TOP = 0, 1, 3
+# scal slots (CTA-local, written by warp 0, read by all after a barrier)
+_B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _KBEFORE = 0, 1, 2, 3, 4
+_V, _NEED_EQ, _GTB, _EQB, _GTO, _EQO = 8, 9, 10, 11, 12, 13
+
+
+@dsl_user_op
+def ld_nc_v4_if(addr: Int64, pred: Int32, *, loc=None, ip=None):
+    """Eight bf16 in one 16-byte load where ``pred`` != 0, else zeros (predicated: the loads of
+    a thread are all in flight before the first is used)."""
+    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
+    r = C._asm(st, [Int64(addr), Int32(pred)],
+               "{ .reg .pred p; setp.ne.s32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
+               "mov.b32 $3, 0; @p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4]; }",
+               "=&r,=&r,=&r,=&r,l,r", loc, ip)  # fmt: skip
+    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
+
+
+@dsl_user_op
+def red_smem_max(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    C._asm(None, [Int32(addr), Int32(v)], "red.shared.max.u32 [$0], $1;", "r,r,~{memory}", loc, ip)
+
+
+@dsl_user_op
+def ld_dsmem_u32_if(addr: Int32, pred: Int32, *, loc=None, ip=None) -> Int32:
+    """A DSMEM word where ``pred`` != 0, else 0 (predicated: every CTA's load in flight at once)."""
+    return Int32(C._asm(T.i32(), [Int32(addr), Int32(pred)],
+                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; "
+                        "@p ld.shared::cluster.u32 $0, [$1]; }", "=&r,r,r", loc, ip))  # fmt: skip
+
+
+@cute.jit
+def cluster_word(a: Int32, r: Int32, one: Int32) -> Int32:
+    """Shared word at address ``a`` of CTA r of the cluster (own shared memory where ``one``: a
+    one-CTA cluster)."""
+    x = Int32(0)
+    if one != Int32(0):
+        x = S.ld_smem_u32(a)
+    else:
+        x = S.ld_dsmem_u32(S.mapa(a, r))
+    return x
+
+
+@cute.jit
+def cluster_sum(a: Int32, csize: Int32, one: Int32, upto: Int32):
+    """(sum over the CTAs r < csize of the shared word at ``a``, the sum over r < upto): every
+    DSMEM load in flight at once (a one-CTA cluster: its own word, and 0)."""
+    tot = Int32(0)
+    bef = Int32(0)
+    if one != Int32(0):
+        tot = S.ld_smem_u32(a)
+    else:
+        for r in cutlass.range_constexpr(S.CLUSTER_MAX):
+            # (rank clamped into the cluster: mapa of a rank outside it is undefined)
+            x = ld_dsmem_u32_if(S.mapa(a, cutlass.min(Int32(r), csize - Int32(1))), Int32(Int32(r) < csize))
+            tot = tot + x
+            if Int32(r) < upto:
+                bef = bef + x
+    return tot, bef
+
+
+@cute.jit
+def lowest_lane(bal: Uint32) -> Int32:
+    return Int32(cute.arch.popc((bal & (~bal + Uint32(1))) - Uint32(1)))
+
+
+@cute.jit
+def token(xs: cute.Tensor, j: cutlass.Constexpr) -> Uint32:
+    """ord16 of the thread's token j (registers, compile-time index)."""
+    return (Uint32(xs[j // 2]) >> Uint32(16 * (j % 2))) & Uint32(0xFFFF)
+
+
+def slice_len(end, csize):
+    """Tokens per CTA of a row of ``end`` tokens over a cluster of csize (select_row's rule):
+    ceil(end / csize) rounded up to 8."""
+    return Int32((Uint32(end + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
+
+
+def thread_len(s):
+    """Tokens per thread of a slice of s tokens: ceil(s / TB) rounded up to 8 (the lean select
+    takes the slice when this is at most TMAX)."""
+    return Int32(((Uint32(s) + Uint32(TB - 1)) // Uint32(TB) + Uint32(7)) & Uint32(0xFFFFFFF8))
+
+
+@cute.jit
+def select_row_lean(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr, parts,
+                    tid, lane, warp, csize: Int32, me: Int32, mk=None, early=None):
+    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` (clamped to [0, 2**17] by the
+    caller), this CTA's slice of it: -> (p0, p1, p_end, writer) as ``select.select_row`` with
+    ``own_part`` (this CTA's positions [p0, p1) in its own row buffer, bit 16 of l in its own
+    mask words; the caller pushes them and, where csize > 1, waits at the cluster barrier before
+    exit).  The slice must have at most TB * TMAX tokens (``thread_len`` <= TMAX: the caller's
+    test).  ``parts``: select.SelectSmem.parts() (the cache holds the slice's ord16)."""
+    if cutlass.const_expr(mk is None):
+        mk = C.Marks(False)
+    cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
+    cache_a = S.smem_addr(cache)
+    h1_a = S.smem_addr(hist1)
+    h2_a = S.smem_addr(hist2)
+    pub_a = S.smem_addr(pub)
+    row_a = S.smem_addr(row)
+    wt_a = S.smem_addr(wt)
+    one = S.one_cta(csize)  # (ONE: a one-CTA cluster takes block barriers and its own memory)
+    sl = slice_len(end, csize)
+    ch = thread_len(sl)
+    s0 = cutlass.min(me * sl, end)
+    s_len = cutlass.min(sl, end - s0)
+    t0 = tid * ch  # the thread's first token in the slice
+    aligned = Int32((row_addr & Int64(15)) == Int64(0))
+    # ---- every 16-byte load of the thread in flight before any is used
+    xs = cute.make_rmem_tensor((TMAX // 2,), Int32)
+    vok = cute.make_rmem_tensor((NVEC,), Int32)
+    base = row_addr + Int64(s0 + t0) * Int64(2)
+    for k in cutlass.range_constexpr(NVEC):
+        ok = aligned & Int32(Int32(8 * k) < ch) & Int32(t0 + Int32(8 * k + 8) <= s_len)
+        vok[k] = ok
+        a, b, c, d = ld_nc_v4_if(base + Int64(16 * k), ok)
+        xs[4 * k] = a
+        xs[4 * k + 1] = b
+        xs[4 * k + 2] = c
+        xs[4 * k + 3] = d
+    if cutlass.const_expr(early is not None):
+        early()
+    # ---- zero the counters and the row while the loads are on their way
+    S.st_smem_v4(h1_a + tid * Int32(16), Int32(0), Int32(0), Int32(0), Int32(0))  # 4 bins each
+    if tid < Int32(S.NB2):
+        hist2[tid] = Int32(0)
+    if tid < Int32(32):
+        scal[tid] = Int32(0)
+    if tid < Int32(16):
+        pub[tid] = Int32(0)
+    for i in cutlass.range(tid, rw, TB, unroll=1):
+        row[i] = Int32(0)
+    cute.arch.sync_threads()
+    mk(1)
+    # ---- pass 1: ord16 (registers, and the slice copy), the first histogram, top and count
+    top = Int32(0)
+    cnt = Int32(0)
+    for k in cutlass.range_constexpr(NVEC):
+        if Int32(8 * k) < ch:
+            l0 = t0 + Int32(8 * k)
+            if vok[k] != Int32(0):
+                S.ord16_quad(xs[4 * k], xs[4 * k + 1], xs[4 * k + 2], xs[4 * k + 3], xs, 4 * k)
+            elif l0 < s_len:
+                # an unaligned row or the slice's partial last vector: token by token
+                S.load_vec(row_addr, s0, l0 >> Int32(3), s_len, aligned, xs, 4 * k)
+            if l0 < s_len:
+                S.st_smem_v4(cache_a + l0 * Int32(2), xs[4 * k], xs[4 * k + 1], xs[4 * k + 2],
+                             xs[4 * k + 3])  # fmt: skip
+            for i in cutlass.range_constexpr(8):
+                o = token(xs, 8 * k + i)
+                # every token, unconditionally: NaN / past the end (o = 0) count in bin 0
+                S.red_smem_add(h1_a + Int32(o >> Uint32(SH1)) * Int32(4), Int32(1))
+                top = cutlass.max(top, Int32(o))
+                cnt = cnt + Int32(o != Uint32(0))
+    top = cute.arch.warp_redux_sync(top, "max")
+    cnt = cute.arch.warp_redux_sync(cnt, "add")
+    if lane == Int32(0):
+        red_smem_max(pub_a + Int32(4 * _P_TOP), top)
+        S.red_smem_add(pub_a + Int32(4 * _P_VALID), cnt)
+    mk(2)
+    S.csync_n(True, csize)
+    mk(3)
+    # ---- the boundary bin b1: warp 0 walks the cluster's histogram down from its top bin, 32
+    # bins a step (a lane a bin, lane 0 the highest), until n scores lie at or above a bin
+    if warp == Int32(0):
+        ptop = Int32(0)
+        pcnt = Int32(0)
+        if lane < csize:
+            ptop = cluster_word(pub_a + Int32(4 * _P_TOP), lane, one)
+            pcnt = cluster_word(pub_a + Int32(4 * _P_VALID), lane, one)
+        ctop = cute.arch.warp_redux_sync(ptop, "max")
+        w_total = cute.arch.warp_redux_sync(pcnt, "add")
+        kb = Int32(0)  # valid tokens of the CTAs before this one (every valid token kept)
+        if lane < me:
+            kb = pcnt
+        kbefore = cute.arch.warp_redux_sync(kb, "add")
+        w_b1 = Int32(-1)  # -1: the row has at most n valid tokens, every one is kept
+        w_above1 = Int32(0)
+        w_oabove1 = Int32(0)
+        if w_total > Int32(n):
+            hi = ctop >> Int32(SH1)
+            above = Int32(0)
+            oabove = Int32(0)
+            go = Int32(1)
+            while go != Int32(0):
+                bn = hi - lane
+                c = Int32(0)
+                cb = Int32(0)
+                ow = Int32(0)
+                if bn >= Int32(BIN_MIN):
+                    ow = S.ld_smem_u32(h1_a + bn * Int32(4))
+                    if one != Int32(0):
+                        c = ow
+                    else:
+                        c, cb = cluster_sum(h1_a + bn * Int32(4), csize, one, Int32(0))
+                inc = C.warp_incl_scan(c, lane)
+                oinc = C.warp_incl_scan(ow, lane)
+                hit = Int32(c > Int32(0)) & Int32(above + inc >= Int32(n)) & Int32(above + inc - c < Int32(n))
+                bal = Uint32(cute.arch.vote_ballot_sync(hit != Int32(0)))
+                if bal != Uint32(0):
+                    src = lowest_lane(bal)
+                    w_b1 = cute.arch.shuffle_sync(bn, src)
+                    w_above1 = above + cute.arch.shuffle_sync(inc - c, src)
+                    w_oabove1 = oabove + cute.arch.shuffle_sync(oinc - ow, src)
+                    go = Int32(0)
+                else:
+                    above = above + cute.arch.shuffle_sync(inc, Int32(31))
+                    oabove = oabove + cute.arch.shuffle_sync(oinc, Int32(31))
+                    hi = hi - Int32(32)
+                    if hi < Int32(BIN_MIN):
+                        go = Int32(0)  # (never for exact counts: the n-th score lies at or above BIN_MIN)
+        if lane == Int32(0):
+            scal[_B1] = w_b1
+            scal[_ABOVE1] = w_above1
+            scal[_OWN_ABOVE1] = w_oabove1
+            scal[_TOTAL] = w_total
+            scal[_KBEFORE] = kbefore
+            pub[_P_ABOVE] = w_oabove1  # (read by the later CTAs after the second cluster barrier)
+    cute.arch.sync_threads()
+    mk(4)
+    b1 = scal[_B1]
+    # ---- pass 2: the candidates (score bin >= b1; every valid token when b1 = -1) as a mask
+    # word, and the second histogram of the bin-b1 tokens (their low 5 bits)
+    thr = Uint32(1)
+    if b1 >= Int32(0):
+        thr = Uint32(b1) << Uint32(SH1)
+    mc = Uint32(0)
+    for k in cutlass.range_constexpr(NVEC):
+        if Int32(8 * k) < ch:
+            for i in cutlass.range_constexpr(8):
+                o = token(xs, 8 * k + i)
+                mc = mc | (Uint32(Int32(o >= thr)) << Uint32(8 * k + i))
+                # (b1 = -1 matches no bin: no second histogram)
+                S.red_smem_inc_if(h2_a + Int32(o & Uint32(S.NB2 - 1)) * Int32(4), Int32(o >> Uint32(SH1)), b1)
+    mk(5)
+    S.csync_n(True, csize)
+    mk(7)
+    # ---- the boundary score v, need_eq, and what precedes / lies in this slice (warp 0)
+    if warp == Int32(0):
+        u_v = Int32(0)
+        u_need = Int32(0)
+        u_gtb = Int32(0)
+        u_eqb = Int32(0)
+        u_gto = Int32(0)
+        u_eqo = Int32(0)
+        if b1 >= Int32(0):
+            need2 = Int32(n) - scal[_ABOVE1]
+            b2 = Int32(S.NB2 - 1) - lane  # lane 0 the highest low value
+            own2 = hist2[b2]
+            c2 = own2
+            bef2 = Int32(0)
+            if one == Int32(0):
+                c2, bef2 = cluster_sum(h2_a + b2 * Int32(4), csize, one, me)
+            inc2 = C.warp_incl_scan(c2, lane)
+            hit2 = Int32(c2 > Int32(0)) & Int32(inc2 >= need2) & Int32(inc2 - c2 < need2)
+            src2 = lowest_lane(Uint32(cute.arch.vote_ballot_sync(hit2 != Int32(0))))
+            lowv = cute.arch.shuffle_sync(b2, src2)
+            u_need = need2 - cute.arch.shuffle_sync(inc2 - c2, src2)
+            u_v = (b1 << Int32(SH1)) | lowv
+            pa = Int32(0)  # the earlier CTAs' counts above b1
+            if lane < me:
+                pa = cluster_word(pub_a + Int32(4 * _P_ABOVE), lane, one)
+            above_v = Int32(b2 > lowv)
+            u_gtb = cute.arch.warp_redux_sync(pa + bef2 * above_v, "add")
+            u_eqb = cute.arch.shuffle_sync(bef2, src2)
+            u_gto = scal[_OWN_ABOVE1] + cute.arch.warp_redux_sync(own2 * above_v, "add")
+            u_eqo = cute.arch.shuffle_sync(own2, src2)
+        else:
+            u_gtb = scal[_KBEFORE]
+            u_gto = pub[_P_VALID]
+        if lane == Int32(0):
+            scal[_V] = u_v
+            scal[_NEED_EQ] = u_need
+            scal[_GTB] = u_gtb
+            scal[_EQB] = u_eqb
+            scal[_GTO] = u_gto
+            scal[_EQO] = u_eqo
+    if one == Int32(0):
+        S.cluster_arrive()  # every DSMEM load of this CTA was used above (the caller waits)
+    cute.arch.sync_threads()
+    mk(8)
+    v = Uint32(scal[_V])
+    need_eq = scal[_NEED_EQ]
+    gtb = scal[_GTB]
+    eqb = scal[_EQB]
+    # ---- the compaction: this thread's candidates (set bits of mc, in index order), counted,
+    # one pair block scan, then each kept word written at its position
+    ngt = Int32(0)
+    neq = Int32(0)
+    m = mc
+    while m != Uint32(0):
+        j = S.low_bit(Int32(m))
+        m = m & (m - Uint32(1))
+        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
+        ngt, neq = S.count_token(o, v, ngt, neq)
+    mk(9)
+    x = C.warp_incl_scan(ngt, lane)
+    y = C.warp_incl_scan(neq, lane)
+    if lane == Int32(31):
+        wt[warp] = x
+        wt[NWARPS + warp] = y
+    cute.arch.sync_threads()
+    for w4 in cutlass.range_constexpr(NWARPS // 4):
+        f0, f1, f2, f3 = S.ld_smem_v4(wt_a + Int32(16 * w4))
+        g0, g1, g2, g3 = S.ld_smem_v4(wt_a + Int32(4 * NWARPS + 16 * w4))
+        for q, (wa, wb) in enumerate(((f0, g0), (f1, g1), (f2, g2), (f3, g3))):
+            if Int32(4 * w4 + q) < warp:
+                x = x + wa
+                y = y + wb
+    mk(10)
+    gt_b = gtb + x - ngt
+    eq_b = eqb + y - neq
+    m = mc
+    while m != Uint32(0):
+        j = S.low_bit(Int32(m))
+        m = m & (m - Uint32(1))
+        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
+        gt_b, eq_b = S.emit_token(o, Uint32(s0 + t0 + j), v, gt_b, eq_b, need_eq, n, Int32(0), row_a,
+                                  row, row_a)  # fmt: skip
+    mk(11)
+    cute.arch.sync_threads()  # this CTA's part of the row is complete
+    mk(12)
+    total = scal[_TOTAL]
+    p0 = cutlass.min(gtb + cutlass.min(eqb, need_eq), Int32(n))
+    p1 = cutlass.min(gtb + scal[_GTO] + cutlass.min(eqb + scal[_EQO], need_eq), Int32(n))
+    wc = cutlass.min(Int32(1 << 16) // cutlass.max(sl, Int32(8)), csize - Int32(1))
+    return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)

@@ -6,6 +6,8 @@
 #   build here (~5 min):  PY=.venv/bin/python bash tools/gpu_lean_run.sh --build
 #   run there:            OUT=dir bash tools/gpu_lean_run.sh   (carry .cubins)
 #   LEAN=knobs (at --build and at the run): the lean variant's tune string (default lean=1);
+#   EXTRA="tune ..." (at --build): more select variants' W = 8 N = 512 cubins, timed with
+#   TIME_VARIANTS="name=tune ..." at the run;
 #   NO_TESTS=1 / NO_TIME=1 / NO_PROF=1 / NO_SAN=1 leave out a step; TIME_ARGS: lean_time.py's
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +17,10 @@ if [ "$1" = "--build" ]; then
   for t in "" "$LEAN"; do
     JAX_DSA_EXCHANGE_SELECT_TUNE="$t" PY=$PY bash tools/gpu_kernels_run.sh --build > /tmp/lean_build.log 2>&1 \
       || { echo "build [$t] failed: /tmp/lean_build.log"; exit 1; }
+  done
+  for t in $EXTRA; do  # (other lean variants, timing only in this run: the W = 8 N = 512 cubins)
+    JAX_DSA_EXCHANGE_SELECT_TUNE="$t" $PY -m jax_dsa_exchange.build --topk 2048 --local-topk 512 --world 8 \
+      --out .cubins >> /tmp/lean_build.log 2>&1 || { echo "build [$t] failed"; exit 1; }
   done
   for t in "prof=1" "prof=1,$LEAN"; do
     JAX_DSA_EXCHANGE_MERGE_TUNE=prof=1 JAX_DSA_EXCHANGE_SELECT_TUNE="$t" $PY -m jax_dsa_exchange.build --topk 2048 \
@@ -35,7 +41,7 @@ if [ -z "$NO_TESTS" ]; then
 fi
 if [ -z "$NO_TIME" ]; then
   echo "== timing: default vs [$LEAN]"
-  timeout ${TIME_TIMEOUT:-300} python3 tools/lean_time.py --variants default= "lean=$LEAN" --out "$OUT/time.json" \
+  timeout ${TIME_TIMEOUT:-300} python3 tools/lean_time.py --variants default= "lean=$LEAN" $TIME_VARIANTS --out "$OUT/time.json" \
     ${TIME_ARGS} > "$OUT/time.log" 2>&1 || rc=1
   sed -n '/^== select_push alone/,$p' "$OUT/time.log"; grep -E "Error|error" "$OUT/time.log" | head -5
 fi

@@ -47,11 +47,16 @@ def main(argv=None):
         timers = {}
         for name, tune in variants:
             os.environ[ST] = tune
-            timers[name] = KernelTimer(cp, 8, 2048, n, 256)
+            try:
+                timers[name] = KernelTimer(cp, 8, 2048, n, 256)
+            except FileNotFoundError:
+                print(f"  {name} N={n}: no cubins (not built for this N)", flush=True)
         for R, L, c in SHAPES:
             floor = max(R * L * 2, 8 * R * layout.ll_row_bytes(n)) / bw * 1e6
             goal = max(6.0, 3 * floor)
             for name, _ in variants:
+                if name not in timers:
+                    continue
                 t = timers[name]
                 cc = c or t.sim.producer_cluster(R, L)
                 try:

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32
+from cutlass import Int32, Int64, Uint32, Uint64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .. import layout
 from . import common as C
 from . import select as S
 
@@ -73,6 +74,30 @@ def ld_dsmem_u32_if(addr: Int32, pred: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(C._asm(T.i32(), [Int32(addr), Int32(pred)],
                         "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; "
                         "@p ld.shared::cluster.u32 $0, [$1]; }", "=&r,r,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
+def max_u16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    """Halfword-wise unsigned maximum of two packed ord16 pairs."""
+    return Int32(C._asm(T.i32(), [Int32(a), Int32(b)], "max.u16x2 $0, $1, $2;", "=r,r,r", loc, ip))
+
+
+@dsl_user_op
+def bin_addr(base: Int32, w: Int32, hi: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """base + 4 * (the first histogram's bin of the low / high ord16 of the pair w): one bit-field
+    extract and one shift-add."""
+    pos = 16 * int(hi) + (16 - S.B1)
+    return Int32(C._asm(T.i32(), [Int32(base), Int32(w)],
+                        "{ .reg .b32 t; bfe.u32 t, $2, %d, %d; shl.b32 t, t, 2; add.u32 $0, $1, t; }" % (pos, S.B1),
+                        "=r,r,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
+def or_if_ge(m: Uint32, x: Uint32, thr: Uint32, bit: cutlass.Constexpr, *, loc=None, ip=None) -> Uint32:
+    """m | (1 << bit) where x >= thr (unsigned): a compare and a predicated or."""
+    return Uint32(C._asm(T.i32(), [Uint32(m), Uint32(x), Uint32(thr)],
+                         "{ .reg .pred p; setp.ge.u32 p, $2, $3; mov.b32 $0, $1; @p or.b32 $0, $0, %d; }" % (1 << bit),
+                         "=&r,r,r,r", loc, ip))  # fmt: skip
 
 
 @cute.jit
@@ -116,10 +141,24 @@ def token(xs: cute.Tensor, j: cutlass.Constexpr) -> Uint32:
     return (Uint32(xs[j // 2]) >> Uint32(16 * (j % 2))) & Uint32(0xFFFF)
 
 
+# Launches of at most SPEC_CTAS CTAs cut the slices from the buffer's row length, so every CTA's
+# loads start with the kernel, beside the row end's load (one memory round trip less; a row
+# shorter than the buffer then reads past its end, which larger launches, whose bandwidth
+# counts, do not)
+SPEC_CTAS = S.LEAN_SPEC  # 132 ("lspec=N": a variant's)
+
+
 def slice_len(end, csize):
     """Tokens per CTA of a row of ``end`` tokens over a cluster of csize (select_row's rule):
     ceil(end / csize) rounded up to 8."""
     return Int32((Uint32(end + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
+
+
+@cute.jit
+def fits(cols: Int32, csize: Int32) -> Int32:
+    """1 where the lean select takes the rows of a launch over [rows, cols] in clusters of csize
+    (every row's slice has at most SLICE_MAX tokens: those cut from the buffer's row length)."""
+    return Int32(thread_len(slice_len(cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize)) <= Int32(TMAX))
 
 
 def thread_len(s):
@@ -129,14 +168,41 @@ def thread_len(s):
 
 
 @cute.jit
-def select_row_lean(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr, parts,
-                    tid, lane, warp, csize: Int32, me: Int32, mk=None, early=None):
-    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` (clamped to [0, 2**17] by the
-    caller), this CTA's slice of it: -> (p0, p1, p_end, writer) as ``select.select_row`` with
-    ``own_part`` (this CTA's positions [p0, p1) in its own row buffer, bit 16 of l in its own
-    mask words; the caller pushes them and, where csize > 1, waits at the cluster barrier before
-    exit).  The slice must have at most TB * TMAX tokens (``thread_len`` <= TMAX: the caller's
-    test).  ``parts``: select.SelectSmem.parts() (the cache holds the slice's ord16)."""
+def issue_loads(row_addr: Int64, blen: Int32, csize: Int32, me: Int32, tid, aligned: Int32, xs: cute.Tensor,
+                vok: cute.Tensor):
+    """Slices cut from ``blen``: every 16-byte load of the thread's tokens issued (xs, vok: the
+    raw words and which vectors were loaded) -> (slice length, tokens per thread, slice start,
+    the slice's tokens below blen)."""
+    sl = slice_len(blen, csize)
+    ch = thread_len(sl)
+    s0 = cutlass.min(me * sl, blen)
+    s_buf = cutlass.min(sl, blen - s0)
+    t0 = tid * ch
+    base = row_addr + Int64(s0 + t0) * Int64(2)
+    for k in cutlass.range_constexpr(NVEC):
+        ok = aligned & Int32(Int32(8 * k) < ch) & Int32(t0 + Int32(8 * k + 8) <= s_buf)
+        vok[k] = ok
+        a, b, c, d = ld_nc_v4_if(base + Int64(16 * k), ok)
+        xs[4 * k] = a
+        xs[4 * k + 1] = b
+        xs[4 * k + 2] = c
+        xs[4 * k + 3] = d
+    return sl, ch, s0, s_buf
+
+
+@cute.jit
+def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n: cutlass.Constexpr,
+                    rw: cutlass.Constexpr, parts, tid, lane, warp, csize: Int32, me: Int32, mk=None,
+                    early=None):
+    """Top-min(n, valid) of the first end bf16 at ``row_addr`` (end = ``end_raw`` clamped to
+    [0, min(cols, 2**17)]), this CTA's slice of it: -> (p0, p1, p_end, writer) as
+    ``select.select_row`` with ``own_part`` (this CTA's positions [p0, p1) in its own row buffer,
+    bit 16 of l in its own mask words; the caller pushes them and, where csize > 1, waits at the
+    cluster barrier before exit).  Launches of at most SPEC_CTAS CTAs cut the slices from the
+    buffer's row length min(cols, 2**17), and issue their loads before ``end_raw`` (a load in
+    flight) is waited for; larger ones from the row's end; the tokens at or past the end count
+    as invalid.  A slice must have at most TB * TMAX tokens: the caller's test, ``fits``.
+    ``parts``: select.SelectSmem.parts() (the cache holds the slice's ord16)."""
     if cutlass.const_expr(mk is None):
         mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
@@ -147,24 +213,23 @@ def select_row_lean(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutla
     row_a = S.smem_addr(row)
     wt_a = S.smem_addr(wt)
     one = S.one_cta(csize)  # (ONE: a one-CTA cluster takes block barriers and its own memory)
-    sl = slice_len(end, csize)
-    ch = thread_len(sl)
-    s0 = cutlass.min(me * sl, end)
-    s_len = cutlass.min(sl, end - s0)
-    t0 = tid * ch  # the thread's first token in the slice
     aligned = Int32((row_addr & Int64(15)) == Int64(0))
-    # ---- every 16-byte load of the thread in flight before any is used
+    # ---- every 16-byte load of the thread in flight before any is used (two branches, each
+    # with its loads: where the slices come from the buffer's row length nothing waits for the
+    # row end's load before them)
     xs = cute.make_rmem_tensor((TMAX // 2,), Int32)
     vok = cute.make_rmem_tensor((NVEC,), Int32)
-    base = row_addr + Int64(s0 + t0) * Int64(2)
-    for k in cutlass.range_constexpr(NVEC):
-        ok = aligned & Int32(Int32(8 * k) < ch) & Int32(t0 + Int32(8 * k + 8) <= s_len)
-        vok[k] = ok
-        a, b, c, d = ld_nc_v4_if(base + Int64(16 * k), ok)
-        xs[4 * k] = a
-        xs[4 * k + 1] = b
-        xs[4 * k + 2] = c
-        xs[4 * k + 3] = d
+    sl = Int32(0)
+    ch = Int32(0)
+    s0 = Int32(0)
+    s_buf = Int32(0)
+    if rows * csize <= Int32(SPEC_CTAS):
+        sl, ch, s0, s_buf = issue_loads(row_addr, cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize, me, tid,
+                                        aligned, xs, vok)  # fmt: skip
+    else:
+        sl, ch, s0, s_buf = issue_loads(row_addr, S.clamp_end(end_raw, cols), csize, me, tid, aligned, xs, vok)
+    end = S.clamp_end(end_raw, cols)
+    t0 = tid * ch  # the thread's first token in the slice
     if cutlass.const_expr(early is not None):
         early()
     # ---- zero the counters and the row while the loads are on their way
@@ -179,31 +244,39 @@ def select_row_lean(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutla
         row[i] = Int32(0)
     cute.arch.sync_threads()
     mk(1)
-    # ---- pass 1: ord16 (registers, and the slice copy), the first histogram, top and count
-    top = Int32(0)
-    cnt = Int32(0)
+    # ---- pass 1: ord16 (registers, and the slice copy), the first histogram, the top score
+    s_lim = cutlass.max(cutlass.min(end - s0, s_buf), Int32(0))  # the slice's valid prefix
+    tw = Int32(0)  # (packed maximum of the thread's ord16 pairs)
     for k in cutlass.range_constexpr(NVEC):
         if Int32(8 * k) < ch:
             l0 = t0 + Int32(8 * k)
             if vok[k] != Int32(0):
                 S.ord16_quad(xs[4 * k], xs[4 * k + 1], xs[4 * k + 2], xs[4 * k + 3], xs, 4 * k)
-            elif l0 < s_len:
-                # an unaligned row or the slice's partial last vector: token by token
-                S.load_vec(row_addr, s0, l0 >> Int32(3), s_len, aligned, xs, 4 * k)
-            if l0 < s_len:
+                if l0 + Int32(8) > s_lim:
+                    # (slices cut past the row's end: its tokens there are invalid, ord16 0)
+                    for p in cutlass.range_constexpr(4):
+                        nk = cutlass.min(cutlass.max(s_lim - l0 - Int32(2 * p), Int32(0)), Int32(2))
+                        keep = Uint32(0)
+                        if nk == Int32(1):
+                            keep = Uint32(0xFFFF)
+                        if nk == Int32(2):
+                            keep = Uint32(0xFFFFFFFF)
+                        xs[4 * k + p] = Int32(Uint32(xs[4 * k + p]) & keep)
+            elif l0 < s_lim:
+                # an unaligned row or the buffer's partial last vector: token by token
+                S.load_vec(row_addr, s0, l0 >> Int32(3), s_lim, aligned, xs, 4 * k)
+            if l0 < s_buf:
                 S.st_smem_v4(cache_a + l0 * Int32(2), xs[4 * k], xs[4 * k + 1], xs[4 * k + 2],
                              xs[4 * k + 3])  # fmt: skip
-            for i in cutlass.range_constexpr(8):
-                o = token(xs, 8 * k + i)
-                # every token, unconditionally: NaN / past the end (o = 0) count in bin 0
-                S.red_smem_add(h1_a + Int32(o >> Uint32(SH1)) * Int32(4), Int32(1))
-                top = cutlass.max(top, Int32(o))
-                cnt = cnt + Int32(o != Uint32(0))
-    top = cute.arch.warp_redux_sync(top, "max")
-    cnt = cute.arch.warp_redux_sync(cnt, "add")
+            tw = max_u16x2(tw, max_u16x2(max_u16x2(xs[4 * k], xs[4 * k + 1]), max_u16x2(xs[4 * k + 2], xs[4 * k + 3])))
+            for p in cutlass.range_constexpr(4):
+                # every token, unconditionally: NaN / past the end (o = 0) count in bin 0, so the
+                # CTA's valid tokens are TB * ch - bin 0
+                S.red_smem_add(bin_addr(h1_a, xs[4 * k + p], False), Int32(1))
+                S.red_smem_add(bin_addr(h1_a, xs[4 * k + p], True), Int32(1))
+    top = cute.arch.warp_redux_sync(cutlass.max(tw & Int32(0xFFFF), Int32(Uint32(tw) >> Uint32(16))), "max")
     if lane == Int32(0):
         red_smem_max(pub_a + Int32(4 * _P_TOP), top)
-        S.red_smem_add(pub_a + Int32(4 * _P_VALID), cnt)
     mk(2)
     S.csync_n(True, csize)
     mk(3)
@@ -214,7 +287,7 @@ def select_row_lean(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutla
         pcnt = Int32(0)
         if lane < csize:
             ptop = cluster_word(pub_a + Int32(4 * _P_TOP), lane, one)
-            pcnt = cluster_word(pub_a + Int32(4 * _P_VALID), lane, one)
+            pcnt = Int32(TB) * ch - cluster_word(h1_a, lane, one)  # (every CTA of the cluster has this ch)
         ctop = cute.arch.warp_redux_sync(ptop, "max")
         w_total = cute.arch.warp_redux_sync(pcnt, "add")
         kb = Int32(0)  # valid tokens of the CTAs before this one (every valid token kept)
@@ -263,22 +336,44 @@ def select_row_lean(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutla
             scal[_TOTAL] = w_total
             scal[_KBEFORE] = kbefore
             pub[_P_ABOVE] = w_oabove1  # (read by the later CTAs after the second cluster barrier)
+            pub[_P_VALID] = Int32(TB) * ch - hist1[0]
     cute.arch.sync_threads()
     mk(4)
     b1 = scal[_B1]
-    # ---- pass 2: the candidates (score bin >= b1; every valid token when b1 = -1) as a mask
-    # word, and the second histogram of the bin-b1 tokens (their low 5 bits)
+    # ---- pass 2: the candidates as two mask words, bin > b1 (mg) and bin == b1 (me1; b1 = -1:
+    # every valid token in mg); then the bin-b1 tokens' second histogram (their low 5 bits) and
+    # 2-bit counters per low value (select.CNT2's), from the slice copy: a few per thread
     thr = Uint32(1)
+    thr_g = Uint32(1)
     if b1 >= Int32(0):
         thr = Uint32(b1) << Uint32(SH1)
-    mc = Uint32(0)
+        thr_g = thr + Uint32(1 << SH1)
+    mcand = Uint32(0)
+    mg = Uint32(0)
     for k in cutlass.range_constexpr(NVEC):
         if Int32(8 * k) < ch:
-            for i in cutlass.range_constexpr(8):
-                o = token(xs, 8 * k + i)
-                mc = mc | (Uint32(Int32(o >= thr)) << Uint32(8 * k + i))
-                # (b1 = -1 matches no bin: no second histogram)
-                S.red_smem_inc_if(h2_a + Int32(o & Uint32(S.NB2 - 1)) * Int32(4), Int32(o >> Uint32(SH1)), b1)
+            for p in cutlass.range_constexpr(4):
+                w = Uint32(xs[4 * k + p])
+                lo = w & Uint32(0xFFFF)
+                hi2 = w >> Uint32(16)
+                mcand = or_if_ge(mcand, lo, thr, 8 * k + 2 * p)
+                mcand = or_if_ge(mcand, hi2, thr, 8 * k + 2 * p + 1)
+                mg = or_if_ge(mg, lo, thr_g, 8 * k + 2 * p)
+                mg = or_if_ge(mg, hi2, thr_g, 8 * k + 2 * p + 1)
+    meq = mcand & ~mg
+    lowc = Uint64(0)
+    ovf = Int32(0)
+    m = meq
+    while m != Uint32(0):
+        j = S.low_bit(Int32(m))
+        m = m & (m - Uint32(1))
+        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
+        S.red_smem_add(h2_a + Int32(o & Uint32(S.NB2 - 1)) * Int32(4), Int32(1))
+        sh = Uint64((o & Uint32(S.NB2 - 1)) * Uint32(2))
+        if ((lowc >> sh) & Uint64(3)) == Uint64(3):
+            ovf = Int32(1)
+        else:
+            lowc = lowc + (Uint64(1) << sh)
     mk(5)
     S.csync_n(True, csize)
     mk(7)
@@ -330,16 +425,20 @@ def select_row_lean(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutla
     need_eq = scal[_NEED_EQ]
     gtb = scal[_GTB]
     eqb = scal[_EQB]
-    # ---- the compaction: this thread's candidates (set bits of mc, in index order), counted,
-    # one pair block scan, then each kept word written at its position
-    ngt = Int32(0)
+    # ---- the compaction: this thread's counts (> v, == v) from its masks and counters (a walk
+    # over its bin-b1 tokens only where a counter overflowed), one pair block scan, then each
+    # kept word written at its position
+    ngt = Int32(cute.arch.popc(mg))
     neq = Int32(0)
-    m = mc
-    while m != Uint32(0):
-        j = S.low_bit(Int32(m))
-        m = m & (m - Uint32(1))
-        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
-        ngt, neq = S.count_token(o, v, ngt, neq)
+    if ovf == Int32(0):
+        ngt, neq = S.cnt2_counts(ngt, lowc, Int32(v & Uint32(S.NB2 - 1)))
+    else:
+        m = meq
+        while m != Uint32(0):
+            j = S.low_bit(Int32(m))
+            m = m & (m - Uint32(1))
+            o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
+            ngt, neq = S.count_token(o, v, ngt, neq)
     mk(9)
     x = C.warp_incl_scan(ngt, lane)
     y = C.warp_incl_scan(neq, lane)
@@ -357,7 +456,7 @@ def select_row_lean(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutla
     mk(10)
     gt_b = gtb + x - ngt
     eq_b = eqb + y - neq
-    m = mc
+    m = mcand
     while m != Uint32(0):
         j = S.low_bit(Int32(m))
         m = m & (m - Uint32(1))

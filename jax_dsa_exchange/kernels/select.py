@@ -170,6 +170,7 @@ REP = 1
 # (twenty-fourth session: fewer phases, no mask walks); longer slices, the rescue list's
 # second count and the merge's rescue keep select_row
 LEAN = 0
+LEAN_SPEC = 132  # ("lspec=N") lean.SPEC_CTAS: launches of at most N CTAs cut slices from the buffer
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -188,7 +189,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
                "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "rep": "REP", "lean": "LEAN"}[_k]] = int(_v)  # fmt: skip
+               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
@@ -471,6 +472,19 @@ def smem_addr(t: cute.Tensor, *, loc=None, ip=None) -> Int32:
 # --------------------------------------------------------------------------
 # Pieces of the select.
 # --------------------------------------------------------------------------
+
+
+@cute.jit
+def clamp_end(end: Int32, cols: Int32) -> Int32:
+    """A row's end clamped to [0, min(cols, 2**17)] (docs/DESIGN.md §3: row_ends clamp to [0, L])."""
+    lim = cols
+    if lim > Int32(layout.MAX_LOCAL_LEN):
+        lim = Int32(layout.MAX_LOCAL_LEN)
+    if end > lim:
+        end = lim
+    if end < Int32(0):
+        end = Int32(0)
+    return end
 
 
 @cute.jit

@@ -57,15 +57,12 @@ def store_peers(psm: cute.Tensor, pv: Int64, tid: Int32, world: cutlass.Constexp
 @cute.jit
 def row_end(row_ends: Int64, t: Int32, cols: Int32) -> Int32:
     """clamp(row_ends[t], 0, min(cols, 2**17))."""
-    end = C.ld_u32(row_ends + Int64(t) * Int64(4))
-    lim = cols
-    if lim > Int32(layout.MAX_LOCAL_LEN):
-        lim = Int32(layout.MAX_LOCAL_LEN)
-    if end > lim:
-        end = lim
-    if end < Int32(0):
-        end = Int32(0)
-    return end
+    return S.clamp_end(C.ld_u32(row_ends + Int64(t) * Int64(4)), cols)
+
+
+def select_row_at(row_addr, end_raw, cols, *args, **kw):
+    """select.select_row of the row whose end (unclamped, a load in flight) is ``end_raw``."""
+    return S.select_row(row_addr, S.clamp_end(end_raw, cols), *args, **kw)
 
 
 def own_part_ok(n: int) -> bool:
@@ -129,7 +126,7 @@ class SelectPush:
         # (slices cut from the buffer's row length, so that the bulk copies need not wait for
         # this load, measured no faster and made short rows read their whole buffer row:
         # the slices stay cut from the row's end)
-        end = row_end(row_ends, t, cols)
+        end_raw = C.ld_u32(row_ends + Int64(t) * Int64(4))
         # (the own-part push derives the mask records in warp 0: at most 32 of them, n <=
         # 2048; a longer row keeps CTA 0's push)
         own = cutlass.const_expr(S.OWN and "select" not in S.SKIP and own_part_ok(self.n))
@@ -137,9 +134,10 @@ class SelectPush:
         k_out = None
         if cutlass.const_expr(self.n2 > 0):
             k_out = C.state_klist(epoch, max_rows, t, layout.row_words(self.n2))
+        # (the end clamped on select_row's path: the lean select's loads start before it)
         select = functools.partial(
-            S.select_row, logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw, sm.parts(),
-            tid, lane, warp, csize, me, True, True, cache_tokens,
+            select_row_at, logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, self.n, self.rw,
+            sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens,
             early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own, n2=self.n2,
             k_out=k_out)  # fmt: skip
         if cutlass.const_expr("select" not in S.SKIP and S.REP > 1):  # rep=2: timing only
@@ -153,11 +151,11 @@ class SelectPush:
         if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
             if cutlass.const_expr(S.LEAN and own and self.n2 == 0 and S.REP == 1 and not S.SKIP):
                 lean = functools.partial(
-                    LS.select_row_lean, logits + Int64(t) * Int64(cols) * Int64(2), end, self.n, self.rw,
-                    sm.parts(), tid, lane, warp, csize, me, mk=mk,
+                    LS.select_row_lean, logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, rows,
+                    self.n, self.rw, sm.parts(), tid, lane, warp, csize, me, mk=mk,
                     early=functools.partial(store_peers, psm, pv, tid, self.world))  # fmt: skip
-                # (uniform over the cluster: every CTA of it takes the same select)
-                if LS.thread_len(LS.slice_len(end, csize)) <= Int32(LS.TMAX):
+                # (uniform over the launch; nothing here waits for the row end's load)
+                if LS.fits(cols, csize) != Int32(0):
                     p0, p1, p_end, writer = lean()
                 else:
                     p0, p1, p_end, writer = select(mk=mk)

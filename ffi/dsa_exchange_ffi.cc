@@ -315,7 +315,18 @@ struct Record {
   // clusters) and its rows at once; wide_grid 0: none (dsa_set_exchange_wide_merge)
   Kernel merge_wide;
   int wide_grid = 0;
+  // The configuration's lean producer image (kernels/lean.py, kernels/cache.py OPTIONAL) and
+  // the longest slice it takes (its split's slice_max); 0: none (dsa_set_exchange_lean_producer)
+  Kernel select_lean;
+  int lean_slice_max = 0;
 };
+
+// Whether a select_push launch over [rows, cols] in clusters of c runs the lean image:
+// layout.producer_uses_lean (CI-compared): every slice, cut from min(cols, 2**17), fits it.
+bool ProducerUsesLean(int cols, int c, int lean_slice_max) {
+  long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
+  return lean_slice_max > 0 && SliceTokens(length, c < 1 ? 1 : c) <= lean_slice_max;
+}
 
 // Whether a merge launch over `rows` runs merge_wide: layout.merge_uses_wide (CI-compared)
 bool MergeUsesWide(int rows, int wide_grid) { return wide_grid > 0 && rows > 0 && rows <= wide_grid; }
@@ -498,16 +509,21 @@ ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, 
   v[kSpMaxRows].i32 = rec.max_rows;
   // One cluster of C CTAs per row (kernels/select_push.py); no split: one CTA per row.
   unsigned c = rec.select.split[1] > 0 ? static_cast<unsigned>(ProducerCluster(rows, cols, rec.select.split)) : 0;
+  // The lean image where every slice fits it (ProducerUsesLean), else select_push; C and the
+  // slice cache from select_push's split either way.
+  const bool lean = ProducerUsesLean(cols, c ? static_cast<int>(c) : 1, rec.lean_slice_max);
+  const Kernel& k = lean ? rec.select_lean : rec.select;
   // The slice cache and the shared memory for it: the kernel's smem holds cache_max tokens
-  // (2 bytes each, last in its layout); a launch gets what its cache_tokens need.
-  int cache = 0, smem = rec.select.smem;
+  // (2 bytes each, last in its layout; the image's own split); a launch gets what its
+  // cache_tokens need.
+  int cache = 0, smem = k.smem;
   if (rec.select.split[4] > 0) {
     cache = ProducerCacheTokens(rows, cols, c ? static_cast<int>(c) : 1, rec.select.split);
-    smem -= 2 * (rec.select.split[4] - cache);
+    smem -= 2 * (k.split[4] - cache);
   }
   v[kSpCacheTokens].i32 = cache;
-  return Launch(d, rec.select, static_cast<unsigned>(rows) * (c ? c : 1), stream, /*pdl=*/false, v, target,
-                exchange_id, device, c, smem);
+  return Launch(d, k, static_cast<unsigned>(rows) * (c ? c : 1), stream, /*pdl=*/false, v, target, exchange_id,
+                device, c, smem);
 }
 
 // ---------------------------------------------------------------------------
@@ -915,6 +931,34 @@ int dsa_set_exchange_wide_merge(int64_t exchange_id, int device, const char* key
 
 // The launcher's choice of image (for the CI test that compares it with layout.merge_uses_wide).
 int dsa_merge_uses_wide(int rows, int wide_grid) { return MergeUsesWide(rows, wide_grid) ? 1 : 0; }
+
+// The registered exchange's lean producer image (a loaded select_push kernel, its split set:
+// its slice_max is the longest slice it takes, its cache_max what its shared memory holds);
+// launches whose slices all fit it then run it (ProducerUsesLean).
+int dsa_set_exchange_lean_producer(int64_t exchange_id, int device, const char* key) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::string where = Where(exchange_id, device);
+  auto r = g_records.find({exchange_id, device});
+  if (r == g_records.end()) return Fail("no exchange registered" + where);
+  auto k = g_kernels.find({key, device});
+  if (k == g_kernels.end())
+    return Fail(std::string("kernel '") + key + "' not loaded on device " + std::to_string(device) + where);
+  if (k->second.kind != "select_push") return Fail(std::string("kernel '") + key + "' must be a select_push" + where);
+  const int slice_max = k->second.split[0], cache_max = k->second.split[4];
+  if (slice_max < 1 || cache_max < slice_max || (r->second.select.split[4] > 0 && slice_max > r->second.select.split[0]))
+    return Fail(std::string("kernel '") + key + "': split slice_max " + std::to_string(slice_max) + ", cache_max " +
+                std::to_string(cache_max) + " (set it first; at most select_push's slice_max " +
+                std::to_string(r->second.select.split[0]) + ", whose launches keep such slices)" + where);
+  r->second.select_lean = k->second;
+  r->second.lean_slice_max = slice_max;
+  return 0;
+}
+
+// The launcher's choice of producer image (for the CI test that compares it with
+// layout.producer_uses_lean).
+int dsa_producer_uses_lean(int cols, int c, int lean_slice_max) {
+  return ProducerUsesLean(cols, c, lean_slice_max) ? 1 : 0;
+}
 
 int dsa_unregister_exchange(int64_t exchange_id, int device) {
   std::lock_guard<std::mutex> lock(g_mu);

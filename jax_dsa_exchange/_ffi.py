@@ -105,6 +105,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_set_exchange_wide_merge.argtypes = [i64, i32, cp, i32]
     lib.dsa_merge_uses_wide.restype = i32
     lib.dsa_merge_uses_wide.argtypes = [i32, i32]
+    lib.dsa_set_exchange_lean_producer.restype = i32
+    lib.dsa_set_exchange_lean_producer.argtypes = [i64, i32, cp]
+    lib.dsa_producer_uses_lean.restype = i32
+    lib.dsa_producer_uses_lean.argtypes = [i32, i32, i32]
     lib.dsa_num_exchanges.restype = i32
     lib.dsa_num_exchanges.argtypes = []
     lib.dsa_launch_count.restype = ctypes.c_int64
@@ -427,6 +431,19 @@ def set_exchange_wide_merge(exchange_id: int, device: int, key: str, wide_grid: 
 def merge_uses_wide(rows: int, wide_grid: int) -> bool:
     """The launcher's choice of merge image (must equal layout.merge_uses_wide)."""
     return bool(_require().dsa_merge_uses_wide(int(rows), int(wide_grid)))
+
+
+def set_exchange_lean_producer(exchange_id: int, device: int, key: str) -> None:
+    """Gives the registered exchange its configuration's lean producer image (``key``: a loaded
+    select_push kernel whose split was set: its slice_max is the longest slice it takes): a
+    select_push launch whose slices all fit it then runs it (layout.producer_uses_lean)."""
+    lib = _require()
+    _check(lib, lib.dsa_set_exchange_lean_producer(int(exchange_id), int(device), key.encode()))
+
+
+def producer_uses_lean(cols: int, c: int, lean_slice_max: int) -> bool:
+    """The launcher's choice of producer image (must equal layout.producer_uses_lean)."""
+    return bool(_require().dsa_producer_uses_lean(int(cols), int(c), int(lean_slice_max)))
 
 
 def unregister_exchange(exchange_id: int, device: int) -> None:

@@ -324,6 +324,8 @@ class Exchange:
         self._registered = True
         if "merge_wide" in keys:
             _ffi.set_exchange_wide_merge(self.id, self.ordinal, keys["merge_wide"], self.merge_wide_grid)
+        if "select_push_lean" in keys:
+            _ffi.set_exchange_lean_producer(self.id, self.ordinal, keys["select_push_lean"])
 
     def read_state(self) -> dict:
         """Host copy of the local state (synchronizes the device): epochs, rescue

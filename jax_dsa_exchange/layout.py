@@ -86,6 +86,11 @@ PRODUCER_WIDE_CLUSTER = 4
 # slices): 48.7 us re-reading the slice in each pass, 38.6 us keeping it (2026-12-01).
 PRODUCER_CACHE_MAX = 65536
 PRODUCER_CACHE_WIDE = 32768
+# The lean producer image (kernels/lean.py, "select_push_lean"): a CTA's slice of at most this
+# many tokens over its threads' registers.  The launcher runs it instead of select_push when
+# the launch's slices fit (producer_uses_lean); its metadata carries this as its split's
+# slice_max.
+PRODUCER_LEAN_SLICE_MAX = 16384
 
 
 def producer_split() -> dict:
@@ -172,6 +177,18 @@ def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:
     while c < cmax and producer_cache_tokens(rows, cols, c, cache) < _round_up(-(-length // c), 8):
         c += 1
     return c
+
+
+def producer_uses_lean(cols: int, c: int, lean_slice_max: int) -> bool:
+    """Whether a select_push launch over [rows, cols] in clusters of c runs the configuration's
+    lean image (kernels/cache.py OPTIONAL, kernels/lean.py) instead of select_push: when it has
+    one (``lean_slice_max`` > 0: that image's split's slice_max, else 0) and every slice of the
+    launch, cut from the buffer's row length min(cols, 2**17), has at most that many tokens.
+    H200, W = 8, K = 2048, N = 512 (twenty-fourth session): 7.0 -> 5.6 us at R = 1, L = 8K;
+    9.3 -> 7.5 at R = 1, L = 128K (C = 8).  The C++ launcher's rule is this one
+    (dsa_producer_uses_lean, tests/test_ffi.py)."""
+    length = max(1, min(int(cols), MAX_LOCAL_LEN))
+    return int(lean_slice_max) > 0 and _round_up(-(-length // max(1, int(c))), 8) <= int(lean_slice_max)
 
 
 def merge_uses_wide(rows: int, wide_grid: int) -> bool:

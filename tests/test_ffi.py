@@ -24,7 +24,7 @@ SYMBOLS = [
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
     "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_producer_cache_tokens", "dsa_kernel_cluster_fit", "dsa_launcher_params",
     "dsa_set_kernel_cluster", "dsa_set_exchange_wide_merge", "dsa_merge_uses_wide",
-    "dsa_layout_constant",
+    "dsa_set_exchange_lean_producer", "dsa_producer_uses_lean", "dsa_layout_constant",
 ]
 
 # clusters of c = 1..8 CTAs an H200 runs at once at select_push's full shared memory (the
@@ -135,6 +135,23 @@ def test_set_kernel_cluster_errors_are_readable():
 def test_set_exchange_wide_merge_errors_are_readable():
     with pytest.raises(RuntimeError, match=r"no exchange registered \(exchange 987654"):
         _ffi.set_exchange_wide_merge(987654, 0, "nope_merge", 4)
+
+
+@needs_lib
+def test_set_exchange_lean_producer_errors_are_readable():
+    with pytest.raises(RuntimeError, match=r"no exchange registered \(exchange 987654"):
+        _ffi.set_exchange_lean_producer(987654, 0, "nope_select")
+
+
+@needs_lib
+def test_producer_image_choice_is_layouts():
+    """The launcher runs the lean producer exactly where layout.producer_uses_lean says: a lean
+    image (its slice_max > 0) and every slice, cut from min(cols, 2**17), within it."""
+    for lean_max in (0, 8192, layout.PRODUCER_LEAN_SLICE_MAX):
+        for cols in (0, 1, 8, 4095, 8192, 8193, 16384, 16385, 32768, 65537, 131072, 131080, 1 << 20):
+            for c in range(1, layout.PRODUCER_CLUSTER_MAX + 1):
+                want = layout.producer_uses_lean(cols, c, lean_max)
+                assert _ffi.producer_uses_lean(cols, c, lean_max) == want, (cols, c, lean_max)
 
 
 @needs_lib

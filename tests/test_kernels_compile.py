@@ -129,6 +129,21 @@ def test_ptx_protocol_instructions(images):
     # a timeout is a status record, never a trap (the one trap of a clustered merge: a launch
     # without its cluster dimensions)
     assert mg.count("trap;") == (0 if mimg.cluster == 1 else 1)
+    if "select_push_lean" in images:
+        lp = images["select_push_lean"][0].ptx
+        # the lean producer pushes as select_push does (its own part, 16-byte LL records and
+        # 8-byte edge halves, PDL trigger), reads the other CTAs' counts after relaxed cluster
+        # barriers, never stores into another CTA's shared memory; its loads are predicated
+        # 16-byte read-only loads; its one trap: a launch whose slices do not fit it
+        assert re.search(r"st\.volatile\.global\.v2\.u64", lp) and re.search(r"st\.volatile\.global\.u64", lp)
+        assert not re.search(r"st\.volatile\.global\.v(2|4)\.u32", lp)
+        assert "griddepcontrol.launch_dependents" in lp and "griddepcontrol.wait" in lp
+        assert "fence.release.sync_restrict::shared::cta.cluster" in lp
+        assert "barrier.cluster.arrive.relaxed.aligned" in lp and "barrier.cluster.wait.aligned" in lp
+        assert "barrier.cluster.arrive.release" not in lp
+        assert "ld.shared::cluster.u32" in lp and "st.shared::cluster" not in lp and "red.relaxed.cluster" not in lp
+        assert re.search(r"@p ld\.global\.nc\.v4\.u32", lp)
+        assert "cp.async.bulk" not in lp and lp.count("trap;") == 1
 
 
 def test_metadata_matches_abi(images, tmp_path):
@@ -187,7 +202,7 @@ def test_merge_cluster_of_large_rows(monkeypatch):
     assert img.cluster == 2 and img.metadata()["cluster"] == 2
     # its second image, rows over clusters of merge.CLUS_WIDE: the same kernel and ABI, merge
     # written last (its json marks the folder complete)
-    assert list(imgs) == ["select_push", "merge_wide", "merge"]
+    assert list(imgs) == ["select_push", "select_push_lean", "merge_wide", "merge"]
     wide = imgs["merge_wide"][0]
     assert wide.kernel == "merge" and wide.params == img.params and wide.cluster == merge.CLUS_WIDE == 4
     assert wide.metadata()["cluster"] == 4 and wide.cubin != img.cubin
@@ -204,6 +219,39 @@ def test_merge_cluster_of_large_rows(monkeypatch):
         m = cache._kernel_object("merge_wide", w, k, n)
         assert (m.clus, m.kp1) == (c, kp), (w, k, n, m.clus, m.kp1)
     assert "merge_wide" not in cache.compile_images("sm_90a", 8, 2048, 512)
+
+
+def test_lean_producer_image(monkeypatch):
+    """The lean producer image (kernels/lean.py): select_push's kernel and ABI with the lean
+    select, for configurations whose rows are pushed in own parts (n <= 2048) without the rescue
+    list, unless the select knob lean=0; its split's slice_max / cache_max are the longest slice
+    it takes (layout.PRODUCER_LEAN_SLICE_MAX), the launcher's rule layout.producer_uses_lean."""
+    from jax_dsa_exchange.kernels import lean, select
+    from jax_dsa_exchange.kernels.select_push import SelectPush, lean_ok
+
+    assert lean.SLICE_MAX == lean.TB * lean.TMAX == layout.PRODUCER_LEAN_SLICE_MAX == 16384
+    for (w, k, n, rl), want in {(8, 2048, 512, False): True, (16, 4096, 2048, False): True,
+                                (16, 4096, 4096, False): False, (8, 2048, 512, True): False,
+                                (8, 2048, 2048, True): True, (8, 256, 64, False): True}.items():
+        assert lean_ok(n, k, rl) == want and cache.has_lean_producer(w, k, n, rl) == want, (w, k, n, rl)
+    with pytest.raises(ValueError, match="no lean select_push for n=4096"):
+        SelectPush(16, 4096, 4096, lean=True)
+    imgs = cache.compile_images("sm_90a", 8, 2048, 512)
+    assert list(imgs) == ["select_push", "select_push_lean", "merge"]
+    sp, lp = imgs["select_push"][0], imgs["select_push_lean"][0]
+    assert lp.kernel == "select_push" and lp.params == sp.params and lp.cubin != sp.cubin
+    assert lp.split == dict(sp.split, slice_max=16384, cache_max=16384, cache_wide=16384)
+    # its shared memory with a full slice copy (the launch trims it as select_push's cache)
+    assert lp.smem < sp.smem and 2 * lp.split["cache_max"] < lp.smem
+    assert "select_push_lean" not in cache.compile_images("sm_90a", 8, 2048, 512, rescue_list=True)
+    monkeypatch.setattr(select, "LEAN", 0)
+    assert not cache.has_lean_producer(8, 2048, 512)
+    # the rule: slices cut from min(cols, 2**17) of at most slice_max tokens, an image at all
+    for cols, c, want in ((8192, 1, True), (16384, 1, True), (16385, 1, False), (32768, 2, True),
+                          (32768, 1, False), (131072, 8, True), (131072, 6, False), (200000, 8, True),
+                          (0, 1, True), (20001, 2, True)):
+        assert layout.producer_uses_lean(cols, c, 16384) == want, (cols, c)
+        assert not layout.producer_uses_lean(cols, c, 0)
 
 
 def test_kernel_signatures_are_the_abi():

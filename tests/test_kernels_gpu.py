@@ -44,6 +44,10 @@ WIDE = [(16, 2048, 1024), (8, 2048, 1024), (16, 2048, 512)]
 # "merge_wide" (every call on it where the configuration has one: tools/gpu_clus_run.sh runs
 # the tests again so)
 TEST_MERGE = os.environ.get("JAX_DSA_EXCHANGE_TEST_MERGE", "auto")
+# ... and which producer image: "auto" (the launcher's choice: the lean image where a launch's
+# slices fit it), "select_push" (every call on it: tools/gpu_lean_run.sh runs the tests again so)
+# or "select_push_lean"
+TEST_PRODUCER = os.environ.get("JAX_DSA_EXCHANGE_TEST_PRODUCER", "auto")
 
 _SIMS: dict = {}
 
@@ -62,7 +66,7 @@ def sim_for(world, topk, n, max_rows=64, rescue_list=None):
         rescue_list = os.environ.get("JAX_DSA_EXCHANGE_TEST_RESCUE_LIST", "") == "1"
     key = (world, topk, n, rescue_list)
     if key not in _SIMS or _SIMS[key].max_rows < max_rows:
-        _SIMS[key] = Sim(world, topk, n, max_rows, rescue_list=rescue_list, merge=TEST_MERGE)
+        _SIMS[key] = Sim(world, topk, n, max_rows, rescue_list=rescue_list, merge=TEST_MERGE, producer=TEST_PRODUCER)
     return _SIMS[key]
 
 

@@ -126,6 +126,50 @@ def test_pushed_rows_are_the_model_rows_for_every_split(kind, rescue_list):
                             f"differ, first at {bad[0]}: got {got[bad[0]]:#x} want {want_k[t][bad[0]]:#x}")
 
 
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials", "recent", "runs"])
+def test_lean_image_pushes_the_model_rows(kind):
+    """The lean producer image (kernels/lean.py), forced, at every split whose slices fit it
+    (16K tokens), in launches of at most lean.SPEC_CTAS CTAs (slices cut from the buffer's row
+    length, loaded before the row end is known) and of more (slices cut from each row's end):
+    rows byte-identical to reference.pack_local_topk, the right epoch tag in every LL half."""
+    from jax_dsa_exchange.kernels.lean import SPEC_CTAS
+    from jax_dsa_exchange.testing.sim import Sim
+
+    world, topk, n = 2, 2048, 512
+    sim = Sim(world, topk, n, 160, producer="select_push_lean")
+    rng = np.random.default_rng({"random": 21, "ties": 22, "equal": 23, "specials": 24, "recent": 25,
+                                 "runs": 26}[kind])  # fmt: skip
+    # (rows, C) with rows * C <= 132 and > 132 at every L: both ways of cutting the slices
+    for L, rows_of in ((8192, (16, 140)), (16384, (16, 133)), (16385, (16, 70)), (20001, (16, 70)),
+                       (L_MAX, (16, 17))):
+        for rows in rows_of:
+            logits = _logits(kind, rows, L, rng)
+            ends = rng.permutation(_row_ends(n, L, rows, rng))
+            want = [reference.pack_local_topk(logits[t].view(np.uint16), ends[t], n) for t in range(rows)]
+            d = sim.upload(cases.Case("lean", world, topk, n, 16, [logits] * world, [ends] * world,
+                                      [np.zeros(rows, np.int32)] * world,
+                                      [np.zeros((1, -(-L // 16)), np.int32)] * world))[0]  # fmt: skip
+            for c in CLUSTERS:
+                if sim.producer_image(L, c) != "select_push_lean":
+                    assert not layout.producer_uses_lean(L, c, layout.PRODUCER_LEAN_SLICE_MAX)
+                    continue
+                for b in sim.bufs:
+                    b.fill(0)
+                sim.launch_rank(0, d, rows, L, 16, merge=False, cluster=c)
+                sim.cp.cuda.Device().synchronize()
+                mode = "buffer" if rows * c <= SPEC_CTAS else "end"
+                for dst in range(world):
+                    for t in range(rows):
+                        words, tags, e = _pushed(sim, dst, 0, t, n)
+                        assert (tags == e).all(), f"L={L} C={c} row {t}: epoch tags {set(tags.tolist())} != {e}"
+                        if not np.array_equal(words, want[t]):
+                            bad = np.flatnonzero(words != want[t])
+                            raise AssertionError(
+                                f"{kind} L={L} R={rows} C={c} (slices from the {mode}) row {t} (end {ends[t]}) in "
+                                f"rank {dst}'s buffer: {bad.size} words differ, first at {bad[0]}: got "
+                                f"{words[bad[0]]:#x} want {want[t][bad[0]]:#x}")
+
+
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_exchange_bit_identical_for_every_split(cluster):
     """The shared adversarial cases through select_push (forced C) + merge."""

@@ -1,6 +1,9 @@
-"""select_push variants at the issue #11 grid's shapes, with the launcher's split or a forced one,
+"""Producer variants at the issue #11 grid's shapes, with the launcher's split or a forced one,
 in ONE process on the GPU machine (W = 8 simulated, K = 2048; the cubins of every variant
-prebuilt: tools/gpu_lean_run.sh --build).  Per shape and variant: rank 0's select_push alone,
+prebuilt: tools/gpu_lean_run.sh --build).  A variant is NAME=TUNE[@IMAGE]: a select tune string
+and the producer image the launches take ("auto": the launcher's choice, the lean image where
+the slices fit; "select_push": that image on every launch).  Per shape and variant: rank 0's
+producer alone,
 CUDA-event median and its CUPTI kernel median, the goal of issue #11 (max(6 us, 3 x the floor:
 one read of [R, L] bf16 or one write of the LL rows pushed to W ranks, at the copy bandwidth
 measured here)), the table last.
@@ -18,7 +21,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 ST = "JAX_DSA_EXCHANGE_SELECT_TUNE"
-VARIANTS = [("default", ""), ("lean", "lean=1")]
+VARIANTS = [("select_push", "", "select_push"), ("auto", "", "auto")]
 # (R, L, C): C None = the launcher's split; a forced C where the policy's slices are longer than
 # the lean select takes (16K tokens)
 SHAPES = [(1, 8192, None), (16, 8192, None), (64, 8192, None), (256, 8192, None),
@@ -31,10 +34,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, nargs="+", default=[512])
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", nargs="*", default=None, help="NAME=TUNE (default: default, lean)")
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help="NAME=TUNE[@IMAGE] (default: select_push=@select_push auto=@auto)")
     ap.add_argument("--out", default="/tmp/lean_time.json")
     a = ap.parse_args(argv)
-    variants = [tuple(v.split("=", 1)) for v in a.variants] if a.variants else VARIANTS
+    variants = VARIANTS
+    if a.variants:
+        variants = []
+        for v in a.variants:
+            name, rest = v.split("=", 1)
+            tune, _, image = rest.partition("@")
+            variants.append((name, tune, image or "auto"))
     import cupy as cp
 
     from jax_dsa_exchange import layout
@@ -45,20 +55,21 @@ def main(argv=None):
     res = {}
     for n in a.n:
         timers = {}
-        for name, tune in variants:
+        for name, tune, image in variants:
             os.environ[ST] = tune
             try:
-                timers[name] = KernelTimer(cp, 8, 2048, n, 256)
+                timers[name] = KernelTimer(cp, 8, 2048, n, 256, producer=image)
             except FileNotFoundError:
                 print(f"  {name} N={n}: no cubins (not built for this N)", flush=True)
         for R, L, c in SHAPES:
             floor = max(R * L * 2, 8 * R * layout.ll_row_bytes(n)) / bw * 1e6
             goal = max(6.0, 3 * floor)
-            for name, _ in variants:
+            for name, _, _ in variants:
                 if name not in timers:
                     continue
                 t = timers[name]
                 cc = c or t.sim.producer_cluster(R, L)
+                img = "lean" if t.sim.producer_image(L, cc) == "select_push_lean" else "sp"
                 try:
                     ev = t.run(R, L, rescue=False, iters=a.iters, merge=False, cluster=c)[0]
                     k = t.last_producer_kernel_us
@@ -66,15 +77,16 @@ def main(argv=None):
                     ev, k = float("nan"), float("nan")
                     print(f"  {name} N={n} R={R} L={L}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 res[f"n{n} {name} {R}x{L} C{cc}"] = dict(n=n, variant=name, R=R, L=L, C=cc, forced=c is not None,
-                                                          events=ev, kernel=k, goal=goal)  # fmt: skip
-                print(f"N={n} {name:8s} R={R:4d} L={L:7d} C={cc}{'*' if c else ' '} events {ev:7.2f} "
+                                                          image=img, events=ev, kernel=k, goal=goal)  # fmt: skip
+                print(f"N={n} {name:8s} R={R:4d} L={L:7d} C={cc}{'*' if c else ' '} {img:4s} events {ev:7.2f} "
                       f"kernel {k:7.2f} goal {goal:6.2f} ({k / goal:4.2f}x)", flush=True)
         del timers
         cp.get_default_memory_pool().free_all_blocks()
     json.dump(res, open(a.out, "w"), indent=1)
     print("\n== select_push alone, W=8 K=2048: kernel us by CUPTI [events]; C* = forced split")
     names = [v[0] for v in variants]
-    print(f"{'N':>5} {'R':>4} {'L':>7} " + " ".join(f"{nm + ' C':>22s}" for nm in names) + f" {'goal':>6}")
+    print("(image: sp = select_push, lean = select_push_lean)")
+    print(f"{'N':>5} {'R':>4} {'L':>7} " + " ".join(f"{nm + ' C image':>27s}" for nm in names) + f" {'goal':>6}")
     for n in a.n:
         for R, L, c in SHAPES:
             cells, goal = [], 0.0
@@ -83,10 +95,11 @@ def main(argv=None):
                           and v["L"] == L and v["forced"] == (c is not None)), None)  # fmt: skip
                 if r:
                     goal = r["goal"]
-                    cells.append(f"{r['kernel']:6.2f} [{r['events']:6.2f}] C{r['C']}{'*' if r['forced'] else ' '}")
+                    cells.append(f"{r['kernel']:6.2f} [{r['events']:6.2f}] C{r['C']}{'*' if r['forced'] else ' '} "
+                                 f"{r['image']:4s}")
                 else:
-                    cells.append(f"{'-':>22s}")
-            print(f"{n:5d} {R:4d} {L:7d} " + " ".join(f"{x:>22s}" for x in cells) + f" {goal:6.2f}")
+                    cells.append(f"{'-':>27s}")
+            print(f"{n:5d} {R:4d} {L:7d} " + " ".join(f"{x:>27s}" for x in cells) + f" {goal:6.2f}")
     return 0
 
 

@@ -12,8 +12,9 @@ with the CuTe DSL when it is importable (and store into the user cache); else
 a clear error naming the configuration and the build command.
 
 On disk, per configuration: ``<dir>/<tag>/{select_push,merge}.{cubin,ptx,json}``
-with ``tag = f"{arch}-w{W}-k{K}-n{N}-{hash[:16]}"``, and ``merge_wide.*`` where the
-configuration has a second merge of wider clusters (:data:`OPTIONAL`).  The JSON::
+with ``tag = f"{arch}-w{W}-k{K}-n{N}-{hash[:16]}"``, and ``select_push_lean.*`` /
+``merge_wide.*`` where the configuration has the lean producer / a second merge of wider
+clusters (:data:`OPTIONAL`).  The JSON::
 
     {"kernel": "select_push" | "merge", "entry": <PTX entry symbol>,
      "params": [[name, "i64" | "i32"], ...]  (launch order),
@@ -45,8 +46,12 @@ KERNELS = ("select_push", "merge")
 # words per thread), built where the merge is clustered and that is wider; the launcher runs it instead of the merge when every row of a
 # call has its own cluster at once (layout.merge_uses_wide).  Written before merge.json, whose
 # presence marks a folder complete.
-OPTIONAL = ("merge_wide",)
-KIND = {"select_push": "select_push", "merge": "merge", "merge_wide": "merge"}  # image -> kernel (ABI)
+# select_push_lean: select_push with the lean select (kernels/lean.py), built where the configuration
+# allows it (select_push.lean_ok) unless the select knob lean=0; the launcher runs it instead of
+# select_push when every slice of a launch fits it (layout.producer_uses_lean).
+OPTIONAL = ("select_push_lean", "merge_wide")
+KIND = {"select_push": "select_push", "select_push_lean": "select_push", "merge": "merge",
+        "merge_wide": "merge"}  # image -> kernel (ABI)
 _HERE = pathlib.Path(__file__).resolve().parent
 SOURCE_FILES = (
     _HERE / "abi.py",
@@ -207,15 +212,24 @@ _COMPILED: dict = {}  # (kernel, arch, W, K, N, rescue_list) -> (compiled object
 
 
 def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_list: bool = False):
-    if kernel == "select_push":
+    if kernel in ("select_push", "select_push_lean"):
         from .select_push import SelectPush
 
-        return SelectPush(world, local_topk, topk, rescue_list)
+        return SelectPush(world, local_topk, topk, rescue_list, lean=kernel == "select_push_lean")
     from .merge import CLUS_WIDE, WIDE_KP, Merge
 
     if kernel == "merge_wide":
         return Merge(world, topk, local_topk, rescue_list, clus=CLUS_WIDE, min_kp=WIDE_KP)
     return Merge(world, topk, local_topk, rescue_list)
+
+
+def has_lean_producer(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
+    """Whether the configuration gets a select_push_lean image (needs the CuTe DSL: the kernels'
+    own rule, select_push.lean_ok, and the select knob lean, on by default)."""
+    from . import select
+    from .select_push import lean_ok
+
+    return bool(select.LEAN) and lean_ok(local_topk, topk, rescue_list)
 
 
 def has_wide_merge(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
@@ -240,12 +254,6 @@ def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: in
     return _COMPILED[key]
 
 
-def _producer_split() -> dict:
-    from .select_push import split
-
-    return split()
-
-
 def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_list: bool = False) -> dict:
     """Compile both kernels (and merge_wide where the configuration has it) -> {name:
     (KernelImage, compile seconds)}, merge last."""
@@ -255,7 +263,8 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_lis
 
     shash = source_hash()
     out = {}
-    names = ("select_push", "merge_wide", "merge") if has_wide_merge(world, topk, local_topk, rescue_list) else KERNELS
+    names = (("select_push",) + (("select_push_lean",) if has_lean_producer(world, topk, local_topk, rescue_list) else ())
+             + (("merge_wide",) if has_wide_merge(world, topk, local_topk, rescue_list) else ()) + ("merge",))
     for name in names:
         obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk, rescue_list)
         entries = list(compiled.kernel_info)
@@ -268,7 +277,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_lis
             config={"world": world, "topk": topk, "local_topk": local_topk,
                     "rescue_list": bool(rescue_list)},
             arch=arch, source_hash=shash,
-            split=_producer_split() if name == "select_push" else None,
+            split=obj.split() if KIND[name] == "select_push" else None,
             cluster=int(getattr(obj, "clus", 1)),
         )  # fmt: skip
         out[name] = (img, secs)

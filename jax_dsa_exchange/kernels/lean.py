@@ -51,6 +51,37 @@ _B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _KBEFORE = 0, 1, 2, 3, 4
 _V, _NEED_EQ, _GTB, _EQB, _GTO, _EQO = 8, 9, 10, 11, 12, 13
 
 
+def smem_words(rw: int) -> int:
+    """Shared 32-bit words of :class:`LeanSmem` (allocation order, 16-byte aligned parts; the
+    slice copy last, so a launch with a shorter slice needs that much less)."""
+    parts = [S.NB1, S.NB2, 16, 32, 2 * NWARPS, rw, SLICE_MAX // 2]
+    return sum(-(-p // 4) * 4 for p in parts)
+
+
+def smem_bytes(rw: int) -> int:
+    return smem_words(rw) * 4 + 128  # + allocator alignment slack
+
+
+class LeanSmem:
+    """The lean select's shared arrays (``parts()``: select.SelectSmem.parts()'s order, None for
+    the parts it does not use)."""
+
+    def __init__(self, smem, rw: int):
+        def arr(n):
+            return smem.allocate_tensor(Int32, cute.make_layout((n,)), 16)
+
+        self.hist1 = arr(S.NB1)
+        self.hist2 = arr(S.NB2)
+        self.pub = arr(16)  # read by the other CTAs of the cluster (_P_*)
+        self.scal = arr(32)
+        self.wt = arr(2 * NWARPS)
+        self.row = arr(rw)
+        self.cache = arr(SLICE_MAX // 2)  # the slice's ord16 pairs, last
+
+    def parts(self):
+        return (self.cache, self.hist1, self.hist2, None, self.pub, self.scal, self.wt, self.row, None, None)
+
+
 @dsl_user_op
 def ld_nc_v4_if(addr: Int64, pred: Int32, *, loc=None, ip=None):
     """Eight bf16 in one 16-byte load where ``pred`` != 0, else zeros (predicated: the loads of
@@ -146,6 +177,7 @@ def token(xs: cute.Tensor, j: cutlass.Constexpr) -> Uint32:
 # shorter than the buffer then reads past its end, which larger launches, whose bandwidth
 # counts, do not)
 SPEC_CTAS = S.LEAN_SPEC  # 132 ("lspec=N": a variant's)
+assert SLICE_MAX == layout.PRODUCER_LEAN_SLICE_MAX, (SLICE_MAX, layout.PRODUCER_LEAN_SLICE_MAX)
 
 
 def slice_len(end, csize):
@@ -159,6 +191,11 @@ def fits(cols: Int32, csize: Int32) -> Int32:
     """1 where the lean select takes the rows of a launch over [rows, cols] in clusters of csize
     (every row's slice has at most SLICE_MAX tokens: those cut from the buffer's row length)."""
     return Int32(thread_len(slice_len(cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize)) <= Int32(TMAX))
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    C._asm(None, [], "trap;", "~{memory}", loc, ip)
 
 
 def thread_len(s):

@@ -165,11 +165,12 @@ B1W = 1
 # the chain costs once nothing is cold (twenty-third session: at R = 1, L = 8K every phase
 # after the first costs what it costs cold)
 REP = 1
-# LEAN (exact; "lean=0" select_row alone): select_push takes a slice of at most
-# lean.SLICE_MAX tokens (16 KB of ord16 over the CTA's registers) through lean.select_row_lean
-# (twenty-fourth session: fewer phases, no mask walks); longer slices, the rescue list's
-# second count and the merge's rescue keep select_row
-LEAN = 0
+# LEAN (exact; "lean=0": none): configurations whose rows select_push pushes in own parts, without
+# the rescue list, also get the "select_push_lean" image (kernels/lean.py: a slice of at most
+# lean.SLICE_MAX tokens over the CTA's registers, fewer phases, no mask walks; twenty-fourth
+# session), which the launcher runs where a launch's slices fit (layout.producer_uses_lean);
+# longer slices, the rescue list's second count and the merge's rescue keep select_row
+LEAN = 1
 LEAN_SPEC = 132  # ("lspec=N") lean.SPEC_CTAS: launches of at most N CTAs cut slices from the buffer
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's

@@ -65,6 +65,12 @@ def select_row_at(row_addr, end_raw, cols, *args, **kw):
     return S.select_row(row_addr, S.clamp_end(end_raw, cols), *args, **kw)
 
 
+def lean_ok(n: int, topk: int = 0, rescue_list: bool = False) -> bool:
+    """Whether a configuration gets the lean image: rows of n <= 2048 candidates (own_part_ok:
+    each CTA pushes its own part) and no rescue list (the lean select makes one count)."""
+    return own_part_ok(n) and S.klist_n2(n, topk, rescue_list) == 0
+
+
 def own_part_ok(n: int) -> bool:
     """Whether push_part serves rows of n candidates: their mask records (with the padding
     words) are derived by the lanes of one warp."""
@@ -76,12 +82,26 @@ class SelectPush:
     row's local top-K also goes to its klist row of the local state (layout.StateLayout), for
     the merge's rescue."""
 
-    def __init__(self, world: int, n: int, topk: int = 0, rescue_list: bool = False):
+    def __init__(self, world: int, n: int, topk: int = 0, rescue_list: bool = False, lean: bool = False):
         self.world, self.n = world, n
         self.n2 = S.klist_n2(n, topk, rescue_list)
         self.rw = layout.row_words(n)
         self.ll_row_bytes = layout.ll_row_bytes(n)
-        self.smem = smem_bytes(n, topk, rescue_list)
+        # lean: the select of kernels/lean.py alone (the "select_push_lean" image), for
+        # launches whose slices have at most lean.SLICE_MAX tokens (layout.producer_uses_lean)
+        self.lean = bool(lean)
+        if self.lean and not lean_ok(n, topk, rescue_list):
+            raise ValueError(f"no lean select_push for n={n}, topk={topk}, rescue_list={rescue_list}")
+        self.smem = (LS.smem_bytes(self.rw) + layout.MAX_WORLD * 8) if self.lean else smem_bytes(n, topk, rescue_list)
+
+    def split(self) -> dict:
+        """The image's metadata split: select_push's, or for the lean image slice_max and its
+        slice copy's capacity lean.SLICE_MAX (what the launcher's rule and its shared memory
+        per launch read)."""
+        if self.lean:
+            return dict(layout.producer_split(), slice_max=LS.SLICE_MAX, cache_max=LS.SLICE_MAX,
+                        cache_wide=LS.SLICE_MAX)  # fmt: skip
+        return split()
 
     @cute.kernel
     def kernel(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
@@ -99,7 +119,11 @@ class SelectPush:
         me = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
         psm = smem.allocate_tensor(Int64, cute.make_layout((layout.MAX_WORLD,)), 16)
-        sm = S.SelectSmem(smem, self.rw, True, self.n2 > 0)  # (its slice cache last: see smem_bytes)
+        sm = None
+        if cutlass.const_expr(self.lean):
+            sm = LS.LeanSmem(smem, self.rw)  # (its slice copy last)
+        else:
+            sm = S.SelectSmem(smem, self.rw, True, self.n2 > 0)  # (its slice cache last: see smem_bytes)
         row = sm.row
         # The logits and epochs come from earlier kernels (PDL-safe).
         C.pdl_wait()
@@ -140,7 +164,7 @@ class SelectPush:
             sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens,
             early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own, n2=self.n2,
             k_out=k_out)  # fmt: skip
-        if cutlass.const_expr("select" not in S.SKIP and S.REP > 1):  # rep=2: timing only
+        if cutlass.const_expr("select" not in S.SKIP and S.REP > 1 and not self.lean):  # rep=2: timing only
             for _r in cutlass.range_constexpr(S.REP - 1):
                 select()
                 if cutlass.const_expr(own):
@@ -148,19 +172,15 @@ class SelectPush:
                         S.cluster_wait()
                 S.cluster_sync()  # (no CTA still in the first select when another starts the next)
                 mk(0)
-        if cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
-            if cutlass.const_expr(S.LEAN and own and self.n2 == 0 and S.REP == 1 and not S.SKIP):
-                lean = functools.partial(
-                    LS.select_row_lean, logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, rows,
-                    self.n, self.rw, sm.parts(), tid, lane, warp, csize, me, mk=mk,
-                    early=functools.partial(store_peers, psm, pv, tid, self.world))  # fmt: skip
-                # (uniform over the launch; nothing here waits for the row end's load)
-                if LS.fits(cols, csize) != Int32(0):
-                    p0, p1, p_end, writer = lean()
-                else:
-                    p0, p1, p_end, writer = select(mk=mk)
-            else:
-                p0, p1, p_end, writer = select(mk=mk)
+        if cutlass.const_expr(self.lean):
+            # (the launcher runs this image only where every slice fits: layout.producer_uses_lean)
+            if LS.fits(cols, csize) == Int32(0):
+                LS.trap()
+            p0, p1, p_end, writer = LS.select_row_lean(
+                logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, rows, self.n, self.rw, sm.parts(),
+                tid, lane, warp, csize, me, mk=mk, early=functools.partial(store_peers, psm, pv, tid, self.world))
+        elif cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
+            p0, p1, p_end, writer = select(mk=mk)
         else:
             store_peers(psm, pv, tid, self.world)
             cute.arch.sync_threads()  # psm is read by other threads of the CTA

@@ -57,14 +57,15 @@ class KernelTimer:
     (testing.sim), CUDA events, inputs rotating over several sets."""
 
     def __init__(self, cp, world, topk, n, max_rows, pattern="random", spacer_mb=256, rescue_list=False,
-                 merge="auto"):
+                 merge="auto", producer="auto"):
         from ..testing.sim import Sim
 
         if pattern not in PATTERNS:
             raise ValueError(f"pattern {pattern!r}: one of {sorted(PATTERNS)}")
         self.pattern = pattern
         self.cp = cp
-        self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world, rescue_list=rescue_list, merge=merge)
+        self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world, rescue_list=rescue_list, merge=merge,
+                       producer=producer)  # fmt: skip
         # the memset before each timed launch: keeps the stream busy while the host enqueues,
         # and at 256 MB (> the 50 MB L2) leaves the L2 cold, code included (spacer_mb=1:
         # L2 warm, the events then include some enqueue time; the CUPTI durations do not)

@@ -143,14 +143,19 @@ def _load_function(img, tmpdir, name=None):
 
 class Sim:
     def __init__(self, world, topk, local_topk, max_rows, *, arch="sm_90a", cta_budget=96,
-                 rescue_list=False, merge="auto"):
+                 rescue_list=False, merge="auto", producer="auto"):
         """``merge``: which merge image every call launches: "auto" the launcher's choice
         (layout.merge_uses_wide), "merge" or "merge_wide" (the configuration's, where it has
-        one: else "merge")."""
+        one: else "merge").  ``producer``: likewise "auto" (layout.producer_uses_lean),
+        "select_push" or "select_push_lean" (where the configuration has it and the launch's
+        slices fit it: else select_push)."""
         import cupy as cp
 
         if merge not in ("auto", "merge", "merge_wide"):
             raise ValueError(f"merge={merge!r}: expected 'auto', 'merge' or 'merge_wide'")
+        if producer not in ("auto", "select_push", "select_push_lean"):
+            raise ValueError(f"producer={producer!r}: expected 'auto', 'select_push' or 'select_push_lean'")
+        self.producer_choice = producer
 
         self.cp = cp
         self.world, self.topk, self.n, self.max_rows = world, topk, local_topk, max_rows
@@ -212,6 +217,16 @@ class Sim:
         """CTAs per row the launcher picks for [rows, cols] on this device."""
         return layout.producer_cluster(rows, cols, self.launch_split())
 
+    def producer_image(self, cols, c):
+        """The producer image a launch over [rows, cols] in clusters of c runs: the lean one
+        where the configuration has it and its slices fit (layout.producer_uses_lean), unless
+        a choice was forced."""
+        lean = self.images.get("select_push_lean")
+        fits = lean is not None and layout.producer_uses_lean(cols, c, lean.split["slice_max"])
+        if self.producer_choice == "select_push" or not fits:
+            return "select_push"
+        return "select_push_lean"
+
     def image_grid(self, name):
         """Rows each rank's launch of merge image ``name`` takes at once (its CTAs, or with a
         clustered merge its clusters): the W grids co-resident within cta_budget CTAs (and
@@ -270,23 +285,26 @@ class Sim:
         programmatic stream serialization (as the C++ launcher does): behind this rank's
         producer it then starts once every producer CTA has triggered."""
         name = self.merge_image(rows)
-        sp, mg = self.images["select_push"], self.images[name]
+        mg = self.images[name]
         with self.streams[q]:
             if producer:
                 # the split, the slice cache and the shared memory for it as the C++ launcher
-                # derives them from the metadata (a cache=N variant build has its own cache_max)
+                # derives them from the metadata (a cache=N variant build has its own cache_max):
+                # C and the cache from select_push's split, the image by layout.producer_uses_lean
                 split = self.launch_split() or {}
                 c = cluster or layout.producer_cluster(rows, cols, split or None)
+                pname = self.producer_image(cols, c)
+                sp = self.images[pname]
                 cache, smem = 0, sp.smem  # (a build without a slice cache: the launcher's case too)
                 if split.get("cache_max", 0) > 0:
                     cache = layout.producer_cache_tokens(rows, cols, c, split)
-                    smem = sp.smem - 2 * (split["cache_max"] - cache)
+                    smem = sp.smem - 2 * (sp.split["cache_max"] - cache)
                 smem = min(sp.smem, max(smem, self.select_smem_floor))
                 values = abi.SELECT_PUSH.pack(dict(
                     logits=d["logits"].data.ptr, row_ends=d["row_ends"].data.ptr, rows=rows, cols=cols,
                     epoch=self.states[q].data.ptr, peers=self.peers.data.ptr, rank=q,
                     max_rows=self.max_rows, cache_tokens=cache))  # fmt: skip
-                launch_cluster(self.fns["select_push"], rows * c, sp.block, smem, self.streams[q],
+                launch_cluster(self.fns[pname], rows * c, sp.block, smem, self.streams[q],
                                sp.params, values, c)  # fmt: skip
             if merge:
                 bt = d["bt"]

@@ -103,6 +103,7 @@ def test_pushed_rows_are_the_model_rows_for_every_split(kind, rescue_list):
                 b.fill(0)
             if klist:  # (every K-list word must be written: none left from before)
                 sim.states[0][sim.st.klist_off:].fill(-1)
+            sim.cp.cuda.Device().synchronize()  # (the fills run on another stream than the launch)
             sim.launch_rank(0, d, rows, L, 16, merge=False, cluster=c)
             sim.cp.cuda.Device().synchronize()
             for dst in range(world):
@@ -129,10 +130,9 @@ def test_pushed_rows_are_the_model_rows_for_every_split(kind, rescue_list):
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials", "recent", "runs"])
 def test_lean_image_pushes_the_model_rows(kind):
     """The lean producer image (kernels/lean.py), forced, at every split whose slices fit it
-    (16K tokens), in launches of at most lean.SPEC_CTAS CTAs (slices cut from the buffer's row
-    length, loaded before the row end is known) and of more (slices cut from each row's end):
+    (16K tokens), in launches of at most lean.SPEC_CTAS = 132 CTAs (slices cut from the buffer's
+    row length, loaded before the row end is known) and of more (slices cut from each row's end):
     rows byte-identical to reference.pack_local_topk, the right epoch tag in every LL half."""
-    from jax_dsa_exchange.kernels.lean import SPEC_CTAS
     from jax_dsa_exchange.testing.sim import Sim
 
     world, topk, n = 2, 2048, 512
@@ -155,9 +155,9 @@ def test_lean_image_pushes_the_model_rows(kind):
                     continue
                 for b in sim.bufs:
                     b.fill(0)
+                sim.cp.cuda.Device().synchronize()  # (the fills run on another stream than the launch)
                 sim.launch_rank(0, d, rows, L, 16, merge=False, cluster=c)
                 sim.cp.cuda.Device().synchronize()
-                mode = "buffer" if rows * c <= SPEC_CTAS else "end"
                 for dst in range(world):
                     for t in range(rows):
                         words, tags, e = _pushed(sim, dst, 0, t, n)
@@ -165,7 +165,7 @@ def test_lean_image_pushes_the_model_rows(kind):
                         if not np.array_equal(words, want[t]):
                             bad = np.flatnonzero(words != want[t])
                             raise AssertionError(
-                                f"{kind} L={L} R={rows} C={c} (slices from the {mode}) row {t} (end {ends[t]}) in "
+                                f"{kind} L={L} R={rows} C={c} ({rows * c} CTAs) row {t} (end {ends[t]}) in "
                                 f"rank {dst}'s buffer: {bad.size} words differ, first at {bad[0]}: got "
                                 f"{words[bad[0]]:#x} want {want[t][bad[0]]:#x}")
 

@@ -66,6 +66,12 @@ SELECT_MARKS = {
     8: "boundary (big: the list)", 9: "compaction walk 1",
     10: "compaction scan", 11: "compaction walk 2", 12: "cluster barrier 3", 13: "push",
 }
+# the lean image's (kernels/lean.py; twenty-fourth session)
+LEAN_MARKS = {
+    1: "zeroing barrier (loads issued)", 2: "pass 1", 3: "cluster barrier 1", 4: "window scan (b1) + barrier",
+    5: "pass 2 + bin-b1 walk", 7: "cluster barrier 2", 8: "boundary (warp 0) + barrier", 9: "counts",
+    10: "compaction scan", 11: "write walk", 12: "barrier", 13: "push",
+}
 
 
 def deltas(m):
@@ -149,9 +155,11 @@ def select_profile(cp, W, K, N, R, L, iters, ghz, C=None, pattern="random"):
     clock.__exit__(None, None, None)
     ks = [dd for _, dd in clock.starts_and_durations("kernelsselect_push")]
     k = statistics.median(ks) if ks else float("nan")
+    image = sim.producer_image(L, C)
     for c in range(C):
-        show(f"select_push N={N} R={R} L={L} C={C} ({pattern}, tune "
-             f"{os.environ['JAX_DSA_EXCHANGE_SELECT_TUNE']}): CTA {c} of row 0", SELECT_MARKS, per_cta[c], ghz, k)
+        show(f"{image} N={N} R={R} L={L} C={C} ({pattern}, tune "
+             f"{os.environ['JAX_DSA_EXCHANGE_SELECT_TUNE']}): CTA {c} of row 0",
+             LEAN_MARKS if image == "select_push_lean" else SELECT_MARKS, per_cta[c], ghz, k)
     sk = np.median(np.array(gts), axis=0)
     print(f"  start skew of the CTAs of row 0 (globaltimer, ns, median): {sk.astype(int).tolist()}")
     del b, sets

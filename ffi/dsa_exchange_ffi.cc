@@ -911,15 +911,26 @@ int dsa_register_exchange(int64_t exchange_id, int device, int rank, int world, 
 // The registered exchange's merge_wide image (a loaded merge kernel, its clusters set with
 // dsa_set_kernel_cluster and wider than the merge's) and the clusters of it each launch may
 // hold at once (>= 1); launches of rows <= wide_grid then run it (MergeUsesWide).
+// (With g_mu held.)  The registered record of (exchange_id, device) and the loaded kernel `key`
+// of kind `kind` on that device for a second image of it; -1 (Fail) where either is missing.
+static int FindSecondImage(int64_t exchange_id, int device, const char* key, const char* kind,
+                           const std::string& where, std::map<std::pair<int64_t, int>, Record>::iterator* r,
+                           std::map<std::pair<std::string, int>, Kernel>::iterator* k) {
+  *r = g_records.find({exchange_id, device});
+  if (*r == g_records.end()) return Fail("no exchange registered" + where);
+  *k = g_kernels.find({key, device});
+  if (*k == g_kernels.end())
+    return Fail(std::string("kernel '") + key + "' not loaded on device " + std::to_string(device) + where);
+  if ((*k)->second.kind != kind) return Fail(std::string("kernel '") + key + "' must be a " + kind + where);
+  return 0;
+}
+
 int dsa_set_exchange_wide_merge(int64_t exchange_id, int device, const char* key, int wide_grid) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::string where = Where(exchange_id, device);
-  auto r = g_records.find({exchange_id, device});
-  if (r == g_records.end()) return Fail("no exchange registered" + where);
-  auto k = g_kernels.find({key, device});
-  if (k == g_kernels.end())
-    return Fail(std::string("kernel '") + key + "' not loaded on device " + std::to_string(device) + where);
-  if (k->second.kind != "merge") return Fail(std::string("kernel '") + key + "' must be a merge" + where);
+  std::map<std::pair<int64_t, int>, Record>::iterator r;
+  std::map<std::pair<std::string, int>, Kernel>::iterator k;
+  if (FindSecondImage(exchange_id, device, key, "merge", where, &r, &k) < 0) return -1;
   if (k->second.cluster <= r->second.merge.cluster)
     return Fail(std::string("kernel '") + key + "': clusters of " + std::to_string(k->second.cluster) +
                 " CTAs, not wider than the merge's " + std::to_string(r->second.merge.cluster) + where);
@@ -938,12 +949,9 @@ int dsa_merge_uses_wide(int rows, int wide_grid) { return MergeUsesWide(rows, wi
 int dsa_set_exchange_lean_producer(int64_t exchange_id, int device, const char* key) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::string where = Where(exchange_id, device);
-  auto r = g_records.find({exchange_id, device});
-  if (r == g_records.end()) return Fail("no exchange registered" + where);
-  auto k = g_kernels.find({key, device});
-  if (k == g_kernels.end())
-    return Fail(std::string("kernel '") + key + "' not loaded on device " + std::to_string(device) + where);
-  if (k->second.kind != "select_push") return Fail(std::string("kernel '") + key + "' must be a select_push" + where);
+  std::map<std::pair<int64_t, int>, Record>::iterator r;
+  std::map<std::pair<std::string, int>, Kernel>::iterator k;
+  if (FindSecondImage(exchange_id, device, key, "select_push", where, &r, &k) < 0) return -1;
   const int slice_max = k->second.split[0], cache_max = k->second.split[4];
   if (slice_max < 1 || cache_max < slice_max || (r->second.select.split[4] > 0 && slice_max > r->second.select.split[0]))
     return Fail(std::string("kernel '") + key + "': split slice_max " + std::to_string(slice_max) + ", cache_max " +

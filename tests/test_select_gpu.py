@@ -77,6 +77,23 @@ def _pushed(sim, dst, src, t, n):
     return raw[:, [0, 2]].ravel(), raw[:, [1, 3]].ravel(), e
 
 
+def _launch_and_check(sim, d, rows, L, c, want, ends, what):
+    """Rank 0's producer over ``rows`` rows of L columns in clusters of c, then every rank's
+    buffer holds want[t] for row t, with the call's epoch in every LL half."""
+    sim.cp.cuda.Device().synchronize()  # (the caller's fills run on another stream than the launch)
+    sim.launch_rank(0, d, rows, L, 16, merge=False, cluster=c)
+    sim.cp.cuda.Device().synchronize()
+    for dst in range(sim.world):
+        for t in range(rows):
+            words, tags, e = _pushed(sim, dst, 0, t, sim.n)
+            assert (tags == e).all(), f"{what} row {t}: epoch tags {set(tags.tolist())} != {e}"
+            if not np.array_equal(words, want[t]):
+                bad = np.flatnonzero(words != want[t])
+                raise AssertionError(
+                    f"{what} row {t} (end {ends[t]}) in rank {dst}'s buffer: {bad.size} words differ, "
+                    f"first at {bad[0]}: got {words[bad[0]]:#x} want {want[t][bad[0]]:#x}")
+
+
 @pytest.mark.parametrize("rescue_list", [False, True])
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials", "recent", "runs"])
 def test_pushed_rows_are_the_model_rows_for_every_split(kind, rescue_list):
@@ -103,19 +120,7 @@ def test_pushed_rows_are_the_model_rows_for_every_split(kind, rescue_list):
                 b.fill(0)
             if klist:  # (every K-list word must be written: none left from before)
                 sim.states[0][sim.st.klist_off:].fill(-1)
-            sim.cp.cuda.Device().synchronize()  # (the fills run on another stream than the launch)
-            sim.launch_rank(0, d, rows, L, 16, merge=False, cluster=c)
-            sim.cp.cuda.Device().synchronize()
-            for dst in range(world):
-                for t in range(rows):
-                    words, tags, e = _pushed(sim, dst, 0, t, n)
-                    assert (tags == e).all(), f"L={L} C={c} row {t}: epoch tags {set(tags.tolist())} != {e}"
-                    if not np.array_equal(words, want[t]):
-                        bad = np.flatnonzero(words != want[t])
-                        raise AssertionError(
-                            f"{kind} L={L} C={c} row {t} (end {ends[t]}) in rank {dst}'s buffer: "
-                            f"{bad.size} words differ, first at {bad[0]}: got {words[bad[0]]:#x} "
-                            f"want {want[t][bad[0]]:#x}")
+            _launch_and_check(sim, d, rows, L, c, want, ends, f"{kind} L={L} C={c}")
             if klist:
                 st = sim.states[0].get().view(np.uint32)
                 for t in range(rows):
@@ -155,19 +160,7 @@ def test_lean_image_pushes_the_model_rows(kind):
                     continue
                 for b in sim.bufs:
                     b.fill(0)
-                sim.cp.cuda.Device().synchronize()  # (the fills run on another stream than the launch)
-                sim.launch_rank(0, d, rows, L, 16, merge=False, cluster=c)
-                sim.cp.cuda.Device().synchronize()
-                for dst in range(world):
-                    for t in range(rows):
-                        words, tags, e = _pushed(sim, dst, 0, t, n)
-                        assert (tags == e).all(), f"L={L} C={c} row {t}: epoch tags {set(tags.tolist())} != {e}"
-                        if not np.array_equal(words, want[t]):
-                            bad = np.flatnonzero(words != want[t])
-                            raise AssertionError(
-                                f"{kind} L={L} R={rows} C={c} ({rows * c} CTAs) row {t} (end {ends[t]}) in "
-                                f"rank {dst}'s buffer: {bad.size} words differ, first at {bad[0]}: got "
-                                f"{words[bad[0]]:#x} want {want[t][bad[0]]:#x}")
+                _launch_and_check(sim, d, rows, L, c, want, ends, f"{kind} L={L} R={rows} C={c} ({rows * c} CTAs)")
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)

@@ -319,17 +319,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     mk(3)
     # ---- the boundary bin b1: warp 0 walks the cluster's histogram down from its top bin, 32
     # bins a step (a lane a bin, lane 0 the highest), until n scores lie at or above a bin
-    # (LEAN_WARP, a candidate: a one-CTA cluster's every warp does, and no barrier follows)
-    allw = Int32(0)
-    if cutlass.const_expr(S.LEAN_WARP):
-        allw = one
-    w_total = Int32(0)
-    kbefore = Int32(0)
-    w_b1 = Int32(-1)  # -1: the row has at most n valid tokens, every one is kept
-    w_above1 = Int32(0)
-    w_oabove1 = Int32(0)
-    w_valid = Int32(0)
-    if (Int32(warp == Int32(0)) | allw) != Int32(0):
+    if warp == Int32(0):
         ptop = Int32(0)
         pcnt = Int32(0)
         if lane < csize:
@@ -341,6 +331,9 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
         if lane < me:
             kb = pcnt
         kbefore = cute.arch.warp_redux_sync(kb, "add")
+        w_b1 = Int32(-1)  # -1: the row has at most n valid tokens, every one is kept
+        w_above1 = Int32(0)
+        w_oabove1 = Int32(0)
         if w_total > Int32(n):
             hi = ctop >> Int32(SH1)
             above = Int32(0)
@@ -373,25 +366,17 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
                     hi = hi - Int32(32)
                     if hi < Int32(BIN_MIN):
                         go = Int32(0)  # (never for exact counts: the n-th score lies at or above BIN_MIN)
-        w_valid = Int32(TB) * ch - hist1[0]
-        if (Int32(lane == Int32(0)) & Int32(warp == Int32(0))) != Int32(0):
+        if lane == Int32(0):
             scal[_B1] = w_b1
             scal[_ABOVE1] = w_above1
             scal[_OWN_ABOVE1] = w_oabove1
             scal[_TOTAL] = w_total
             scal[_KBEFORE] = kbefore
             pub[_P_ABOVE] = w_oabove1  # (read by the later CTAs after the second cluster barrier)
-            pub[_P_VALID] = w_valid
-    if allw == Int32(0):
-        cute.arch.sync_threads()
-        w_b1 = scal[_B1]
-        w_above1 = scal[_ABOVE1]
-        w_oabove1 = scal[_OWN_ABOVE1]
-        w_total = scal[_TOTAL]
-        kbefore = scal[_KBEFORE]
-        w_valid = pub[_P_VALID]
+            pub[_P_VALID] = Int32(TB) * ch - hist1[0]
+    cute.arch.sync_threads()
     mk(4)
-    b1 = w_b1
+    b1 = scal[_B1]
     # ---- pass 2: the candidates as two mask words, bin > b1 (mg) and bin == b1 (me1; b1 = -1:
     # every valid token in mg); then the bin-b1 tokens' second histogram (their low 5 bits) and
     # 2-bit counters per low value (select.CNT2's), from the slice copy: a few per thread
@@ -429,17 +414,16 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     mk(5)
     S.csync_n(True, csize)
     mk(7)
-    # ---- the boundary score v, need_eq, and what precedes / lies in this slice (warp 0; every
-    # warp of a one-CTA cluster with LEAN_WARP)
-    u_v = Int32(0)
-    u_need = Int32(0)
-    u_gtb = Int32(0)
-    u_eqb = Int32(0)
-    u_gto = Int32(0)
-    u_eqo = Int32(0)
-    if (Int32(warp == Int32(0)) | allw) != Int32(0):
+    # ---- the boundary score v, need_eq, and what precedes / lies in this slice (warp 0)
+    if warp == Int32(0):
+        u_v = Int32(0)
+        u_need = Int32(0)
+        u_gtb = Int32(0)
+        u_eqb = Int32(0)
+        u_gto = Int32(0)
+        u_eqo = Int32(0)
         if b1 >= Int32(0):
-            need2 = Int32(n) - w_above1
+            need2 = Int32(n) - scal[_ABOVE1]
             b2 = Int32(S.NB2 - 1) - lane  # lane 0 the highest low value
             own2 = hist2[b2]
             c2 = own2
@@ -458,12 +442,12 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
             above_v = Int32(b2 > lowv)
             u_gtb = cute.arch.warp_redux_sync(pa + bef2 * above_v, "add")
             u_eqb = cute.arch.shuffle_sync(bef2, src2)
-            u_gto = w_oabove1 + cute.arch.warp_redux_sync(own2 * above_v, "add")
+            u_gto = scal[_OWN_ABOVE1] + cute.arch.warp_redux_sync(own2 * above_v, "add")
             u_eqo = cute.arch.shuffle_sync(own2, src2)
         else:
-            u_gtb = kbefore
-            u_gto = w_valid
-        if (Int32(lane == Int32(0)) & Int32(warp == Int32(0))) != Int32(0):
+            u_gtb = scal[_KBEFORE]
+            u_gto = pub[_P_VALID]
+        if lane == Int32(0):
             scal[_V] = u_v
             scal[_NEED_EQ] = u_need
             scal[_GTB] = u_gtb
@@ -472,19 +456,12 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
             scal[_EQO] = u_eqo
     if one == Int32(0):
         S.cluster_arrive()  # every DSMEM load of this CTA was used above (the caller waits)
-    if allw == Int32(0):
-        cute.arch.sync_threads()
-        u_v = scal[_V]
-        u_need = scal[_NEED_EQ]
-        u_gtb = scal[_GTB]
-        u_eqb = scal[_EQB]
-        u_gto = scal[_GTO]
-        u_eqo = scal[_EQO]
+    cute.arch.sync_threads()
     mk(8)
-    v = Uint32(u_v)
-    need_eq = u_need
-    gtb = u_gtb
-    eqb = u_eqb
+    v = Uint32(scal[_V])
+    need_eq = scal[_NEED_EQ]
+    gtb = scal[_GTB]
+    eqb = scal[_EQB]
     # ---- the compaction: this thread's counts (> v, == v) from its masks and counters (a walk
     # over its bin-b1 tokens only where a counter overflowed), one pair block scan, then each
     # kept word written at its position
@@ -526,8 +503,8 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     mk(11)
     cute.arch.sync_threads()  # this CTA's part of the row is complete
     mk(12)
-    total = w_total
+    total = scal[_TOTAL]
     p0 = cutlass.min(gtb + cutlass.min(eqb, need_eq), Int32(n))
-    p1 = cutlass.min(gtb + u_gto + cutlass.min(eqb + u_eqo, need_eq), Int32(n))
+    p1 = cutlass.min(gtb + scal[_GTO] + cutlass.min(eqb + scal[_EQO], need_eq), Int32(n))
     wc = cutlass.min(Int32(1 << 16) // cutlass.max(sl, Int32(8)), csize - Int32(1))
     return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)

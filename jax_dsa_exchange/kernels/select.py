@@ -172,7 +172,6 @@ REP = 1
 # longer slices, the rescue list's second count and the merge's rescue keep select_row
 LEAN = 1
 LEAN_SPEC = 132  # ("lspec=N") lean.SPEC_CTAS: launches of at most N CTAs cut slices from the buffer
-LEAN_WARP = 0  # ("lwarp=1", a candidate) lean: a one-CTA cluster's every warp finds b1 and v (no barriers)
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -191,7 +190,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
                "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC", "lwarp": "LEAN_WARP"}[_k]] = int(_v)  # fmt: skip
+               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:

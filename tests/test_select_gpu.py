@@ -145,8 +145,10 @@ def test_lean_image_pushes_the_model_rows(kind):
     rng = np.random.default_rng({"random": 21, "ties": 22, "equal": 23, "specials": 24, "recent": 25,
                                  "runs": 26}[kind])  # fmt: skip
     # (rows, C) with rows * C <= 132 and > 132 at every L: both ways of cutting the slices
+    # (L = 100000: l = 2**16 inside a thread's run of the slice that holds it, whose walk knows
+    # where bit 16 of l starts in the row: the direct push's mask records)
     for L, rows_of in ((8192, (16, 140)), (16384, (16, 133)), (16385, (16, 70)), (20001, (16, 70)),
-                       (L_MAX, (16, 17))):
+                       (100000, (16, 24)), (L_MAX, (16, 17))):
         for rows in rows_of:
             logits = _logits(kind, rows, L, rng)
             ends = rng.permutation(_row_ends(n, L, rows, rng))

@@ -37,7 +37,13 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="*", default=None,
                     help="NAME=TUNE[@IMAGE] (default: select_push=@select_push auto=@auto)")
     ap.add_argument("--out", default="/tmp/lean_time.json")
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="R,L[,C] (C: a forced split; default: the issue #11 grid's shapes)")
     a = ap.parse_args(argv)
+    shapes = SHAPES
+    if a.shapes:
+        shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes]
+        shapes = [(s[0], s[1], s[2] if len(s) > 2 else None) for s in shapes]
     variants = VARIANTS
     if a.variants:
         variants = []
@@ -61,7 +67,7 @@ def main(argv=None):
                 timers[name] = KernelTimer(cp, 8, 2048, n, 256, producer=image)
             except FileNotFoundError:
                 print(f"  {name} N={n}: no cubins (not built for this N)", flush=True)
-        for R, L, c in SHAPES:
+        for R, L, c in shapes:
             floor = max(R * L * 2, 8 * R * layout.ll_row_bytes(n)) / bw * 1e6
             goal = max(6.0, 3 * floor)
             for name, _, _ in variants:
@@ -88,11 +94,12 @@ def main(argv=None):
     print("(image: sp = select_push, lean = select_push_lean)")
     print(f"{'N':>5} {'R':>4} {'L':>7} " + " ".join(f"{nm + ' C image':>27s}" for nm in names) + f" {'goal':>6}")
     for n in a.n:
-        for R, L, c in SHAPES:
+        for R, L, c in shapes:
             cells, goal = [], 0.0
             for nm in names:
                 r = next((v for v in res.values() if v["n"] == n and v["variant"] == nm and v["R"] == R
-                          and v["L"] == L and v["forced"] == (c is not None)), None)  # fmt: skip
+                          and v["L"] == L and v["forced"] == (c is not None) and (c is None or v["C"] == c)),
+                         None)  # fmt: skip
                 if r:
                     goal = r["goal"]
                     cells.append(f"{r['kernel']:6.2f} [{r['events']:6.2f}] C{r['C']}{'*' if r['forced'] else ' '} "

@@ -230,7 +230,7 @@ def issue_loads(row_addr: Int64, blen: Int32, csize: Int32, me: Int32, tid, alig
 @cute.jit
 def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n: cutlass.Constexpr,
                     rw: cutlass.Constexpr, parts, tid, lane, warp, csize: Int32, me: Int32, mk=None,
-                    early=None, push=None):
+                    early=None):
     """Top-min(n, valid) of the first end bf16 at ``row_addr`` (end = ``end_raw`` clamped to
     [0, min(cols, 2**17)]), this CTA's slice of it: -> (p0, p1, p_end, writer) as
     ``select.select_row`` with ``own_part`` (this CTA's positions [p0, p1) in its own row buffer,
@@ -239,13 +239,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     buffer's row length min(cols, 2**17), and issue their loads before ``end_raw`` (a load in
     flight) is waited for; larger ones from the row's end; the tokens at or past the end count
     as invalid.  A slice must have at most TB * TMAX tokens: the caller's test, ``fits``.
-    ``parts``: select.SelectSmem.parts() (the cache holds the slice's ord16).
-
-    ``push`` (select.DPUSH): a callable, traced once the compaction's counts are known, giving
-    (peers' addresses in shared memory, the row's LL offset in each, epoch, store predicate,
-    world); the kept words then go straight to every rank (:func:`push_word`, the empty
-    positions and mask records too) and the row buffer is not used: the caller pushes
-    nothing."""
+    ``parts``: select.SelectSmem.parts() (the cache holds the slice's ord16)."""
     if cutlass.const_expr(mk is None):
         mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
@@ -283,9 +277,8 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
         scal[tid] = Int32(0)
     if tid < Int32(16):
         pub[tid] = Int32(0)
-    if cutlass.const_expr(push is None):
-        for i in cutlass.range(tid, rw, TB, unroll=1):
-            row[i] = Int32(0)
+    for i in cutlass.range(tid, rw, TB, unroll=1):
+        row[i] = Int32(0)
     cute.arch.sync_threads()
     mk(1)
     # ---- pass 1: ord16 (registers, and the slice copy), the first histogram, the top score
@@ -500,74 +493,18 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     mk(10)
     gt_b = gtb + x - ngt
     eq_b = eqb + y - neq
-    total = scal[_TOTAL]
-    p_end = cutlass.min(total, Int32(n))
-    wc = cutlass.min(Int32(1 << 16) // cutlass.max(sl, Int32(8)), csize - Int32(1))
     m = mcand
-    if cutlass.const_expr(push is None):
-        while m != Uint32(0):
-            j = S.low_bit(Int32(m))
-            m = m & (m - Uint32(1))
-            o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
-            gt_b, eq_b = S.emit_token(o, Uint32(s0 + t0 + j), v, gt_b, eq_b, need_eq, n, Int32(0), row_a,
-                                      row, row_a)  # fmt: skip
-        mk(11)
-        cute.arch.sync_threads()  # this CTA's part of the row is complete
-        mk(12)
-    else:
-        psm, off, e, pon, world = push()
-        if me == csize - Int32(1):
-            # the empty positions [p_end, n): zero words (the merge reads every half's tag)
-            for i in cutlass.range(p_end + tid, n, TB, unroll=1):
-                push_word(psm, off, i, Int32(0), e, pon, world)
-        # ph: the position after every kept token below l = 2**16 (bit 16 of l is set from
-        # there to p_end: positions ascend with l); this thread's tokens from jb on are past it
-        jb = Int32(1 << 16) - (s0 + t0)
-        ph = Int32(-1)
-        while m != Uint32(0):
-            j = S.low_bit(Int32(m))
-            m = m & (m - Uint32(1))
-            o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
-            if j >= jb and ph < Int32(0):
-                ph = cutlass.min(gt_b + cutlass.min(eq_b, need_eq), Int32(n))
-            pos, gt_b, eq_b = S.kept_pos(o, v, gt_b, eq_b, need_eq, n)
-            if pos >= Int32(0):
-                lu = Uint32(s0 + t0 + j)
-                push_word(psm, off, pos, Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF)))), e,
-                          pon, world)  # fmt: skip
-        if ph < Int32(0):
-            ph = cutlass.min(gt_b + cutlass.min(eq_b, need_eq), Int32(n))
-        mk(11)
-        if me == wc:
-            # the mask records, by the warp of the thread whose run holds token 2**16 (its ph;
-            # none: the row has no token past 2**16, every bit is 0), warp 0 where none does
-            rel = Int32(1 << 16) - s0
-            has = Int32(rel >= Int32(0)) & Int32(rel < sl)
-            tau = Int32(0)
-            if has != Int32(0):
-                tau = rel // ch
-            if warp == (tau >> Int32(5)):
-                p_hi = cute.arch.shuffle_sync(ph, tau & Int32(31))
-                if has == Int32(0):
-                    p_hi = Int32(n)
-                nmw = n // 32
-                if lane < Int32((rw - n) // 2):
-                    m0 = S.mask_bits(p_hi, p_end, Int32(2) * lane, nmw)
-                    m1 = S.mask_bits(p_hi, p_end, Int32(2) * lane + Int32(1), nmw)
-                    ro = off + Int64(n // 2 + lane) * Int64(layout.LL_RECORD_BYTES)
-                    for p in cutlass.range_constexpr(world):
-                        C.st_ll_v4_if(psm[p] + ro, m0, e, m1, pon)
-        mk(12)
+    while m != Uint32(0):
+        j = S.low_bit(Int32(m))
+        m = m & (m - Uint32(1))
+        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
+        gt_b, eq_b = S.emit_token(o, Uint32(s0 + t0 + j), v, gt_b, eq_b, need_eq, n, Int32(0), row_a,
+                                  row, row_a)  # fmt: skip
+    mk(11)
+    cute.arch.sync_threads()  # this CTA's part of the row is complete
+    mk(12)
+    total = scal[_TOTAL]
     p0 = cutlass.min(gtb + cutlass.min(eqb, need_eq), Int32(n))
     p1 = cutlass.min(gtb + scal[_GTO] + cutlass.min(eqb + scal[_EQO], need_eq), Int32(n))
-    return p0, p1, p_end, Int32(me == wc)
-
-
-@cute.jit
-def push_word(psm: cute.Tensor, off: Int64, pos: Int32, w: Int32, e: Int32, pon: Int32,
-              world: cutlass.Constexpr):
-    """Word ``pos`` of the packed row as its LL half (w, e) in every rank's buffer (one 8-byte
-    store each, single-copy atomic like the merge's read of a half)."""
-    o = off + Int64(pos) * Int64(layout.LL_HALF_BYTES)
-    for p in cutlass.range_constexpr(world):
-        C.st_ll_half_if(psm[p] + o, w, e, pon)
+    wc = cutlass.min(Int32(1 << 16) // cutlass.max(sl, Int32(8)), csize - Int32(1))
+    return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)

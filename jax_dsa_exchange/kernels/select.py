@@ -172,12 +172,6 @@ REP = 1
 # longer slices, the rescue list's second count and the merge's rescue keep select_row
 LEAN = 1
 LEAN_SPEC = 132  # ("lspec=N") lean.SPEC_CTAS: launches of at most N CTAs cut slices from the buffer
-# DPUSH (exact, the lean image only; "dpush=0": its row buffer and push_part): the lean select's
-# write walk stores each kept word straight to every rank as its 8-byte LL half (word, epoch), the
-# last CTA the empty positions, the warp holding token 2**16 the mask records (bit 16 of l is set
-# from the first position past the row's tokens below 2**16, which that warp's walk knows): no
-# row buffer, no barrier and no second pass over the row after the walk
-DPUSH = 1
 PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
 # the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
@@ -196,7 +190,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
                "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC", "dpush": "DPUSH"}[_k]] = int(_v)  # fmt: skip
+               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:

@@ -93,8 +93,6 @@ class SelectPush:
         if self.lean and not lean_ok(n, topk, rescue_list):
             raise ValueError(f"no lean select_push for n={n}, topk={topk}, rescue_list={rescue_list}")
         self.smem = (LS.smem_bytes(self.rw) + layout.MAX_WORLD * 8) if self.lean else smem_bytes(n, topk, rescue_list)
-        # the lean select stores the kept words to the ranks itself (select.DPUSH)
-        self.dpush = self.lean and bool(S.DPUSH) and "select" not in S.SKIP
 
     def split(self) -> dict:
         """The image's metadata split: select_push's, or for the lean image slice_max and its
@@ -180,8 +178,7 @@ class SelectPush:
                 LS.trap()
             p0, p1, p_end, writer = LS.select_row_lean(
                 logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, rows, self.n, self.rw, sm.parts(),
-                tid, lane, warp, csize, me, mk=mk, early=functools.partial(store_peers, psm, pv, tid, self.world),
-                push=functools.partial(self.direct, psm, e0, status, rank, t, max_rows) if self.dpush else None)
+                tid, lane, warp, csize, me, mk=mk, early=functools.partial(store_peers, psm, pv, tid, self.world))
         elif cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
             p0, p1, p_end, writer = select(mk=mk)
         else:
@@ -190,7 +187,7 @@ class SelectPush:
         # (select_row's barriers also published psm.)  A failed or closed exchange (status
         # word set) pushes nothing (layout.py); every CTA ran the select, so no cluster
         # barrier was skipped.
-        if cutlass.const_expr("push" not in S.SKIP and not self.dpush):  # skip=push: timing only
+        if cutlass.const_expr("push" not in S.SKIP):  # skip=push: timing only
             if status == Uint32(layout.STATUS_OK):
                 e = e0 + Int32(1)
                 if csize == Int32(1) or cutlass.const_expr(not own):
@@ -224,14 +221,6 @@ class SelectPush:
             mk.store(C.state_seq(epoch, max_rows, max_rows - Int32(128) + me * Int32(C.Marks.N)),
                      Int32(t == Int32(0)) & Int32(tid == Int32(0)) & Int32(max_rows - rows >= Int32(128))
                      & Int32((max_rows & Int32(3)) == Int32(0)))  # fmt: skip
-
-    def direct(self, psm, e0, status, rank, t, max_rows):
-        """lean.select_row_lean's ``push``: traced where its walk starts (the epoch's and the
-        status word's loads long landed)."""
-        e = e0 + Int32(1)
-        off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
-        pon = Int32(status == Uint32(layout.STATUS_OK)) & Int32(1 if "push" not in S.SKIP else 0)
-        return psm, off, e, pon, self.world
 
     @cute.jit
     def push_part(self, psm: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32,

@@ -231,7 +231,7 @@ def cluster_sweep(cp, world, topk, n, rows, cols, clusters, iters):
         for L in cols:
             for c in clusters:
                 tp, _ = b.run(R, L, rescue=False, iters=iters, warm=2, cluster=c, merge=False)
-                pol = b.sim.producer_cluster(R, L)
+                pol = b.sim.producer_launch(R, L)[1]
                 out.append((n, R, L, c, tp, c == pol))
                 print(f"sweep N={n} R={R} L={L} C={c}{' (policy)' if c == pol else ''}: "
                       f"select+push {tp:.1f}us", flush=True)  # fmt: skip
@@ -338,9 +338,9 @@ def main(argv=None):
                                          else topk64_times(R, a.world * n, a.topk))  # fmt: skip
                 jm, tmk = base_cache[key64]["jax"], base_cache[key64]["torch"]
                 rows.append((n, R, L, tp, floor, goal, tl, jl, tm, tr, tmk, jm, sat0, sat1,
-                             b.sim.producer_cluster(R, L), kp))  # fmt: skip
+                             b.sim.producer_launch(R, L)[1], kp))  # fmt: skip
                 print(f"N={n} R={R} L={L}: select+push {tp:.1f}us (kernel {kp:.1f}us) (floor {floor:.2f}us, goal "
-                      f"{goal:.1f}us, C={b.sim.producer_cluster(R, L)}) torch.topk[R,L] {tl} "
+                      f"{goal:.1f}us, C={b.sim.producer_launch(R, L)[1]}) torch.topk[R,L] {tl} "
                       f"jax top_k[R,L] {jl}; merge {tm:.1f}us (rescued rows {sat0:.2f}) "
                       f"rescue-merge {tr:.1f}us torch.topk[R,W*N] {tmk} jax [R,W*N] {jm}",
                       flush=True)  # fmt: skip

@@ -328,6 +328,21 @@ bool ProducerUsesLean(int cols, int c, int lean_slice_max) {
   return lean_slice_max > 0 && SliceTokens(length, c < 1 ? 1 : c) <= lean_slice_max;
 }
 
+// CTAs per row of a launch that runs the lean image (ProducerUsesLean at select_push's c):
+// layout.producer_lean_cluster (CI-compared): c, or one CTA per min_slice tokens of the lean
+// image's split (at most its cluster_max) while rows x C stays within its fill_ctas.
+int ProducerLeanCluster(int rows, int cols, int c, const int lean_split[kSplitWords]) {
+  const long long cluster_max = lean_split[1] > kProducerClusterMax ? kProducerClusterMax : lean_split[1];
+  const long long min_slice = lean_split[2] < 1 ? 1 : lean_split[2];
+  const long long fill = lean_split[3] < 0 ? 0 : lean_split[3];
+  const long long length = cols < 1 ? 1 : (cols > kMaxLocalLen ? kMaxLocalLen : cols);
+  long long want = (length + min_slice - 1) / min_slice;
+  if (want > cluster_max) want = cluster_max;
+  const long long by_fill = fill / (rows < 1 ? 1 : rows);
+  if (want > by_fill) want = by_fill;
+  return want > c ? static_cast<int>(want) : c;
+}
+
 // Whether a merge launch over `rows` runs merge_wide: layout.merge_uses_wide (CI-compared)
 bool MergeUsesWide(int rows, int wide_grid) { return wide_grid > 0 && rows > 0 && rows <= wide_grid; }
 
@@ -509,9 +524,11 @@ ffi::Error SelectPushImpl(CUstream stream, int32_t device, int64_t exchange_id, 
   v[kSpMaxRows].i32 = rec.max_rows;
   // One cluster of C CTAs per row (kernels/select_push.py); no split: one CTA per row.
   unsigned c = rec.select.split[1] > 0 ? static_cast<unsigned>(ProducerCluster(rows, cols, rec.select.split)) : 0;
-  // The lean image where every slice fits it (ProducerUsesLean), else select_push; C and the
-  // slice cache from select_push's split either way.
+  // The lean image where every slice fits it (ProducerUsesLean), else select_push; the lean
+  // image's rows then cut finer where its split says (ProducerLeanCluster); the slice cache
+  // from select_push's split at the launch's C either way.
   const bool lean = ProducerUsesLean(cols, c ? static_cast<int>(c) : 1, rec.lean_slice_max);
+  if (lean && c) c = static_cast<unsigned>(ProducerLeanCluster(rows, cols, static_cast<int>(c), rec.select_lean.split));
   const Kernel& k = lean ? rec.select_lean : rec.select;
   // The slice cache and the shared memory for it: the kernel's smem holds cache_max tokens
   // (2 bytes each, last in its layout; the image's own split); a launch gets what its
@@ -966,6 +983,14 @@ int dsa_set_exchange_lean_producer(int64_t exchange_id, int device, const char* 
 // layout.producer_uses_lean).
 int dsa_producer_uses_lean(int cols, int c, int lean_slice_max) {
   return ProducerUsesLean(cols, c, lean_slice_max) ? 1 : 0;
+}
+
+// The launcher's cluster size for a launch on the lean image (for the CI test that compares it
+// with layout.producer_lean_cluster): the lean split's cluster_max, min_slice, fill_ctas.
+int dsa_producer_lean_cluster(int rows, int cols, int c, int cluster_max, int min_slice, int fill_ctas) {
+  int v[kSplitWords];
+  SplitOf(0, cluster_max, min_slice, fill_ctas, 0, 0, nullptr, v);
+  return ProducerLeanCluster(rows, cols, c, v);
 }
 
 int dsa_unregister_exchange(int64_t exchange_id, int device) {

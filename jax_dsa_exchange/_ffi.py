@@ -109,6 +109,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_set_exchange_lean_producer.argtypes = [i64, i32, cp]
     lib.dsa_producer_uses_lean.restype = i32
     lib.dsa_producer_uses_lean.argtypes = [i32, i32, i32]
+    lib.dsa_producer_lean_cluster.restype = i32
+    lib.dsa_producer_lean_cluster.argtypes = [i32, i32, i32, i32, i32, i32]
     lib.dsa_num_exchanges.restype = i32
     lib.dsa_num_exchanges.argtypes = []
     lib.dsa_launch_count.restype = ctypes.c_int64
@@ -444,6 +446,13 @@ def set_exchange_lean_producer(exchange_id: int, device: int, key: str) -> None:
 def producer_uses_lean(cols: int, c: int, lean_slice_max: int) -> bool:
     """The launcher's choice of producer image (must equal layout.producer_uses_lean)."""
     return bool(_require().dsa_producer_uses_lean(int(cols), int(c), int(lean_slice_max)))
+
+
+def producer_lean_cluster(rows: int, cols: int, c: int, lean_split: dict) -> int:
+    """The launcher's CTAs per row of a launch on the lean image (must equal
+    layout.producer_lean_cluster)."""
+    return int(_require().dsa_producer_lean_cluster(int(rows), int(cols), int(c), int(lean_split["cluster_max"]),
+                                                    int(lean_split["min_slice"]), int(lean_split["fill_ctas"])))
 
 
 def unregister_exchange(exchange_id: int, device: int) -> None:

@@ -91,6 +91,16 @@ PRODUCER_CACHE_WIDE = 32768
 # the launch's slices fit (producer_uses_lean); its metadata carries this as its split's
 # slice_max.
 PRODUCER_LEAN_SLICE_MAX = 16384
+# Where a launch runs the lean image, its rows are cut finer than select_push's policy cuts
+# them: one CTA per PRODUCER_LEAN_MIN_SLICE tokens while the launch keeps within
+# PRODUCER_LEAN_FILL_CTAS CTAs (producer_lean_cluster; the lean image's split carries both as
+# its min_slice and fill_ctas).  H200, W = 8, K = 2048, CUPTI (twenty-fifth session): N = 512
+# (1, 8K) C = 1 / 2 / 4 / 8 5.47 / 5.18 / 5.06 / 5.14 us, (16, 8K) C = 1 / 4 5.79 / 5.49,
+# (1, 32K) C = 4 / 8 5.95 / 5.41; N = 1024 (1, 8K) 6.59 -> 5.41 (C = 4), (16, 8K) 6.96 -> 5.82,
+# (1, 32K) 6.13 -> 5.54 (C = 8); but past 64 CTAs more CTAs lose: (16, 32K) C = 8 7.25 against
+# C = 4 6.40, (64, 32K) C = 4 13.95 against C = 2 9.06, (64, 8K) C = 2 6.21 against C = 1 6.08.
+PRODUCER_LEAN_MIN_SLICE = 2048
+PRODUCER_LEAN_FILL_CTAS = 64
 
 
 def producer_split() -> dict:
@@ -98,6 +108,15 @@ def producer_split() -> dict:
     return {"slice_max": PRODUCER_SLICE_MAX, "cluster_max": PRODUCER_CLUSTER_MAX,
             "min_slice": PRODUCER_MIN_SLICE, "fill_ctas": PRODUCER_FILL_CTAS,
             "cache_max": PRODUCER_CACHE_MAX, "cache_wide": PRODUCER_CACHE_WIDE}  # fmt: skip
+
+
+def producer_lean_split() -> dict:
+    """The lean image's metadata split: slices of at most PRODUCER_LEAN_SLICE_MAX tokens (its
+    slice copy holds that many: cache_max), cut by producer_lean_cluster's min_slice and
+    fill_ctas."""
+    return dict(producer_split(), slice_max=PRODUCER_LEAN_SLICE_MAX, cache_max=PRODUCER_LEAN_SLICE_MAX,
+                cache_wide=PRODUCER_LEAN_SLICE_MAX, min_slice=PRODUCER_LEAN_MIN_SLICE,
+                fill_ctas=PRODUCER_LEAN_FILL_CTAS)  # fmt: skip
 
 
 def _cluster_count(sp: dict, c: int) -> int:
@@ -189,6 +208,20 @@ def producer_uses_lean(cols: int, c: int, lean_slice_max: int) -> bool:
     (dsa_producer_uses_lean, tests/test_ffi.py)."""
     length = max(1, min(int(cols), MAX_LOCAL_LEN))
     return int(lean_slice_max) > 0 and _round_up(-(-length // max(1, int(c))), 8) <= int(lean_slice_max)
+
+
+def producer_lean_cluster(rows: int, cols: int, c: int, lean_split: dict | None = None) -> int:
+    """CTAs per row of a launch over [rows, cols] that runs the lean image (producer_uses_lean
+    at select_push's cluster size c): c, or more where that keeps the launch within the lean
+    split's fill_ctas CTAs: one CTA per min_slice tokens, at most its cluster_max
+    (PRODUCER_LEAN_MIN_SLICE, measured above).  More CTAs only shorten the slices, so the lean
+    image still takes them.  The C++ launcher's rule is this one (dsa_producer_lean_cluster,
+    tests/test_ffi.py)."""
+    s = lean_split or producer_lean_split()
+    length = max(1, min(int(cols), MAX_LOCAL_LEN))
+    cmax = min(int(s["cluster_max"]), PRODUCER_CLUSTER_MAX)
+    want = min(cmax, -(-length // max(1, int(s["min_slice"]))), max(0, int(s["fill_ctas"])) // max(1, int(rows)))
+    return max(int(c), want)
 
 
 def merge_uses_wide(rows: int, wide_grid: int) -> bool:

@@ -24,7 +24,7 @@ SYMBOLS = [
     "dsa_register_exchange", "dsa_unregister_exchange", "dsa_num_exchanges", "dsa_launch_count", "dsa_ffi_api_version",
     "dsa_set_kernel_split", "dsa_producer_cluster", "dsa_producer_cache_tokens", "dsa_kernel_cluster_fit", "dsa_launcher_params",
     "dsa_set_kernel_cluster", "dsa_set_exchange_wide_merge", "dsa_merge_uses_wide",
-    "dsa_set_exchange_lean_producer", "dsa_producer_uses_lean", "dsa_layout_constant",
+    "dsa_set_exchange_lean_producer", "dsa_producer_uses_lean", "dsa_producer_lean_cluster", "dsa_layout_constant",
 ]
 
 # clusters of c = 1..8 CTAs an H200 runs at once at select_push's full shared memory (the
@@ -152,6 +152,21 @@ def test_producer_image_choice_is_layouts():
             for c in range(1, layout.PRODUCER_CLUSTER_MAX + 1):
                 want = layout.producer_uses_lean(cols, c, lean_max)
                 assert _ffi.producer_uses_lean(cols, c, lean_max) == want, (cols, c, lean_max)
+
+
+@needs_lib
+def test_lean_cluster_is_layouts():
+    """The launcher cuts a lean launch's rows exactly as layout.producer_lean_cluster does: the
+    lean image's own split, one with other values, and the split of ranks sharing a GPU
+    (Exchange: cluster_max 1, fill_ctas 0: select_push's C, unchanged)."""
+    base = layout.producer_lean_split()
+    for split in (base, dict(base, min_slice=4096, fill_ctas=132, cluster_max=4), dict(base, cluster_max=1, fill_ctas=0),
+                  dict(base, min_slice=0, fill_ctas=-1)):
+        for rows in (1, 2, 3, 16, 17, 33, 64, 65, 256):
+            for cols in (0, 1, 8, 2048, 2049, 8192, 20001, 32768, 131072, 1 << 20):
+                for c in range(1, layout.PRODUCER_CLUSTER_MAX + 1):
+                    want = layout.producer_lean_cluster(rows, cols, c, split)
+                    assert _ffi.producer_lean_cluster(rows, cols, c, split) == want, (rows, cols, c, split)
 
 
 @needs_lib

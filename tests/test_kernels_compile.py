@@ -240,7 +240,8 @@ def test_lean_producer_image(monkeypatch):
     assert list(imgs) == ["select_push", "select_push_lean", "merge"]
     sp, lp = imgs["select_push"][0], imgs["select_push_lean"][0]
     assert lp.kernel == "select_push" and lp.params == sp.params and lp.cubin != sp.cubin
-    assert lp.split == dict(sp.split, slice_max=16384, cache_max=16384, cache_wide=16384)
+    assert lp.split == dict(sp.split, slice_max=16384, cache_max=16384, cache_wide=16384,
+                            min_slice=layout.PRODUCER_LEAN_MIN_SLICE, fill_ctas=layout.PRODUCER_LEAN_FILL_CTAS)
     # its shared memory with a full slice copy (the launch trims it as select_push's cache)
     assert lp.smem < sp.smem and 2 * lp.split["cache_max"] < lp.smem
     assert "select_push_lean" not in cache.compile_images("sm_90a", 8, 2048, 512, rescue_list=True)
@@ -252,6 +253,15 @@ def test_lean_producer_image(monkeypatch):
                           (0, 1, True), (20001, 2, True)):
         assert layout.producer_uses_lean(cols, c, 16384) == want, (cols, c)
         assert not layout.producer_uses_lean(cols, c, 0)
+    # its rows cut finer (one CTA per 2048 tokens while the launch keeps within 64 CTAs), never
+    # coarser than select_push's C; ranks sharing a GPU (cluster_max 1, fill_ctas 0) keep C
+    for rows, cols, want in ((1, 8192, 4), (16, 8192, 4), (17, 8192, 3), (64, 8192, 1), (256, 8192, 1),
+                             (1, 32768, 8), (16, 32768, 4), (64, 32768, 2), (1, 131072, 8), (2, 20001, 8),
+                             (4, 3000, 2), (1, 1, 1)):
+        c = layout.producer_cluster(rows, cols)
+        assert layout.producer_uses_lean(cols, c, 16384)
+        assert layout.producer_lean_cluster(rows, cols, c, lp.split) == want, (rows, cols, c)
+        assert layout.producer_lean_cluster(rows, cols, c, dict(lp.split, cluster_max=1, fill_ctas=0)) == c
 
 
 def test_kernel_signatures_are_the_abi():

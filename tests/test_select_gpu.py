@@ -182,11 +182,15 @@ def test_policy_split_and_mixed_lengths_in_one_call():
     rng = np.random.default_rng(9)
     world, topk, n = 2, 2048, 512
     sim = sim_for(world, topk, n)
-    for rows, L in ((1, L_MAX), (3, 65537), (16, 8192), (64, 4096), (12, L_MAX), (16, L_MAX), (32, 65536)):
-        assert sim.producer_cluster(rows, L) >= 1
+    # ((1, 8192), (16, 8192), (2, 20001), (4, 3000): the lean image's own finer cut,
+    # layout.producer_lean_cluster: C = 4, 4, 8, 2)
+    for rows, L in ((1, L_MAX), (3, 65537), (16, 8192), (64, 4096), (12, L_MAX), (16, L_MAX), (32, 65536),
+                    (1, 8192), (2, 20001), (4, 3000)):
+        image, c = sim.producer_launch(rows, L)
+        assert c >= 1
         case = cases.random_case(rng, world=world, topk=topk, local_topk=n, rows=rows, cols=L,
                                  row_ends="uniform")  # fmt: skip
-        check(case, sim.call(case), what=f"R={rows} L={L} C={sim.producer_cluster(rows, L)}")
+        check(case, sim.call(case), what=f"R={rows} L={L} C={c} {image}")
 
 
 def test_cluster_fit_is_the_launchers():

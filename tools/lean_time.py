@@ -74,8 +74,8 @@ def main(argv=None):
                 if name not in timers:
                     continue
                 t = timers[name]
-                cc = c or t.sim.producer_cluster(R, L)
-                img = "lean" if t.sim.producer_image(L, cc) == "select_push_lean" else "sp"
+                pimg, cc = t.sim.producer_launch(R, L, c)
+                img = "lean" if pimg == "select_push_lean" else "sp"
                 try:
                     ev = t.run(R, L, rescue=False, iters=a.iters, merge=False, cluster=c)[0]
                     k = t.last_producer_kernel_us

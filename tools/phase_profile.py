@@ -132,8 +132,7 @@ def select_profile(cp, W, K, N, R, L, iters, ghz, C=None, pattern="random"):
     b = KernelTimer(cp, W, K, N, mr, pattern=pattern)
     sim = b.sim
     forced = C
-    if C is None:
-        C = sim.producer_cluster(R, L)
+    image, C = sim.producer_launch(R, L, C)
     sets = b.inputs(R, L, 1, False, 0)
     d = sets[0][0]
     per_cta = [[] for _ in range(C)]
@@ -155,7 +154,6 @@ def select_profile(cp, W, K, N, R, L, iters, ghz, C=None, pattern="random"):
     clock.__exit__(None, None, None)
     ks = [dd for _, dd in clock.starts_and_durations("kernelsselect_push")]
     k = statistics.median(ks) if ks else float("nan")
-    image = sim.producer_image(L, C)
     for c in range(C):
         show(f"{image} N={N} R={R} L={L} C={C} ({pattern}, tune "
              f"{os.environ['JAX_DSA_EXCHANGE_SELECT_TUNE']}): CTA {c} of row 0",

@@ -95,12 +95,11 @@ class SelectPush:
         self.smem = (LS.smem_bytes(self.rw) + layout.MAX_WORLD * 8) if self.lean else smem_bytes(n, topk, rescue_list)
 
     def split(self) -> dict:
-        """The image's metadata split: select_push's, or for the lean image slice_max and its
-        slice copy's capacity lean.SLICE_MAX (what the launcher's rule and its shared memory
-        per launch read)."""
+        """The image's metadata split: select_push's, or the lean image's (slice_max and its
+        slice copy's capacity lean.SLICE_MAX, its own min_slice and fill_ctas: what the
+        launcher's rules and its shared memory per launch read)."""
         if self.lean:
-            return dict(layout.producer_split(), slice_max=LS.SLICE_MAX, cache_max=LS.SLICE_MAX,
-                        cache_wide=LS.SLICE_MAX)  # fmt: skip
+            return layout.producer_lean_split()  # (slice_max: lean.SLICE_MAX, asserted there)
         return split()
 
     @cute.kernel

@@ -227,6 +227,17 @@ class Sim:
             return "select_push"
         return "select_push_lean"
 
+    def producer_launch(self, rows, cols, cluster=None):
+        """(image, CTAs per row) of the producer launch over [rows, cols], as the C++ launcher
+        picks them: select_push's C (layout.producer_cluster), the image by
+        layout.producer_uses_lean, the lean image's rows then cut by its own split
+        (layout.producer_lean_cluster); a forced ``cluster`` is taken as it is."""
+        c = cluster or layout.producer_cluster(rows, cols, self.launch_split())
+        name = self.producer_image(cols, c)
+        if name == "select_push_lean" and not cluster:
+            c = layout.producer_lean_cluster(rows, cols, c, self.images[name].split)
+        return name, c
+
     def image_grid(self, name):
         """Rows each rank's launch of merge image ``name`` takes at once (its CTAs, or with a
         clustered merge its clusters): the W grids co-resident within cta_budget CTAs (and
@@ -290,10 +301,9 @@ class Sim:
             if producer:
                 # the split, the slice cache and the shared memory for it as the C++ launcher
                 # derives them from the metadata (a cache=N variant build has its own cache_max):
-                # C and the cache from select_push's split, the image by layout.producer_uses_lean
+                # the image and C by producer_launch, the cache from select_push's split at that C
                 split = self.launch_split() or {}
-                c = cluster or layout.producer_cluster(rows, cols, split or None)
-                pname = self.producer_image(cols, c)
+                pname, c = self.producer_launch(rows, cols, cluster)
                 sp = self.images[pname]
                 cache, smem = 0, sp.smem  # (a build without a slice cache: the launcher's case too)
                 if split.get("cache_max", 0) > 0:

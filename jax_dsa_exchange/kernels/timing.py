@@ -143,15 +143,24 @@ class KernelTimer:
                     tp.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
                 continue
             e2, e3 = _events(cp)
+            # Without a rescue (and W * N > K: no row rescued) rank 0's merge runs alone on the
+            # GPU, as on its own GPU (its data is pushed: it waits for no peer), min(R, 64) rows
+            # at once as time_merge; beside it, the others' merges took SMs from a clustered one
+            # (twenty-fifth session: W = 8, N = 1024, R = 64 58.9 us against 12.7 alone).  With a
+            # rescue the others' merges run beside it (a rescue may wait on them): rank 0 64 CTAs'
+            # worth of rows, the others 8 (clusters of c CTAs: 64 / c and 8 / c), 120 CTAs
+            # co-resident on 132 SMs.
+            alone = not rescue and W * self.n > self.topk
+            c = max(1, sim.images[sim.merge_image(R)].cluster)
             with s0:
                 self.spacer.fill(it & 0xFF)
                 e2.record(s0)
-                sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=min(R, 64))
+                sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=min(R, 64 if alone else max(1, 64 // c)))
                 e3.record(s0)
-            # The other ranks' merges run beside it (a rescue may wait on them);
-            # 64 + 7 * 8 CTAs are co-resident on 132 SMs.
+            if alone:
+                s0.synchronize()
             for q in range(1, W):
-                sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
+                sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, max(1, 8 // c)))
             cp.cuda.Device().synchronize()
             if it >= warm:
                 tp.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)

@@ -466,6 +466,14 @@ def test_select_tune_variants(tmp_path):
     assert r.returncode != 0 and "unknown stage" in r.stderr
 
 
+def _tested_before_records(ptx: str) -> list:
+    """Registers of plain 32-bit global loads that a setp tests before the merge's first LL
+    record load (a warp stalls there until the load returns)."""
+    head = ptx[:ptx.index("ld.volatile.global.v2.u64")]
+    regs = re.findall(r"ld\.global\.u32 (%r\d+),", head)
+    return [r for r in regs if re.search(r"setp\.[a-z0-9.]+\s+%p\d+, " + re.escape(r) + r"\b", head)]
+
+
 def test_merge_exact_knobs_compile(tmp_path):
     """The merge's exact knobs (cache.MERGE_EXACT_KNOBS) compile for W = 8, N = 512 without a
     stack frame and change what they say (fresh processes: merge.py reads
@@ -474,10 +482,12 @@ def test_merge_exact_knobs_compile(tmp_path):
     round 2 in registers (r2roll=0: 142.7 KB of SASS against 98.8 KB), with no more
     registers; r2radix=1 (the radix walk): fewer registers than r2roll=0; r2all=0 (the tie-break also when
     the boundary is taken whole) compiles.  The rejected candidates spec / rpush / ru1 / rcache /
-    r2list (removed) are refused as unknown knobs."""
+    r2list (removed) are refused as unknown knobs.  reqlate=1 (twenty-sixth session, a
+    candidate): the request id is tested only after round 1's LL loads are issued; btq=1 with it
+    compiles."""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "imgs = cache.compile_images('sm_90a', 8, 2048, 512); m = imgs['merge'][0]; "
-            "sys.stdout.write(json.dumps(cache.cubin_resources(m.cubin)))")  # fmt: skip
+            "sys.stdout.write(json.dumps(dict(cache.cubin_resources(m.cubin), ptx=m.ptx)))")  # fmt: skip
 
     def build(tune):
         return _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE=tune, JAX_DSA_EXCHANGE_SELECT_TUNE="")
@@ -496,6 +506,14 @@ def test_merge_exact_knobs_compile(tmp_path):
     radix = ok("r2radix=1")
     assert radix["registers"] < regs["registers"], (regs, radix)
     ok("r2all=0")
+    # reqlate=1 (a candidate): no plain load's value is tested before round 1's first LL record
+    # load (the default tests the request id there: a round trip before the records)
+    late = ok("reqlate=1")
+    assert late["registers"] <= base["registers"] and late["text_bytes"] <= base["text_bytes"] + 1024, (base, late)
+    assert _tested_before_records(base["ptx"]) and not _tested_before_records(late["ptx"])
+    # btq=1 (a candidate): other ranks' keys skip this rank's block-table arithmetic (a branch)
+    btq = ok("btq=1,reqlate=1")
+    assert btq["registers"] <= base["registers"] and not _tested_before_records(btq["ptx"]), (base, btq)
     for bad, msg in (("spec=1", "unknown knob"), ("rcache=16384", "unknown knob"), ("r2list=1", "unknown knob")):
         r = build(bad)
         assert r.returncode != 0 and msg in r.stderr, (bad, r.stderr[-500:])

@@ -30,8 +30,14 @@ VARIANTS = [
     # twenty-third session, exact, measured and removed (no gain): h1w=1, h1w=2, swar=1 (commit
     # b631992); timing only: skip=push / pass2 / compact / hist1+pass2+dsmem+compact+push, and
     # skip=select+push (the floor), each "p"
-    ("rep2", "", "rep=2", "p"),  # timing only: the select twice in one launch (the second warm)
-    ("default#2", "", "", "p"),
+    # ("rep2", "", "rep=2", "p"): timing only, the select twice in one launch (twenty-third session)
+    # twenty-sixth session, built, not yet measured (no device lent): the request id's branch
+    # after round 1's loads; other ranks' keys without block-table arithmetic (merge.py;
+    # COMBO_M=reqlate=1,btq=1 at --build and at the run for their tests)
+    ("reqlate", "reqlate=1", "", "m"),
+    ("btq", "btq=1", "", "m"),
+    ("reqlate+btq", "reqlate=1,btq=1", "", "m"),
+    ("default#2", "", "", "mp"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others
 PRODUCER_SHAPES = [(1, 8192), (64, 8192), (256, 8192), (1, 32768), (16, 32768), (256, 32768),

@@ -152,7 +152,7 @@ def cluster_sum(a: Int32, csize: Int32, one: Int32, upto: Int32):
     if one != Int32(0):
         tot = S.ld_smem_u32(a)
     else:
-        for r in cutlass.range_constexpr(S.CLUSTER_MAX):
+        for r in cutlass.range_constexpr(S.LEAN_CLUSTER_MAX):
             # (rank clamped into the cluster: mapa of a rank outside it is undefined)
             x = ld_dsmem_u32_if(S.mapa(a, cutlass.min(Int32(r), csize - Int32(1))), Int32(Int32(r) < csize))
             tot = tot + x

@@ -143,6 +143,15 @@ CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
 # fused, eqwarp, peers and r2batch were rejected and removed (their code: commit e8d324e).
 # The exact candidates of branch merge-fast3 (ostage, oball, tie=1/2; kernels/NOTES.md "Merge
 # variants, third round") were measured within noise and removed (their code: commit 08ca710).
+#   reqlate=1 (exact; a candidate of the twenty-sixth session, not yet measured) the row's request
+#            id tested after round 1's loads are issued, not before: its branch made every warp
+#            wait for the id's load (PTX: ld req_id, setp, bra, then the LL loads), a third
+#            dependent round trip (epoch -> request id -> records) before the first word
+#   btq=1    (exact; a candidate of the twenty-sixth session, not yet measured) round 1's
+#            block-table prefetch (prefetch_bt, kp1 <= PRE_BT_MAX) and the branch-free outputs'
+#            KV slots behind a branch on the pair group's owner: the other ranks' keys skip the
+#            page arithmetic (~20 instructions a key in all 16 warps before the stats barrier,
+#            the phase profile's 0.30 us; ~10 a key in the outputs)
 #   bpoll=1  (exact; the default) round 1's stale LL halves of a batch re-polled together, every
 #            load in flight at once, until none is stale (load_r1_fast); bpoll=0: each stale
 #            half waited for in turn, a round trip each once the data has landed (under PDL the
@@ -1004,12 +1013,25 @@ class Merge:
         hbits = hb[0]
         for ip in cutlass.range_constexpr(kp // 2):
             q, j = self.owner(self.pair_pos(ip, kp, lane, warp), False, None)
-            for h in cutlass.range_constexpr(2):
-                # no branch: predicated loads, all in flight together (C.ld_u32_if)
-                i = 2 * ip + h
-                page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
-                ok = Int32(q == rank) & Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
-                btp[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
+            if cutlass.const_expr(TUNE["btq"]):
+                # (btq) other ranks' pair groups skip the address arithmetic: the branch is
+                # warp-uniform where a warp's positions lie in one list (W = 8, N = 512: 14 of
+                # the 16 warps hold none of this rank's keys)
+                btp[2 * ip] = Int32(0)
+                btp[2 * ip + 1] = Int32(0)
+                if q == rank:
+                    for h in cutlass.range_constexpr(2):
+                        i = 2 * ip + h  # predicated loads, all in flight together
+                        page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
+                        ok = Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
+                        btp[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
+            else:
+                for h in cutlass.range_constexpr(2):
+                    # no branch: predicated loads, all in flight together (C.ld_u32_if)
+                    i = 2 * ip + h
+                    page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
+                    ok = Int32(q == rank) & Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
+                    btp[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
 
     @cute.jit
     def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, lane, warp,
@@ -1528,13 +1550,20 @@ class Merge:
                             g = lidx * Int32(self.world) + q
                             C.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
                             pos = pos + sel
-                            own = sel & Int32(q == rank)
-                            page = self.page_of(lidx, block_size)
-                            slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                            if req_ok == Int32(0) or page >= bt_cols:
-                                slot_ = Int32(-1)
-                            C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
-                            kpos = kpos + own
+                            if cutlass.const_expr(not TUNE["btq"]):
+                                own = sel & Int32(q == rank)
+                                page = self.page_of(lidx, block_size)
+                                slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
+                                if req_ok == Int32(0) or page >= bt_cols:
+                                    slot_ = Int32(-1)
+                                C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
+                                kpos = kpos + own
+                        if cutlass.const_expr(TUNE["btq"] and kp <= BRANCH_FREE_KP):
+                            # (btq) this rank's KV slots only in its own pair groups (a
+                            # warp-uniform branch where a warp's positions lie in one list)
+                            if q == rank:
+                                kpos = self.own_slots(words, hbits, selm, ip, blks, kk, block_size, req_ok,
+                                                      bt_cols, kv_row, kpos)  # fmt: skip
         self.mk(9)
         if cutlass.const_expr(cl):
             # (sc[7] set by clus_totals; the padding shared by the cluster's CTAs)
@@ -1936,9 +1965,10 @@ class Merge:
             req = C.ld_u32(req_id + Int64(t) * Int64(4))
             req_ok = Int32(0)
             bt_row = block_table
-            if req >= Int32(0) and req < bt_rows and block_size > Int32(0):
-                req_ok = Int32(1)
-                bt_row = block_table + Int64(req) * Int64(bt_cols) * Int64(4)
+            if cutlass.const_expr(not TUNE["reqlate"]):
+                if req >= Int32(0) and req < bt_rows and block_size > Int32(0):
+                    req_ok = Int32(1)
+                    bt_row = block_table + Int64(req) * Int64(bt_cols) * Int64(4)
             # stats slots of this row: 2 * (rowi & 1) + round; reset the other row parity's
             # (last read before the previous row's final barrier)
             slot1 = Int32(2) * (rowi & Int32(1))
@@ -1955,6 +1985,8 @@ class Merge:
                 else:
                     self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
                 self.mk(2)
+                if cutlass.const_expr(TUNE["reqlate"]):
+                    req_ok, bt_row = self.req_row(req, block_table, bt_rows, bt_cols, block_size)
                 if cutlass.const_expr(TUNE["nobt"]):
                     for i in cutlass.range_constexpr(self.kp1 if self.pre_bt else 1):
                         btp[i] = Int32(0)
@@ -1972,6 +2004,8 @@ class Merge:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
                 cute.arch.sync_threads()
+                if cutlass.const_expr(TUNE["reqlate"]):
+                    req_ok, bt_row = self.req_row(req, block_table, bt_rows, bt_cols, block_size)
                 T = self.radix_select(keys, False, sm, tid, lane, warp, ll0, ll_stride,
                                       resc0, ep, status, t, timeout_ns)  # fmt: skip
                 self.emit(keys, False, T, sm, tid, lane, warp, ll0, ll_stride, resc0,
@@ -2069,6 +2103,36 @@ class Merge:
             # no CTA leaves while another may still read its shared memory
             S.cluster_arrive()
             S.cluster_wait()
+
+    @cute.jit
+    def own_slots(self, words: cute.Tensor, hbits: Uint32, selm: Uint32, ip: cutlass.Constexpr,
+                  blks: cute.Tensor, kk: cutlass.Constexpr, block_size: Int32, req_ok: Int32,
+                  bt_cols: Int32, kv_row: Int64, kpos: Int32) -> Int32:
+        """(btq) The KV slots of this rank's selected keys of pair group ip (blks[2 kk + h]: their
+        block-table entries) at kv_row[kpos ..] -> the next kpos."""
+        for h in cutlass.range_constexpr(2):
+            i = 2 * ip + h
+            sel = Int32((selm >> Uint32(i)) & Uint32(1))
+            lidx = self.lidx_of(words[i], hbits, i)
+            page = self.page_of(lidx, block_size)
+            slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
+            if req_ok == Int32(0) or page >= bt_cols:
+                slot_ = Int32(-1)
+            C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, sel)
+            kpos = kpos + sel
+        return kpos
+
+    @cute.jit
+    def req_row(self, req: Int32, block_table: Int64, bt_rows: Int32, bt_cols: Int32, block_size: Int32):
+        """(req_ok, the row's block-table address) of request ``req``.  (reqlate: taken after the
+        round-1 loads are issued, so the request id's load is in flight with them rather than a
+        round trip of its own before them: a branch on it made every warp wait for it.)"""
+        req_ok = Int32(0)
+        bt_row = block_table
+        if req >= Int32(0) and req < bt_rows and block_size > Int32(0):
+            req_ok = Int32(1)
+            bt_row = block_table + Int64(req) * Int64(bt_cols) * Int64(4)
+        return req_ok, bt_row
 
     @cute.jit
     def finish(self, refused: Int32, last_f: Int32, rowi: Int32, status: Int64, sm_seg: cute.Tensor,

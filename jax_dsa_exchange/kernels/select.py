@@ -178,6 +178,9 @@ PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tool
 CACHE_MAX = layout.PRODUCER_CACHE_MAX
 # CTAs per cluster the kernel can sum over (the portable limit)
 CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
+# CTAs per cluster the lean select sums over ("lcm=16": non-portable clusters of up to 16, which
+# the launch must allow: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)
+LEAN_CLUSTER_MAX = CLUSTER_MAX
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = (x.strip() for x in _kv.split("="))
     if _k == "skip":
@@ -190,7 +193,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
                "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC"}[_k]] = int(_v)  # fmt: skip
+               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC", "lcm": "LEAN_CLUSTER_MAX"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:

@@ -161,6 +161,15 @@ def test_metadata_matches_abi(images, tmp_path):
         assert (d / meta["cubin"]).read_bytes() == img.cubin
     back = cache.read_images(d)
     assert {k: v.entry for k, v in back.items()} == {k: v[0].entry for k, v in images.items()}
+    # a folder whose PTX is gzipped (tools/pack_cubins.sh) reads back the same images
+    import gzip
+
+    for name in images:
+        p = d / f"{name}.ptx"
+        (d / f"{name}.ptx.gz").write_bytes(gzip.compress(p.read_bytes()))
+        p.unlink()
+    packed = cache.read_images(d)
+    assert {k: (v.ptx, v.cubin) for k, v in packed.items()} == {k: (v.ptx, v.cubin) for k, v in back.items()}
 
 
 def test_merge_cluster_of_large_rows(monkeypatch):
@@ -484,7 +493,7 @@ def test_merge_exact_knobs_compile(tmp_path):
     the boundary is taken whole) compiles.  The rejected candidates spec / rpush / ru1 / rcache /
     r2list (removed) are refused as unknown knobs.  reqlate=1 (twenty-sixth session, a
     candidate): the request id is tested only after round 1's LL loads are issued; btq=1 with it
-    compiles."""
+    and fbrot=1 compile without a stack frame."""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "imgs = cache.compile_images('sm_90a', 8, 2048, 512); m = imgs['merge'][0]; "
             "sys.stdout.write(json.dumps(dict(cache.cubin_resources(m.cubin), ptx=m.ptx)))")  # fmt: skip
@@ -514,6 +523,9 @@ def test_merge_exact_knobs_compile(tmp_path):
     # btq=1 (a candidate): other ranks' keys skip this rank's block-table arithmetic (a branch)
     btq = ok("btq=1,reqlate=1")
     assert btq["registers"] <= base["registers"] and not _tested_before_records(btq["ptx"]), (base, btq)
+    # fbrot=1 (a candidate): warp_find_bin's rotated reads (the three together: the next run's set)
+    ok("fbrot=1")
+    ok("reqlate=1,btq=1,fbrot=1")
     for bad, msg in (("spec=1", "unknown knob"), ("rcache=16384", "unknown knob"), ("r2list=1", "unknown knob")):
         r = build(bad)
         assert r.returncode != 0 and msg in r.stderr, (bad, r.stderr[-500:])

@@ -157,3 +157,23 @@ def test_model_small_bins_second_pass():
         want = np.zeros(n, bool)
         want[order] = True
         assert np.array_equal(sel, want)
+
+
+def test_find_bin_rotation_reads_every_lane_bin_in_distinct_banks():
+    """merge.warp_find_bin with fbrot=1: lane k sums its bins nb - 1 - k per - r (r < per) reading
+    r = (u + k) mod per at step u: the same bins as the plain order r = u, and at per = 32 (1024
+    bins) the 32 lanes of each step in 32 distinct shared-memory banks, where the plain order puts
+    them in one (a 32-way conflict per load)."""
+    for nb in (1024, 64):
+        per = nb // 32
+        for k in range(32):
+            plain = {nb - 1 - u - k * per for u in range(per)}
+            rot = {nb - 1 - k * per - ((u + k) & (per - 1)) for u in range(per)}
+            assert rot == plain and len(rot) == per
+        for u in range(per):
+            banks_rot = {(nb - 1 - k * per - ((u + k) & (per - 1))) % 32 for k in range(32)}
+            banks_plain = {(nb - 1 - u - k * per) % 32 for k in range(32)}
+            if per == 32:
+                assert len(banks_rot) == 32 and len(banks_plain) == 1
+            else:
+                assert len(banks_rot) >= len(banks_plain)

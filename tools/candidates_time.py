@@ -26,18 +26,20 @@ MT, ST = "JAX_DSA_EXCHANGE_MERGE_TUNE", "JAX_DSA_EXCHANGE_SELECT_TUNE"
 # "R" forced rescue also at L = 128K, "p" the producer; "L": the rescue-list kernels
 # (Exchange.create(rescue_list=True))
 VARIANTS = [
-    ("default", "", "", "mp"),  # b1w=1 (seventeenth session), cnt2=1, flat=2, r2roll=1, r2all=1
+    ("default", "", "", "mrp"),  # b1w=1 (seventeenth session), cnt2=1, flat=2, r2roll=1, r2all=1
     # twenty-third session, exact, measured and removed (no gain): h1w=1, h1w=2, swar=1 (commit
     # b631992); timing only: skip=push / pass2 / compact / hist1+pass2+dsmem+compact+push, and
     # skip=select+push (the floor), each "p"
     # ("rep2", "", "rep=2", "p"): timing only, the select twice in one launch (twenty-third session)
-    # twenty-sixth session, built, not yet measured (no device lent): the request id's branch
-    # after round 1's loads; other ranks' keys without block-table arithmetic (merge.py;
-    # COMBO_M=reqlate=1,btq=1 at --build and at the run for their tests)
+    # twenty-sixth session, built, not yet measured (no device lent; merge.py): the request id's
+    # branch after round 1's loads, other ranks' keys without block-table arithmetic, the
+    # one-warp bin search without its 32-way bank conflicts (COMBO_M=reqlate=1,btq=1,fbrot=1 at
+    # --build and at the run for their tests)
     ("reqlate", "reqlate=1", "", "m"),
     ("btq", "btq=1", "", "m"),
-    ("reqlate+btq", "reqlate=1,btq=1", "", "m"),
-    ("default#2", "", "", "mp"),
+    ("fbrot", "fbrot=1", "", "m"),
+    ("all3", "reqlate=1,btq=1,fbrot=1", "", "mr"),
+    ("default#2", "", "", "mrp"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others
 PRODUCER_SHAPES = [(1, 8192), (64, 8192), (256, 8192), (1, 32768), (16, 32768), (256, 32768),

@@ -39,6 +39,7 @@ print("\n".join(sorted({mt + "|" + st + "|" + str(int("L" in w)) for _, mt, st, 
   done <<< "$tunes"
   one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1${COMBO_S:+,$COMBO_S}" --topk 2048 --local-topk 512 --world 8 || exit 1
   if [ -n "$PROF_S" ]; then one "prof=1" "prof=1,$PROF_S" --topk 2048 --local-topk 512 --world 8 || exit 1; fi
+  bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX gzipped: the carry is 64 MiB)
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi

@@ -168,7 +168,7 @@ def source_hash(files=SOURCE_FILES) -> str:
 # JAX_DSA_EXCHANGE_MERGE_TUNE knobs that change the merge's code layout only (kernels/merge.py):
 # their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
 # timing-only (merge.TIMING_ONLY)
-MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus", "ckp", "bpoll", "reqlate", "btq")
+MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus", "ckp", "bpoll", "reqlate", "btq", "fbrot")
 
 
 def tune_exact() -> bool:
@@ -307,6 +307,19 @@ def write_images(images: dict, out_dir) -> pathlib.Path:
     return d
 
 
+def _read_ptx(path: pathlib.Path) -> str:
+    """The PTX file, or its gzip copy ``<name>.ptx.gz`` (tools/pack_cubins.sh: the PTX is ~70%
+    of a folder and only the JIT fallback reads it; the device machine's carry is 64 MiB)."""
+    if path.is_file():
+        return path.read_text()
+    import gzip
+
+    gz = path.with_name(path.name + ".gz")
+    if gz.is_file():
+        return gzip.decompress(gz.read_bytes()).decode()
+    raise FileNotFoundError(f"{path} (nor {gz.name})")
+
+
 def read_images(folder) -> dict:
     d = pathlib.Path(folder)
     out = {}
@@ -314,7 +327,7 @@ def read_images(folder) -> dict:
         meta = json.loads((d / f"{name}.json").read_text())
         out[name] = KernelImage(
             kernel=meta["kernel"], entry=meta["entry"],
-            cubin=(d / meta["cubin"]).read_bytes(), ptx=(d / meta["ptx"]).read_text(),
+            cubin=(d / meta["cubin"]).read_bytes(), ptx=_read_ptx(d / meta["ptx"]),
             block=int(meta["block"][0] if isinstance(meta["block"], list) else meta["block"]),
             smem=int(meta["smem"]),
             params=tuple(tuple(p) for p in meta["params"]), config=meta["config"],

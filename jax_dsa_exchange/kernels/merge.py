@@ -152,6 +152,11 @@ CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
 #            KV slots behind a branch on the pair group's owner: the other ranks' keys skip the
 #            page arithmetic (~20 instructions a key in all 16 warps before the stats barrier,
 #            the phase profile's 0.30 us; ~10 a key in the outputs)
+#   fbrot=1  (exact; a candidate of the twenty-sixth session, not yet measured) warp_find_bin's
+#            lane sums read each lane's per contiguous bins in an order rotated by the lane, so
+#            the 32 addresses of a load lie in 32 banks: the plain order (bin nb - 1 - u - lane per)
+#            puts them all in one bank at per = 32 (1024 bins), a 32-way conflict on each of the
+#            32 loads, ~1,000 cycles per search (score histogram, g histograms, round 2's)
 #   bpoll=1  (exact; the default) round 1's stale LL halves of a batch re-polled together, every
 #            load in flight at once, until none is stale (load_r1_fast); bpoll=0: each stale
 #            half waited for in turn, a round trip each once the data has landed (under PDL the
@@ -939,9 +944,16 @@ class Merge:
         from the top; a warp scan finds the lane, whose bins the warp then scans
         (one per lane)."""
         per = nb // 32
+        assert per * 32 == nb and per & (per - 1) == 0, nb
         s = Int32(0)
         for u in cutlass.range_constexpr(per):
-            s = s + hist[Int32(nb - 1 - u) - lane * Int32(per)]
+            if cutlass.const_expr(TUNE["fbrot"] and per > 1):
+                # (fbrot) lane k reads its u-th bin at rotation (u + k) mod per: bins of one load
+                # instruction in distinct banks (the plain order reads bins per words apart, at
+                # per = 32 all in one bank: a 32-way conflict on each of the 32 loads)
+                s = s + hist[Int32(nb - 1) - lane * Int32(per) - ((Int32(u) + lane) & Int32(per - 1))]
+            else:
+                s = s + hist[Int32(nb - 1 - u) - lane * Int32(per)]
         incl = C.warp_incl_scan(s, lane)
         excl = incl - s
         bal = Uint32(cute.arch.vote_ballot_sync(excl < need and incl >= need))

@@ -65,7 +65,7 @@ if [ -z "$NO_PROF" ]; then  # (NO_PROF=1: leave the phase profiles out, ~2 min)
   echo "== phase profiles (merge): default, $COMBO_M"
   timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
   timeout 90 python3 tools/phase_profile.py --only merge --merge-tune $COMBO_M >> "$OUT/prof.log" 2>&1
-  grep -E "^== |words in" "$OUT/prof.log" | cut -c1-120
+  grep -E "^== merge W=8 K=2048 N=512 R=1 |^ +[0-9]+ " "$OUT/prof.log" | grep -v "r2:\|rescue:" | cut -c1-100 | head -64
 fi
 if [ -n "$PROF_S" ]; then  # (PROF_S=knobs, built with --build too: select phase profiles, default vs those)
   echo "== phase profiles (select): default, $PROF_S"

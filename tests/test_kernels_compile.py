@@ -475,12 +475,10 @@ def test_select_tune_variants(tmp_path):
     assert r.returncode != 0 and "unknown stage" in r.stderr
 
 
-def _tested_before_records(ptx: str) -> list:
-    """Registers of plain 32-bit global loads that a setp tests before the merge's first LL
-    record load (a warp stalls there until the load returns)."""
-    head = ptx[:ptx.index("ld.volatile.global.v2.u64")]
-    regs = re.findall(r"ld\.global\.u32 (%r\d+),", head)
-    return [r for r in regs if re.search(r"setp\.[a-z0-9.]+\s+%p\d+, " + re.escape(r) + r"\b", head)]
+def _loads_before_first_barrier(ptx: str) -> list:
+    """The global loads of a kernel's PTX before its first bar.sync (ptxas does not move a
+    global load across it)."""
+    return re.findall(r"ld\.(?:volatile\.)?global\.u32", ptx[:ptx.index("bar.sync")])
 
 
 def test_merge_exact_knobs_compile(tmp_path):
@@ -491,9 +489,10 @@ def test_merge_exact_knobs_compile(tmp_path):
     round 2 in registers (r2roll=0: 142.7 KB of SASS against 98.8 KB), with no more
     registers; r2radix=1 (the radix walk): fewer registers than r2roll=0; r2all=0 (the tie-break also when
     the boundary is taken whole) compiles.  The rejected candidates spec / rpush / ru1 / rcache /
-    r2list (removed) are refused as unknown knobs.  reqlate=1 (twenty-sixth session, a
-    candidate): the request id is tested only after round 1's LL loads are issued; btq=1 with it
-    and fbrot=1 compile without a stack frame."""
+    r2list (removed) are refused as unknown knobs.  The candidates btq=1, fbrot=1 (twenty-sixth
+    session; fbrot in the twenty-seventh's form), early=1 and spread=1 (twenty-seventh) compile without a
+    stack frame, alone and together; early=1 issues the epoch and status loads before the
+    launch's first barrier (the default after it)."""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "imgs = cache.compile_images('sm_90a', 8, 2048, 512); m = imgs['merge'][0]; "
             "sys.stdout.write(json.dumps(dict(cache.cubin_resources(m.cubin), ptx=m.ptx)))")  # fmt: skip
@@ -515,17 +514,24 @@ def test_merge_exact_knobs_compile(tmp_path):
     radix = ok("r2radix=1")
     assert radix["registers"] < regs["registers"], (regs, radix)
     ok("r2all=0")
-    # reqlate=1 (a candidate): no plain load's value is tested before round 1's first LL record
-    # load (the default tests the request id there: a round trip before the records)
-    late = ok("reqlate=1")
-    assert late["registers"] <= base["registers"] and late["text_bytes"] <= base["text_bytes"] + 1024, (base, late)
-    assert _tested_before_records(base["ptx"]) and not _tested_before_records(late["ptx"])
     # btq=1 (a candidate): other ranks' keys skip this rank's block-table arithmetic (a branch)
-    btq = ok("btq=1,reqlate=1")
-    assert btq["registers"] <= base["registers"] and not _tested_before_records(btq["ptx"]), (base, btq)
-    # fbrot=1 (a candidate): warp_find_bin's rotated reads (the three together: the next run's set)
-    ok("fbrot=1")
-    ok("reqlate=1,btq=1,fbrot=1")
+    btq = ok("btq=1")
+    assert btq["registers"] <= base["registers"], (base, btq)
+    # fbrot=1 (a candidate): warp_find_bin's 16-byte reads rotated by the lane
+    # (tests/test_merge_select_model.py); 16 registers fewer than the default (110 / 126)
+    fbrot = ok("fbrot=1")
+    assert fbrot["ptx"].count("ld.shared.v4.u32") > base["ptx"].count("ld.shared.v4.u32"), (base, fbrot)
+    # early=1 (a candidate): the first row's epoch and the status word before the first barrier
+    early = ok("early=1")
+    assert len(_loads_before_first_barrier(early["ptx"])) == 2 and not _loads_before_first_barrier(base["ptx"])
+    # spread=1 (a candidate): round 1's positions pair group-major (the layout's model:
+    # tests/test_merge_select_model.py), no more registers than the default
+    spread = ok("spread=1")
+    assert spread["registers"] <= base["registers"], (base, spread)
+    ok("btq=1,fbrot=1,early=1,spread=1")  # (the next run's set)
+    for bad in ("reqlate=1",):  # (removed: the SASS had no round trip to save)
+        r = build(bad)
+        assert r.returncode != 0 and "unknown knob" in r.stderr, (bad, r.stderr[-500:])
     for bad, msg in (("spec=1", "unknown knob"), ("rcache=16384", "unknown knob"), ("r2list=1", "unknown knob")):
         r = build(bad)
         assert r.returncode != 0 and msg in r.stderr, (bad, r.stderr[-500:])

@@ -160,20 +160,102 @@ def test_model_small_bins_second_pass():
 
 
 def test_find_bin_rotation_reads_every_lane_bin_in_distinct_banks():
-    """merge.warp_find_bin with fbrot=1: lane k sums its bins nb - 1 - k per - r (r < per) reading
-    r = (u + k) mod per at step u: the same bins as the plain order r = u, and at per = 32 (1024
-    bins) the 32 lanes of each step in 32 distinct shared-memory banks, where the plain order puts
-    them in one (a 32-way conflict per load)."""
-    for nb in (1024, 64):
-        per = nb // 32
-        for k in range(32):
-            plain = {nb - 1 - u - k * per for u in range(per)}
-            rot = {nb - 1 - k * per - ((u + k) & (per - 1)) for u in range(per)}
-            assert rot == plain and len(rot) == per
-        for u in range(per):
-            banks_rot = {(nb - 1 - k * per - ((u + k) & (per - 1))) % 32 for k in range(32)}
-            banks_plain = {(nb - 1 - u - k * per) % 32 for k in range(32)}
-            if per == 32:
-                assert len(banks_rot) == 32 and len(banks_plain) == 1
-            else:
-                assert len(banks_rot) >= len(banks_plain)
+    """merge.warp_find_bin with fbrot=1 (at 1024 bins: per = 32 bins a lane, 8 chunks of 16
+    bytes): lane k sums its bins [nb - (k + 1) per, nb - k per) reading chunk (u + k) mod 8 at
+    step u: the same bins as the plain order, and the 8 lanes of each quarter-warp (a 16-byte
+    load's unit of bank-conflict resolution) in 8 distinct 4-bank groups, where the plain order
+    (chunk u for every lane, as ptxas vectorized it: LDS.128) puts them in one (8-way)."""
+    nb, per = 1024, 32
+    nch = per // 4
+    for k in range(32):
+        start = nb - (k + 1) * per
+        rot = [start + 4 * ((u + k) & (nch - 1)) + e for u in range(nch) for e in range(4)]
+        assert sorted(rot) == list(range(start, start + per))
+    for u in range(nch):
+        for q in range(4):  # quarter-warps
+            lanes = range(8 * q, 8 * q + 8)
+            groups_rot = {((nb - (k + 1) * per) + 4 * ((u + k) & (nch - 1))) // 4 % 8 for k in lanes}
+            groups_plain = {((nb - (k + 1) * per) + 4 * u) // 4 % 8 for k in lanes}
+            assert len(groups_rot) == 8 and len(groups_plain) == 1
+
+
+def _incl_scan(x):
+    return np.cumsum(x)
+
+
+@pytest.mark.parametrize("world,n", [(8, 512), (16, 256), (4, 256), (2, 512), (8, 128), (3, 64)])
+def test_spread_layout_counts_every_position_in_order(world, n):
+    """merge.py spread=1 (a candidate): round 1's pair group ip of warp w, lane l at position
+    ip * 1024 + 64 w + 2 l (Merge.pos1).  The formulas of the kernel, for every thread: each
+    position once; a pair group's 64 positions in one list, its LL record of lane l at the
+    group's base record + l (Merge.pair_addr); the mask half of lane k (pair group k >> 1, half
+    k & 1) covers the 32 list indices of that half-warp (load_r1_fast's vm); and the outputs'
+    positions from the (group, warp) totals by Merge.spread_bases's scan (lane l holds totals l
+    and 32 + l; group ip's base of warp w from lane (16 ip) % 32 + w of the first or second
+    half) are the order-preserving compaction of a random selection."""
+    TB, NW, S_ = 512, 16, 64 * 16
+    nk1 = world * n
+    kp = 2 * -(-nk1 // (2 * TB))
+    assert n % 64 == 0 and S_ % n == 0
+    ng = kp // 2
+    seen = set()
+    for w in range(NW):
+        for ip in range(ng):
+            v0 = ip * S_ + 64 * w
+            q0, j0 = v0 // n, v0 % n
+            for lane in range(32):
+                v = v0 + 2 * lane
+                if v >= nk1:
+                    continue
+                q, j = v // n, v % n
+                assert (q, j) == (q0, j0 + 2 * lane)  # one list per group
+                assert (j0 >> 1) + lane == j // 2  # its record
+                seen.update((v, v + 1))
+        for k in range(min(kp, 32)):  # the mask halves (lane k < kp)
+            vm = (k >> 1) * S_ + 64 * w + (k & 1) * 32
+            if vm < nk1:
+                for lane in range(16 * (k & 1), 16 * (k & 1) + 16):  # the half-warp that reads it
+                    v = (k >> 1) * S_ + 64 * w + 2 * lane
+                    assert v // n == vm // n and (v % n) // 32 == (vm % n) // 32
+    assert seen == set(range(nk1))
+    rng = np.random.default_rng(world * 1000 + n)
+    for _ in range(5):
+        sel = rng.random(ng * S_) < rng.random()
+        sel[nk1:] = False
+        own_q = int(rng.integers(world))
+        # warp totals per (group, warp), own << 16 | all (pair_counts' c2)
+        wt = np.zeros(ng * NW, np.int64)
+        for ip in range(ng):
+            for w in range(NW):
+                v0 = ip * S_ + 64 * w
+                blk = sel[v0:v0 + 64]
+                own = (v0 // n) == own_q
+                wt[ip * NW + w] = int(blk.sum()) + ((int(blk.sum()) << 16) if own else 0)
+        # spread_bases
+        x0 = np.array([wt[lane] if lane < ng * NW else 0 for lane in range(32)])
+        x1 = np.array([wt[lane + 32] if lane + 32 < ng * NW else 0 for lane in range(32)])
+        s0, s1 = _incl_scan(x0), _incl_scan(x1)
+        e0, e1 = s0 - x0, s1 - x1 + s0[31]
+        tot = s0[31] + (s1[31] if ng * NW > 32 else 0)
+        want_pos = np.cumsum(sel) - sel  # selected before each position
+        own_sel = sel & (np.arange(ng * S_) // n == own_q)
+        want_kpos = np.cumsum(own_sel) - own_sel
+        for ip in range(ng):
+            for w in range(NW):
+                e = (e0 if ip * NW < 32 else e1)[(ip * NW) % 32 + w]
+                v0 = ip * S_ + 64 * w
+                blk = sel[v0:v0 + 64]
+                own = (v0 // n) == own_q
+                for lane in range(32):
+                    c1 = int(blk[:2 * lane].sum())  # pair_counts' before (both halves of lower lanes)
+                    e_l = e + c1 + ((c1 << 16) if own else 0)
+                    pos, kpos = e_l & 0xFFFF, e_l >> 16
+                    for h in range(2):
+                        v = v0 + 2 * lane + h
+                        if sel[v]:
+                            assert pos == want_pos[v]
+                            if own:
+                                assert kpos == want_kpos[v]
+                        pos += int(sel[v])
+                        kpos += int(sel[v] and own)
+        assert tot & 0xFFFF == sel.sum() and tot >> 16 == own_sel.sum()

@@ -31,14 +31,19 @@ VARIANTS = [
     # b631992); timing only: skip=push / pass2 / compact / hist1+pass2+dsmem+compact+push, and
     # skip=select+push (the floor), each "p"
     # ("rep2", "", "rep=2", "p"): timing only, the select twice in one launch (twenty-third session)
-    # twenty-sixth session, built, not yet measured (no device lent; merge.py): the request id's
-    # branch after round 1's loads, other ranks' keys without block-table arithmetic, the
-    # one-warp bin search without its 32-way bank conflicts (COMBO_M=reqlate=1,btq=1,fbrot=1 at
-    # --build and at the run for their tests)
-    ("reqlate", "reqlate=1", "", "m"),
+    # built, not yet measured (no device lent; merge.py): other ranks' keys without block-table
+    # arithmetic (btq, twenty-sixth session), the one-warp bin search's 16-byte reads without
+    # their 8-way bank conflicts (fbrot, twenty-seventh session's form), the first row's epoch
+    # and status before the first barrier and the next row's epoch at a row's start (early,
+    # twenty-seventh), round 1's positions pair group-major so that this rank's keys lie in 8
+    # warps, not 2 (spread, twenty-seventh); reqlate (twenty-sixth) was removed: the SASS showed
+    # no round trip to save.  COMBO_M=btq=1,fbrot=1,early=1,spread=1 at --build and at the run
+    # for their tests.
     ("btq", "btq=1", "", "m"),
     ("fbrot", "fbrot=1", "", "m"),
-    ("all3", "reqlate=1,btq=1,fbrot=1", "", "mr"),
+    ("early", "early=1", "", "m"),
+    ("spread", "spread=1", "", "m"),
+    ("all4", "btq=1,fbrot=1,early=1,spread=1", "", "mr"),
     ("default#2", "", "", "mrp"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others

@@ -399,6 +399,25 @@ def _in_fresh_process(code: str, **env_vars):
                           timeout=600, cwd=root)  # fmt: skip
 
 
+def test_lean_candidate_knobs_compile():
+    """The lean image's candidate select knobs compile without a stack frame and within 64
+    registers (two 512-thread CTAs per SM, which the R = 256 shapes rely on): csw=1 (the slice
+    copy's chunks permuted by the thread: no bank conflicts on its stores at 16 / 32 tokens a
+    thread; tests/test_select_model.py), lcm=16 (clusters of up to 16 CTAs: non-portable), and
+    both; the default's PTX has no xor in its copy addresses where csw=1's has."""
+    code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
+            "m = cache.compile_images('sm_90a', 8, 2048, 512)['select_push_lean'][0]; "
+            "sys.stdout.write(json.dumps(dict(cache.cubin_resources(m.cubin), ptx=m.ptx)))")  # fmt: skip
+    res = {}
+    for tune in ("", "csw=1", "lcm=16", "csw=1,lcm=16"):
+        r = _in_fresh_process(code, JAX_DSA_EXCHANGE_SELECT_TUNE=tune, JAX_DSA_EXCHANGE_MERGE_TUNE="")
+        assert r.returncode == 0, (tune, r.stderr[-2000:])
+        res[tune] = json.loads(r.stdout)
+        assert res[tune]["frame_bytes"] == 0 and res[tune]["registers"] <= 64, (tune, res[tune]["registers"])
+    assert res["csw=1"]["ptx"].count("xor.b32") > res[""]["ptx"].count("xor.b32")
+    assert res["lcm=16"]["ptx"].count("ld.shared::cluster") > res[""]["ptx"].count("ld.shared::cluster")
+
+
 def test_select_tune_variants(tmp_path):
     """The exact speed-up knobs (select.RELAX and select.OWN, on by default) and a
     timing-only skip build compile (fresh processes: select.py reads

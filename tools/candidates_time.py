@@ -44,6 +44,9 @@ VARIANTS = [
     ("early", "early=1", "", "m"),
     ("spread", "spread=1", "", "m"),
     ("all4", "btq=1,fbrot=1,early=1,spread=1", "", "mr"),
+    # the lean select's slice copy without its stores' bank conflicts (csw, twenty-seventh
+    # session; COMBO_S=csw=1 for its tests)
+    ("csw", "", "csw=1", "p"),
     ("default#2", "", "", "mrp"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others

@@ -14,7 +14,9 @@
 #          (FFI library: tools/gpu_integration_run.sh --build with FFI_INCLUDE, jax 0.11 headers)
 #   run there (~4-6 min):  OUT=dir bash tools/gpu_candidates_run.sh
 #       -> 1. the GPU kernel + select tests with the combination (exactness; a failure names
-#             the knob to drop: rerun with one knob)   2. phase profiles, default vs COMBO_M
+#             the knob to drop: rerun with one knob; BISECT="MT|ST ..." (environment, at --build and
+#             at the run): where the combination's tests fail, these merge|select tune pairs'
+#             tests run instead, and the call ends there)   2. phase profiles, default vs COMBO_M
 #             (NO_PROF=1: none), vs PROF_S (select)   3. tools/candidates_time.py (the table last)
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +34,7 @@ if [ "$1" = "--build" ]; then
        --out "$OLDPWD/.cubins" > $d/log 2>&1) || { echo "build [$mt|$st] $* failed: $d/log"; exit 1; }
   }
   full "" "" && { [ -z "$COMBO_M$COMBO_S" ] || full "$COMBO_M" "$COMBO_S"; } || exit 1
+  for b in $BISECT; do full "${b%%|*}" "${b#*|}" || exit 1; done
   tunes=$($PY -c 'import sys; sys.path.insert(0, "tools"); import candidates_time as c
 print("\n".join(sorted({mt + "|" + st + "|" + str(int("L" in w)) for _, mt, st, w in c.VARIANTS})))') || exit 1
   while IFS='|' read -r mt st rl; do  # (rl = 1: the rescue-list kind, Exchange.create(rescue_list=True))
@@ -53,6 +56,16 @@ echo "== GPU tests with merge [$COMBO_M] select [$COMBO_S] rescue list [${TEST_R
 JAX_DSA_EXCHANGE_TEST_RESCUE_LIST=${TEST_RESCUE_LIST:-} JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout 200 python3 -m pytest -q -p no:cacheprovider \
   -rfEs tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
 tail -4 "$OUT/tests.log"
+if [ $rc != 0 ] && [ -n "$BISECT" ]; then  # (which part of the combination fails: each pair's tests)
+  i=0
+  for b in $BISECT; do
+    i=$((i + 1)); echo "== GPU tests with merge [${b%%|*}] select [${b#*|}]"
+    JAX_DSA_EXCHANGE_MERGE_TUNE="${b%%|*}" JAX_DSA_EXCHANGE_SELECT_TUNE="${b#*|}" timeout 200 python3 -m pytest -q \
+      -p no:cacheprovider -rfEs tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests_bisect$i.log" 2>&1
+    tail -3 "$OUT/tests_bisect$i.log"
+  done
+  exit 1
+fi
 echo "== memcheck: the rescue tests with merge [$COMBO_M] select [$COMBO_S]"
 JAX_DSA_EXCHANGE_TEST_RESCUE_LIST=${TEST_RESCUE_LIST:-} JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q \
   -p no:cacheprovider -rfE tests/test_kernels_gpu.py -k "rescue or large_configs or adversarial" > "$OUT/memcheck.log" 2>&1 || rc=1

@@ -263,13 +263,13 @@ def test_launcher_splits_rows_like_layout():
                     sp = dict(split, cache_max=split.get("cache_max", 0), cache_wide=split.get("cache_wide", 0))
                     longer = -(-(-(-min(c, layout.MAX_LOCAL_LEN) // (want - 1))) // 8) * 8
                     assert layout.producer_cache_tokens(rows, c, want - 1, sp) < longer, (rows, c, split)
-    # what the policy gives at the benchmark's shapes (sixth session's H200 sweep, NOTES.md)
+    # what the policy gives at the benchmark's shapes (sixth session's H200 sweep, docs/notes_history.md)
     # without the device's cluster counts
     for (rows, cols), want in {(1, 8192): 1, (1, 32768): 4, (1, 131072): 8, (8, 131072): 8, (16, 32768): 4, (16, 131072): 4,
                                (64, 32768): 2, (64, 131072): 2, (128, 131072): 4, (256, 32768): 1,
                                (256, 131072): 4}.items():  # fmt: skip
         assert layout.producer_cluster(rows, cols) == want, (rows, cols)
-    # and with an H200's (tenth session's sweep, NOTES.md): the widest cluster whose rows all
+    # and with an H200's (tenth session's sweep, docs/notes_history.md): the widest cluster whose rows all
     # run at once at one CTA per SM
     h200 = dict(base, cluster_fit=H200_FIT)
     for (rows, cols), want in {(1, 131072): 8, (12, 131072): 8, (15, 131072): 8, (16, 131072): 6,

@@ -47,6 +47,13 @@ VARIANTS = [
     # the lean select's slice copy without its stores' bank conflicts (csw, twenty-seventh
     # session; COMBO_S=csw=1 for its tests)
     ("csw", "", "csw=1", "p"),
+    # timing only (outputs wrong): the merge's measured floor and breakdown on this source tree
+    # (#12's limits): "floor" = the launch, the status / epoch / LL records' round trips and the
+    # row's end (no select, no outputs); "nosel" = the outputs of the first K positions without
+    # the select (stats, histograms, tie-break); "noout" = the select without the outputs
+    ("floor", "nosel=1,noout=1", "", "m"),
+    ("nosel", "nosel=1", "", "m"),
+    ("noout", "noout=1", "", "m"),
     ("default#2", "", "", "mrp"),
 ]
 # C = 1 (where one=1 acts) at (1, 8K), (64, 8K), (256, 32K); clusters of 2-8 at the others

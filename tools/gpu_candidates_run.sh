@@ -10,7 +10,8 @@
 #   build here (CuTe DSL; ~15 s per folder on 2 cores):  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build
 #       -> .cubins: the default and the combination COMBO_M + COMBO_S for every test configuration;
 #          each variant of tools/candidates_time.py for W=8 K=2048 N=512 (its rescue-list kind for
-#          "L" variants); the prof=1 builds for the phase profiles; carry .cubins and build/ffi_lib
+#          "L" variants); the prof=1 builds for the phase profiles (W = 8 N = 512 default and
+#          COMBO_M, W = 16 N = 1024 default: its R = 64 profile); carry .cubins and build/ffi_lib
 #          (FFI library: tools/gpu_integration_run.sh --build with FFI_INCLUDE, jax 0.11 headers)
 #   run there (~4-6 min):  OUT=dir bash tools/gpu_candidates_run.sh
 #       -> 1. the GPU kernel + select tests with the combination (exactness; a failure names
@@ -40,7 +41,8 @@ print("\n".join(sorted({mt + "|" + st + "|" + str(int("L" in w)) for _, mt, st, 
   while IFS='|' read -r mt st rl; do  # (rl = 1: the rescue-list kind, Exchange.create(rescue_list=True))
     one "$mt" "$st" --topk 2048 --local-topk 512 --world 8 $([ "$rl" = 1 ] && echo --rescue-list) || exit 1
   done <<< "$tunes"
-  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1${COMBO_S:+,$COMBO_S}" --topk 2048 --local-topk 512 --world 8 || exit 1
+  one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1" "prof=1" --topk 2048 --local-topk 1024 \
+    --world 16 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1${COMBO_S:+,$COMBO_S}" --topk 2048 --local-topk 512 --world 8 || exit 1
   if [ -n "$PROF_S" ]; then one "prof=1" "prof=1,$PROF_S" --topk 2048 --local-topk 512 --world 8 || exit 1; fi
   bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX gzipped: the carry is 64 MiB)
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
@@ -78,7 +80,7 @@ if [ -z "$NO_PROF" ]; then  # (NO_PROF=1: leave the phase profiles out, ~2 min)
   echo "== phase profiles (merge): default, $COMBO_M"
   timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
   timeout 90 python3 tools/phase_profile.py --only merge --merge-tune $COMBO_M >> "$OUT/prof.log" 2>&1
-  grep -E "^== merge W=8 K=2048 N=512 R=1 |^ +[0-9]+ " "$OUT/prof.log" | grep -v "r2:\|rescue:" | cut -c1-100 | head -64
+  grep -E "^== merge W=(8 K=2048 N=512 R=1|16) |^ +[0-9]+ " "$OUT/prof.log" | grep -v "r2:\|rescue:" | cut -c1-100 | head -80
 fi
 if [ -n "$PROF_S" ]; then  # (PROF_S=knobs, built with --build too: select phase profiles, default vs those)
   echo "== phase profiles (select): default, $PROF_S"

@@ -556,6 +556,36 @@ def test_merge_exact_knobs_compile(tmp_path):
         assert r.returncode != 0 and msg in r.stderr, (bad, r.stderr[-500:])
 
 
+def test_merge_wide2_allocates_for_two_ctas_per_sm():
+    """wide2=1 (a candidate of the twenty-eighth session): the merge_wide image is compiled for
+    two 512-thread CTAs per SM (PTX .minnctapersm 2: at most 64 registers, ptxas spills the rest
+    into a stack frame), and its shared memory lets two CTAs share an SM, so that the launchers'
+    occupancy queries find twice the co-resident clusters (W = 16, N = 1024 at R = 64 on clusters
+    of 4).  The default merge_wide and the merge keep no launch bound; the merge is the same code
+    either way; min_ctas other than 1 or 2 is refused."""
+    code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
+            "imgs = cache.compile_images('sm_90a', 16, 2048, 1024); "
+            "sys.stdout.write(json.dumps({k: dict(cache.cubin_resources(v[0].cubin), ptx=v[0].ptx, "
+            "smem=v[0].smem) for k, v in imgs.items() if k.startswith('merge')}))")  # fmt: skip
+    res = {}
+    for tune in ("", "wide2=1"):
+        r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE=tune, JAX_DSA_EXCHANGE_SELECT_TUNE="")
+        assert r.returncode == 0, (tune, r.stderr[-2000:])
+        res[tune] = json.loads(r.stdout)
+    base, wide2 = res[""], res["wide2=1"]
+    assert set(base) == set(wide2) == {"merge", "merge_wide"}, (sorted(base), sorted(wide2))
+    for img in ("merge", "merge_wide"):
+        assert ".minnctapersm" not in base[img]["ptx"], img
+        assert base[img]["registers"] > 64, (img, base[img]["registers"])
+    assert ".minnctapersm 2" in wide2["merge_wide"]["ptx"]
+    assert wide2["merge_wide"]["registers"] <= 64, wide2["merge_wide"]["registers"]
+    assert 2 * (wide2["merge_wide"]["smem"] + 1024) <= 228 * 1024, wide2["merge_wide"]["smem"]
+    assert ".minnctapersm" not in wide2["merge"]["ptx"]
+    assert wide2["merge"]["ptx"] == base["merge"]["ptx"]
+    r = _in_fresh_process("from jax_dsa_exchange.kernels.merge import Merge; Merge(16, 2048, 1024, min_ctas=3)")
+    assert r.returncode != 0 and "min_ctas=3 must be 1 or 2" in r.stderr, r.stderr[-500:]
+
+
 def test_rolled_round2_fits_beside_a_producer_cta():
     """Wherever the merge's round 2 is rolled over shared memory (r2roll, the default), the
     merge still fits on one SM beside a producer CTA (its CTAs start under PDL while the

@@ -34,6 +34,11 @@ VARIANTS = [
     # (twenty-first session's candidates, rejected: ("w8n512 ckp=4", "ckp=4", 8, 512, "merge"): 2 CTAs
     # of 4 words; ("w8n512 ckp=2 c4", "ckp=2,clus=4", 8, 512, "merge"): 4 CTAs of 2 words)
     ("w8n512 merge#2", "", 8, 512, "merge"),
+    # twenty-eighth session's candidate (built, not yet measured): merge_wide compiled for two CTAs
+    # per SM (wide2=1: 64 registers), so that R = 64 rows of W = 16 N = 1024 get a cluster of 4
+    # each at once where the device holds >= 64 of them (its fit is printed)
+    ("w16 wide2", "wide2=1", 16, 1024, "merge_wide"),
+    ("w8n1024 wide2", "wide2=1", 8, 1024, "merge_wide"),
 ]
 ROWS = (1, 16, 24, 32, 64, 256)
 
@@ -43,6 +48,8 @@ def main(argv=None):
     ap.add_argument("--out", default="/tmp/clus_time.json")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-rescue", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="variant names (default: all)")
+    ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     a = ap.parse_args(argv)
     import cupy as cp
     from bench_kernels import time_merge
@@ -58,14 +65,16 @@ def main(argv=None):
     res = {}
     fit = {}
     for name, mt, w, n, image in VARIANTS:
+        if a.only and name not in a.only:
+            continue
         os.environ[MT] = mt
         r = {}
         try:
             b = KernelTimer(cp, w, 2048, n, 256, merge=image)
             r["cluster"] = b.sim.merge_cluster
-            if image == "merge_wide":
-                fit[name[:-len(" merge_wide")]] = r["fit"] = b.sim.merge_fit  # clusters of 4 the GPU holds at once
-            for R in ROWS:
+            if image == "merge_wide":  # clusters of 4 the GPU holds at once
+                fit[name.rsplit(" ", 1)[0] + ("/wide2" if "wide2" in mt else "")] = r["fit"] = b.sim.merge_fit
+            for R in a.rows:
                 r[f"r{R}"] = (round(time_merge(b, R, 8192, False, iters=a.iters), 2), round(b.last_kernel_us, 2))
                 print(name, R, r[f"r{R}"], flush=True)
             if not a.no_rescue and "#" not in name:
@@ -80,15 +89,16 @@ def main(argv=None):
     # the launcher with one rank per GPU: merge_wide where layout.merge_uses_wide(R, its fit)
     from jax_dsa_exchange import layout
 
-    for pre, f in fit.items():
-        nar, wid = res.get(f"{pre} merge", {}), res.get(f"{pre} merge_wide", {})
-        res[f"{pre} launcher"] = {"cluster": "*", **{
-            f"r{R}": (wid if layout.merge_uses_wide(R, f) else nar)[f"r{R}"] for R in ROWS
+    for key, f in fit.items():
+        pre, w2 = key.split("/")[0], key.endswith("/wide2")
+        nar, wid = res.get(f"{pre} merge", {}), res.get(f"{pre} {'wide2' if w2 else 'merge_wide'}", {})
+        res[f"{pre} launcher{' wide2' if w2 else ''}"] = {"cluster": "*", **{
+            f"r{R}": (wid if layout.merge_uses_wide(R, f) else nar)[f"r{R}"] for R in a.rows
             if f"r{R}" in nar and f"r{R}" in wid}}
-        print(f"{pre}: merge_wide fit {f} clusters: the launcher runs it at R <= {f}")
+        print(f"{key}: merge_wide fit {f} clusters: the launcher runs it at R <= {f}")
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
-    cols = [f"r{R}" for R in ROWS] + ["r1resc"]
+    cols = [f"r{R}" for R in a.rows] + ["r1resc"]
     print("\n== merge alone, K=2048 L=8192 (events us [CUPTI]); r1resc = forced rescue of rank 0, R = 1")
     print(f"{'variant':18s} {'C':>2s} " + " ".join(f"{c:>15s}" for c in cols))
     for nm, r in res.items():

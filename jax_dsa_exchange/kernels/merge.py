@@ -172,6 +172,12 @@ SPREAD_S = 64 * C.NWARPS  # (spread) positions of one pair group over the CTA's 
 #            longest per-warp chain before the stats and the outputs barriers, shared by 4x the
 #            warps (with btq's branches); the outputs count positions from the (group, warp)
 #            totals (Merge.spread_bases).  One-CTA rows with the block table in registers only.
+#   wide2=1  (exact; a candidate of the twenty-eighth session, not yet measured) the merge_wide
+#            image compiled for two CTAs per SM (launch bound minctasm 2: 64 registers, ptxas
+#            spills ~80 words a thread, ~13% more instructions), so that twice as many of its
+#            clusters are co-resident (the launchers' occupancy queries size its grid) and
+#            W = 16 N = 1024 at R = 64 runs it, one cluster of 4 per row, instead of the merge's
+#            2 CTAs of 16 words a thread (17.9 us against the goal's 8; merge_wide 10.6 at R = 16)
 #   bpoll=1  (exact; the default) round 1's stale LL halves of a batch re-polled together, every
 #            load in flight at once, until none is stale (load_r1_fast); bpoll=0: each stale
 #            half waited for in turn, a round trip each once the data has landed (under PDL the
@@ -312,10 +318,15 @@ class Merge:
     the producer's K-list of the row instead of selecting the row itself)."""
 
     def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False, clus: int | None = None,
-                 min_kp: int | None = None):
+                 min_kp: int | None = None, min_ctas: int = 1):
         """``clus``: the most CTAs of a clustered row (None: the clus knob, CLUS_MAX); ``min_kp``:
-        the fewest round-1 words per thread of a clustered CTA (None: the ckp knob, CLUS_KP)."""
+        the fewest round-1 words per thread of a clustered CTA (None: the ckp knob, CLUS_KP);
+        ``min_ctas``: CTAs per SM the registers are allocated for (the launch bound minctasm;
+        1: none, ptxas takes up to 128 registers)."""
         layout.check_config(world, topk, n)
+        if min_ctas not in (1, 2):
+            raise ValueError(f"min_ctas={min_ctas} must be 1 or 2 (512-thread CTAs)")
+        self.min_ctas = min_ctas
         self.world, self.topk, self.n = world, topk, n
         self.gbits = layout.gid_bits(world)
         self.keybits = 16 + self.gbits
@@ -2490,7 +2501,16 @@ class Merge:
         self.kernel(peers, local, state, logits, row_ends, req_id, block_table, kv_rows, counts,
                     ids, saturated, rows, cols, bt_rows, bt_cols, block_size, rank, max_rows,
                     rescue_off, flags_off, timeout_us, host_status).launch(
-            grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)  # fmt: skip
+            grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem, **self.launch_bounds())  # fmt: skip
+
+    def launch_bounds(self) -> dict:
+        """The launch's register bound: none by default (the PTX keeps only .reqntid); with
+        min_ctas = 2 the kernel's .minnctapersm 2 (ptxas then allocates 64 registers).  The
+        carveout is given so that the DSL does not query a device for it (builds run without a
+        GPU); the launchers load the cubin themselves and the driver sizes the carveout."""
+        if self.min_ctas == 1:
+            return {}
+        return {"min_blocks_per_mp": self.min_ctas, "preferred_smem_carveout": 100}
 
     def compile(self, arch: str = "sm_90a", dump_dir: str = "."):
         return cute.compile(self.entry, *ABI.dummies(Int64, Int32), options=C.compile_options(arch, dump_dir))

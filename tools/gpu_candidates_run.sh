@@ -13,7 +13,8 @@
 #          "L" variants); the prof=1 builds for the phase profiles (W = 8 N = 512 default and
 #          COMBO_M, W = 16 N = 1024 default: its R = 64 profile); carry .cubins and build/ffi_lib
 #          (FFI library: tools/gpu_integration_run.sh --build with FFI_INCLUDE, jax 0.11 headers)
-#   run there (~4-6 min):  OUT=dir bash tools/gpu_candidates_run.sh
+#   run there (~4-6 min without the timing, ~6 min the timing alone): OUT=dir NO_TIME=1 bash
+#       tools/gpu_candidates_run.sh, then OUT=dir2 TIME_ONLY=1 bash tools/gpu_candidates_run.sh
 #       -> 1. the GPU kernel + select tests with the combination (exactness; a failure names
 #             the knob to drop: rerun with one knob; BISECT="MT|ST ..." (environment, at --build and
 #             at the run): where the combination's tests fail, these merge|select tune pairs'
@@ -59,6 +60,7 @@ OUT=${OUT:-/tmp/candidates_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 python3 tools/candidates_time.py --check || exit 3  # (cubins of another source tree: rebuild here)
 rc=0
+if [ -z "$TIME_ONLY" ]; then  # (TIME_ONLY=1: the timing alone, after a NO_TIME=1 call)
 echo "== GPU tests with merge [$COMBO_M] select [$COMBO_S] rescue list [${TEST_RESCUE_LIST:-0}]"
 JAX_DSA_EXCHANGE_TEST_RESCUE_LIST=${TEST_RESCUE_LIST:-} JAX_DSA_EXCHANGE_MERGE_TUNE=$COMBO_M JAX_DSA_EXCHANGE_SELECT_TUNE=$COMBO_S timeout 200 python3 -m pytest -q -p no:cacheprovider \
   -rfEs tests/test_kernels_gpu.py tests/test_select_gpu.py > "$OUT/tests.log" 2>&1 || rc=1
@@ -94,6 +96,7 @@ if [ -n "$PROF_S" ]; then  # (PROF_S=knobs, built with --build too: select phase
     timeout 60 python3 tools/phase_profile.py --only select ${t:+--select-tune $t} --pattern recent --shapes 1,131072 >> "$OUT/prof_select.log" 2>&1
   done
   grep -E "^== |walk|scan|push" "$OUT/prof_select.log" | grep -v "CTA [1-7] " | cut -c1-110 | head -80
+fi
 fi
 [ -n "$NO_TIME" ] && exit $rc  # (NO_TIME=1: the checks only; the timing in a call of its own)
 echo "== timing"

@@ -39,6 +39,7 @@ VARIANTS = [
     # each at once where the device holds >= 64 of them (its fit is printed)
     ("w16 wide2", "wide2=1", 16, 1024, "merge_wide"),
     ("w8n1024 wide2", "wide2=1", 8, 1024, "merge_wide"),
+    ("w16n512 wide2", "wide2=1", 16, 512, "merge_wide"),  # (the largest frame: 392 bytes, 72 without wide2)
 ]
 ROWS = (1, 16, 24, 32, 64, 256)
 
@@ -100,10 +101,10 @@ def main(argv=None):
         json.dump(res, f, indent=1)
     cols = [f"r{R}" for R in a.rows] + ["r1resc"]
     print("\n== merge alone, K=2048 L=8192 (events us [CUPTI]); r1resc = forced rescue of rank 0, R = 1")
-    print(f"{'variant':18s} {'C':>2s} " + " ".join(f"{c:>15s}" for c in cols))
+    print(f"{'variant':24s} {'C':>2s} " + " ".join(f"{c:>15s}" for c in cols))
     for nm, r in res.items():
         cells = [f"{r[c][0]:6.2f} [{r[c][1]:6.2f}]" if c in r else f"{'-':>15s}" for c in cols]
-        print(f"{nm:18s} {r.get('cluster', '-')!s:>2s} " + " ".join(cells) + (f"  {r['error']}" if "error" in r else ""))
+        print(f"{nm:24s} {r.get('cluster', '-')!s:>2s} " + " ".join(cells) + (f"  {r['error']}" if "error" in r else ""))
     return 0
 
 

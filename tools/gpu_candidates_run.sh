@@ -21,7 +21,8 @@
 #             tests run instead, and the call ends there)   2. phase profiles, default vs COMBO_M
 #             (NO_PROF=1: none), vs PROF_S (select)   3. tools/candidates_time.py (the table last)
 #             4. tools/clus_time.py: merge_wide built for two CTAs per SM (wide2=1) at W = 16 / 8,
-#             N = 1024 against the merge and merge_wide, with each one's co-resident clusters
+#             N = 1024 and W = 16 N = 512 against the merge and merge_wide, with each one's
+#             co-resident clusters
 set -o pipefail
 cd "$(dirname "$0")/.."
 COMBO_M=${COMBO_M:-}
@@ -47,7 +48,7 @@ print("\n".join(sorted({mt + "|" + st + "|" + str(int("L" in w)) for _, mt, st, 
   one "prof=1" "prof=1" --topk 2048 --local-topk 512 --world 8 && one "prof=1" "prof=1" --topk 2048 --local-topk 1024 \
     --world 16 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1${COMBO_S:+,$COMBO_S}" --topk 2048 --local-topk 512 --world 8 || exit 1
   if [ -n "$PROF_S" ]; then one "prof=1" "prof=1,$PROF_S" --topk 2048 --local-topk 512 --world 8 || exit 1; fi
-  for wn in "16 1024" "8 1024"; do  # (tools/clus_time.py's wide2 variants, timed below)
+  for wn in "16 1024" "8 1024" "16 512"; do  # (tools/clus_time.py's wide2 variants, timed below)
     set -- $wn; one "wide2=1" "" --topk 2048 --local-topk $2 --world $1 || exit 1
   done
   bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX gzipped: the carry is 64 MiB)
@@ -87,7 +88,7 @@ if [ -z "$NO_PROF" ]; then  # (NO_PROF=1: leave the phase profiles out, ~2 min)
   echo "== phase profiles (merge): default, $COMBO_M"
   timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
   timeout 90 python3 tools/phase_profile.py --only merge --merge-tune $COMBO_M >> "$OUT/prof.log" 2>&1
-  grep -E "^== merge W=(8 K=2048 N=512 R=1|16) |^ +[0-9]+ " "$OUT/prof.log" | grep -v "r2:\|rescue:" | cut -c1-100 | head -80
+  grep -E "^== merge W=(8 K=2048 N=512 R=(1|64)|16) |^ +[0-9]+ " "$OUT/prof.log" | grep -v "r2:\|rescue:" | cut -c1-100 | head -150
 fi
 if [ -n "$PROF_S" ]; then  # (PROF_S=knobs, built with --build too: select phase profiles, default vs those)
   echo "== phase profiles (select): default, $PROF_S"
@@ -103,8 +104,8 @@ echo "== timing"
 timeout 330 python3 tools/candidates_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1
 tail -32 "$OUT/time.log"
 echo "== merge_wide for two CTAs per SM (wide2=1) against the launcher's images, W = 16 / 8, N = 1024"
-timeout 200 python3 tools/clus_time.py --only "w16 merge" "w16 merge_wide" "w16 wide2" "w8n1024 merge" \
-  "w8n1024 merge_wide" "w8n1024 wide2" --rows 1 16 32 64 --no-rescue --iters 15 --out "$OUT/wide2.json" \
-  > "$OUT/wide2.log" 2>&1 || rc=1
-grep -E "fit|^== |^w" "$OUT/wide2.log" | tail -16
+timeout 240 python3 tools/clus_time.py --only "w16 merge" "w16 merge_wide" "w16 wide2" "w8n1024 merge" \
+  "w8n1024 merge_wide" "w8n1024 wide2" "w16n512 merge" "w16n512 merge_wide" "w16n512 wide2" --rows 1 16 32 64 \
+  --no-rescue --iters 15 --out "$OUT/wide2.json" > "$OUT/wide2.log" 2>&1 || rc=1
+grep -E "fit|^== |^w" "$OUT/wide2.log" | tail -22
 exit $rc

@@ -87,7 +87,8 @@ grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" "$OUT/racecheck.l
 if [ -z "$NO_PROF" ]; then  # (NO_PROF=1: leave the phase profiles out, ~2 min)
   echo "== phase profiles (merge): default, $COMBO_M"
   timeout 90 python3 tools/phase_profile.py --only merge > "$OUT/prof.log" 2>&1
-  timeout 90 python3 tools/phase_profile.py --only merge --merge-tune $COMBO_M >> "$OUT/prof.log" 2>&1
+  timeout 90 python3 tools/phase_profile.py --only merge --merge-tune $COMBO_M ${COMBO_S:+--select-tune $COMBO_S} \
+    >> "$OUT/prof.log" 2>&1  # (the build's select tune too: prof=1,COMBO_S picks its folder)
   grep -E "^== merge W=(8 K=2048 N=512 R=(1|64)|16) |^ +[0-9]+ " "$OUT/prof.log" | grep -v "r2:\|rescue:" | cut -c1-100 | head -150
 fi
 if [ -n "$PROF_S" ]; then  # (PROF_S=knobs, built with --build too: select phase profiles, default vs those)

@@ -45,3 +45,18 @@ def test_missing_tool_names_the_wheel(monkeypatch):
         assert "pip install nvidia-cuda-nvdisasm" in str(e)
     else:
         raise AssertionError("no error for a missing nvdisasm")
+
+
+def test_packed_cubins(tmp_path):
+    """A folder packed by tools/pack_cubins.sh (cubins gzipped) is read too: the image names and
+    an unpacked copy for nvdisasm / cuobjdump."""
+    import gzip
+
+    raw = b"\x7fELF fake cubin"
+    (tmp_path / "merge.cubin.gz").write_bytes(gzip.compress(raw))
+    assert sass.image_name(str(tmp_path / "merge.cubin.gz")) == "merge"
+    assert sass.image_name("x/select_push_lean.cubin") == "select_push_lean"
+    p = sass.plain(str(tmp_path / "merge.cubin.gz"))
+    assert p.endswith(".cubin") and open(p, "rb").read() == raw
+    os.unlink(p)
+    assert sass.plain("a.cubin") == "a.cubin"

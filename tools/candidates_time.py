@@ -74,7 +74,7 @@ def missing_cubins(dirs) -> list:
     for n, mt, st, w, k, nn, rl in need:
         os.environ[MT], os.environ[ST] = mt, st
         tag = cache.config_tag("sm_90a", w, k, nn, cache.source_hash(), rl)
-        if not any((pathlib.Path(d) / tag / "merge.cubin").is_file() for d in dirs):
+        if not any((pathlib.Path(d) / tag / f).is_file() for d in dirs for f in ("merge.cubin", "merge.cubin.gz")):
             out.append((n, tag))
     os.environ[MT], os.environ[ST] = "", ""
     return out

@@ -51,7 +51,7 @@ print("\n".join(sorted({mt + "|" + st + "|" + str(int("L" in w)) for _, mt, st, 
   for wn in "16 1024" "8 1024" "16 512"; do  # (tools/clus_time.py's wide2 variants, timed below)
     set -- $wn; one "wide2=1" "" --topk 2048 --local-topk $2 --world $1 || exit 1
   done
-  bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX gzipped: the carry is 64 MiB)
+  bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX and cubins gzipped: the carry is 64 MiB)
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi

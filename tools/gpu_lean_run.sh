@@ -28,7 +28,7 @@ if [ "$1" = "--build" ]; then
   done
   JAX_DSA_EXCHANGE_MERGE_TUNE=prof=1 JAX_DSA_EXCHANGE_SELECT_TUNE=prof=1 $PY -m jax_dsa_exchange.build --topk 2048 \
     --local-topk 512 --world 8 --out .cubins >> /tmp/lean_build.log 2>&1 || { echo "build [prof=1] failed"; exit 1; }
-  bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX gzipped: the carry is 64 MiB)
+  bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX and cubins gzipped: the carry is 64 MiB)
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi

@@ -16,7 +16,7 @@ if [ "$1" = "--build" ]; then
   PY=${PY:-.venv/bin/python}
   JAX_DSA_EXCHANGE_SELECT_TUNE=lcm=16 $PY -m jax_dsa_exchange.build --topk 2048 --local-topk 512 --world 8 \
     --out .cubins > /tmp/split_probe_build.log 2>&1 || { echo "build failed: /tmp/split_probe_build.log"; exit 1; }
-  bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX gzipped: the carry is 64 MiB)
+  bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX and cubins gzipped: the carry is 64 MiB)
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
   exit 0
 fi

@@ -57,15 +57,29 @@ def parse(text: str) -> list:
             for m in map(_LINE.search, text.splitlines()) if m]
 
 
+def plain(cubin: str) -> str:
+    """A path the tools can read: the cubin itself, or its gzip copy (tools/pack_cubins.sh)
+    unpacked into a temporary file."""
+    if not cubin.endswith(".gz"):
+        return cubin
+    import gzip
+    import tempfile
+
+    with open(cubin, "rb") as f, tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as out:
+        out.write(gzip.decompress(f.read()))
+    return out.name
+
+
 def sass(cubin: str) -> list:
     """parse() of the cubin's disassembly."""
-    return parse(subprocess.run([tool("nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True).stdout)
+    return parse(subprocess.run([tool("nvdisasm"), "-c", plain(cubin)], capture_output=True, text=True,
+                                check=True).stdout)  # fmt: skip
 
 
 def resources(cubin: str) -> dict:
     """REG / STACK / LOCAL / SHARED of the cubin's kernel (cuobjdump --dump-resource-usage)."""
-    out = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", cubin], capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
+    out = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", plain(cubin)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL|SHARED):(\d+)", out)}
 
 
@@ -98,18 +112,25 @@ def prologue(ins: list, n: int) -> list:
     return out
 
 
+def image_name(path: str) -> str:
+    """merge.cubin / merge.cubin.gz -> merge."""
+    b = os.path.basename(path)
+    return b[:-len(".cubin.gz")] if b.endswith(".gz") else b[:-len(".cubin")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("folder", help="a prebuilt folder (jax_dsa_exchange.build --out) or one .cubin")
+    ap.add_argument("folder", help="a prebuilt folder (jax_dsa_exchange.build --out) or one .cubin[.gz]")
     ap.add_argument("--image", action="append", help="image name(s) (default: every .cubin of the folder)")
     ap.add_argument("--diff", help="a second folder: the same images side by side")
     ap.add_argument("--prologue", type=int, default=0, help="list the first N memory / barrier instructions")
     ap.add_argument("--dump", help="write the whole SASS of the (first) image here")
     a = ap.parse_args()
-    if a.folder.endswith(".cubin"):
-        cubins = {os.path.basename(a.folder)[:-6]: a.folder}
+    if a.folder.endswith((".cubin", ".cubin.gz")):
+        cubins = {image_name(a.folder): a.folder}
     else:
-        cubins = {os.path.basename(p)[:-6]: p for p in sorted(glob.glob(os.path.join(a.folder, "*.cubin")))}
+        cubins = {image_name(p): p for p in sorted(glob.glob(os.path.join(a.folder, "*.cubin"))
+                                                  + glob.glob(os.path.join(a.folder, "*.cubin.gz")))}
     if a.image:
         cubins = {k: v for k, v in cubins.items() if k in a.image}
     if not cubins:
@@ -117,9 +138,10 @@ def main() -> None:
     for name, path in cubins.items():
         cols = [("", summary(path))]
         if a.diff:
-            other = os.path.join(a.diff, name + ".cubin")
-            if os.path.exists(other):
-                cols.append(("other", summary(other)))
+            for other in (os.path.join(a.diff, name + ".cubin"), os.path.join(a.diff, name + ".cubin.gz")):
+                if os.path.exists(other):
+                    cols.append(("other", summary(other)))
+                    break
         keys = ["REG", "STACK", "LOCAL", "instructions"] + [k for k, _ in KINDS] + ["other"]
         print(f"== {name}  ({path})" + (f"  vs  {a.diff}" if len(cols) > 1 else ""))
         for k in keys:

@@ -309,16 +309,18 @@ def write_images(images: dict, out_dir) -> pathlib.Path:
     return d
 
 
-def _read_ptx(path: pathlib.Path) -> str:
-    """The PTX file, or its gzip copy ``<name>.ptx.gz`` (tools/pack_cubins.sh: the PTX is ~70%
-    of a folder and only the JIT fallback reads it; the device machine's carry is 64 MiB)."""
+def read_packed(path) -> bytes:
+    """A prebuilt file's bytes, or those of its gzip copy ``<name>.gz`` (tools/pack_cubins.sh
+    gzips the PTX and the cubins of a folder: ~3x smaller, so that more builds fit the device
+    machine's 64 MiB carry)."""
+    path = pathlib.Path(path)
     if path.is_file():
-        return path.read_text()
+        return path.read_bytes()
     import gzip
 
     gz = path.with_name(path.name + ".gz")
     if gz.is_file():
-        return gzip.decompress(gz.read_bytes()).decode()
+        return gzip.decompress(gz.read_bytes())
     raise FileNotFoundError(f"{path} (nor {gz.name})")
 
 
@@ -329,7 +331,7 @@ def read_images(folder) -> dict:
         meta = json.loads((d / f"{name}.json").read_text())
         out[name] = KernelImage(
             kernel=meta["kernel"], entry=meta["entry"],
-            cubin=(d / meta["cubin"]).read_bytes(), ptx=_read_ptx(d / meta["ptx"]),
+            cubin=read_packed(d / meta["cubin"]), ptx=read_packed(d / meta["ptx"]).decode(),
             block=int(meta["block"][0] if isinstance(meta["block"], list) else meta["block"]),
             smem=int(meta["smem"]),
             params=tuple(tuple(p) for p in meta["params"]), config=meta["config"],

@@ -511,7 +511,8 @@ def test_merge_exact_knobs_compile(tmp_path):
     r2list (removed) are refused as unknown knobs.  The candidates btq=1, fbrot=1 (twenty-sixth
     session; fbrot in the twenty-seventh's form), early=1 and spread=1 (twenty-seventh) compile without a
     stack frame, alone and together; early=1 issues the epoch and status loads before the
-    launch's first barrier (the default after it)."""
+    launch's first barrier (the default after it).  runs=1 (twenty-eighth) compiles without a frame
+    and 32 fewer ballots, alone and with btq / fbrot / early, and is refused beside spread."""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "imgs = cache.compile_images('sm_90a', 8, 2048, 512); m = imgs['merge'][0]; "
             "sys.stdout.write(json.dumps(dict(cache.cubin_resources(m.cubin), ptx=m.ptx)))")  # fmt: skip
@@ -548,6 +549,16 @@ def test_merge_exact_knobs_compile(tmp_path):
     spread = ok("spread=1")
     assert spread["registers"] <= base["registers"], (base, spread)
     ok("btq=1,fbrot=1,early=1,spread=1")  # (the next run's set)
+    # runs=1 (a candidate, twenty-eighth session): round 1's keys as contiguous runs per thread
+    # (the layout's model: tests/test_merge_select_model.py); round 1's 32 per-pair-group ballots
+    # (16 in the selection's totals, 16 again in the outputs) give way to one warp scan
+    runs = ok("runs=1")
+    assert runs["registers"] <= base["registers"], (base, runs)
+    assert base["ptx"].count("vote.sync.ballot") - runs["ptx"].count("vote.sync.ballot") == 32, (
+        base["ptx"].count("vote.sync.ballot"), runs["ptx"].count("vote.sync.ballot"))
+    ok("btq=1,fbrot=1,early=1,runs=1")
+    r = build("runs=1,spread=1")
+    assert r.returncode != 0 and "runs and spread are two layouts" in r.stderr, r.stderr[-500:]
     for bad in ("reqlate=1",):  # (removed: the SASS had no round trip to save)
         r = build(bad)
         assert r.returncode != 0 and "unknown knob" in r.stderr, (bad, r.stderr[-500:])

@@ -44,6 +44,11 @@ VARIANTS = [
     ("early", "early=1", "", "m"),
     ("spread", "spread=1", "", "m"),
     ("all4", "btq=1,fbrot=1,early=1,spread=1", "", "mr"),
+    # round 1's keys as contiguous runs per thread, one warp scan instead of the pair groups'
+    # ballots (runs, twenty-eighth session; the other layout than spread: with btq / fbrot / early
+    # in all4r)
+    ("runs", "runs=1", "", "m"),
+    ("all4r", "btq=1,fbrot=1,early=1,runs=1", "", "mr"),
     # the lean select's slice copy without its stores' bank conflicts (csw, twenty-seventh
     # session; COMBO_S=csw=1 for its tests)
     ("csw", "", "csw=1", "p"),

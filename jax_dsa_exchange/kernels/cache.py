@@ -169,7 +169,7 @@ def source_hash(files=SOURCE_FILES) -> str:
 # their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
 # timing-only (merge.TIMING_ONLY)
 MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus", "ckp", "bpoll", "btq", "fbrot", "early", "spread",
-                     "wide2")
+                     "wide2", "runs")
 
 
 def tune_exact() -> bool:

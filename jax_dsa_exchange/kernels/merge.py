@@ -172,6 +172,16 @@ SPREAD_S = 64 * C.NWARPS  # (spread) positions of one pair group over the CTA's 
 #            longest per-warp chain before the stats and the outputs barriers, shared by 4x the
 #            warps (with btq's branches); the outputs count positions from the (group, warp)
 #            totals (Merge.spread_bases).  One-CTA rows with the block table in registers only.
+#   runs=1   (exact; a candidate of the twenty-eighth session, not yet measured) round 1's keys as
+#            contiguous runs, thread t holding positions t kp .. t kp + kp - 1 (the lean select's
+#            layout; peer top-k kernels place keys so too), instead of pair groups over the lanes:
+#            the selected keys before each key come from a thread's own count (popc of its
+#            selection bits), one warp scan and the warp totals, where each pair group took four
+#            ballots and their popc twice (in the selection's totals and again in the outputs:
+#            ~250 of the critical warp's ~900 instructions at W = 8, N = 512).  A run lies in one
+#            list and one mask word (kp divides N and 32): each thread loads its own mask half, no
+#            shuffles.  One-CTA rows with the block table in registers; not with spread (the
+#            other layout)
 #   wide2=1  (exact; a candidate of the twenty-eighth session, not yet measured) the merge_wide
 #            image compiled for two CTAs per SM (launch bound minctasm 2: 64 registers, ptxas
 #            spills ~80 words a thread, ~13% more instructions), so that twice as many of its
@@ -381,6 +391,11 @@ class Merge:
         # warps.  Round 1 on one CTA with the block table in registers only.
         self.spread = bool(TUNE["spread"] and self.fast1 and self.clus == 1 and self.pre_bt
                            and not self.roll1 and n % 64 == 0 and SPREAD_S % n == 0)  # fmt: skip
+        if TUNE["runs"] and TUNE["spread"]:
+            raise ValueError(f"{TUNE_ENV}: runs and spread are two layouts of round 1: pick one")
+        # runs (a candidate): round 1's positions t kp1 + i, a thread's run in one list and one mask word
+        self.runs = bool(TUNE["runs"] and self.fast1 and self.clus == 1 and self.pre_bt and not self.roll1
+                         and n % self.kp1 == 0 and 32 % self.kp1 == 0)  # fmt: skip
         self.wt_words = 16 * max(1, self.kp1 // 2) if self.spread else 16
         self.btq_on = bool(TUNE["btq"]) or self.spread  # (own_slots: other ranks' keys skip the page arithmetic)
         # r2roll=U: round 2's pair groups go to shared memory, [group][thread]: groups
@@ -722,6 +737,8 @@ class Merge:
         v = Int32(0)
         if cutlass.const_expr(self.spread):
             v = Int32(i * SPREAD_S) + warp * Int32(64) + Int32(2) * lane
+        elif cutlass.const_expr(self.runs):
+            v = (warp * Int32(32) + lane) * Int32(kp) + Int32(2 * i)
         else:
             v = self.pair_pos(i, kp, lane, warp)
         return v
@@ -774,6 +791,12 @@ class Merge:
             q0 = v0 // Int32(self.n)
             j0 = v0 - q0 * Int32(self.n)
             a = ll0 + Int64(q0) * ll_stride + Int64((j0 >> Int32(1)) + lane) * Int64(16)
+        elif cutlass.const_expr(self.runs):
+            # (runs) this thread's run lies in one list: its first record, then 16 bytes a pair
+            v0 = (warp * Int32(32) + lane) * Int32(kp)
+            q0 = v0 // Int32(self.n)
+            j0 = v0 - q0 * Int32(self.n)
+            a = ll0 + Int64(q0) * ll_stride + Int64(j0 >> Int32(1)) * Int64(16) + Int64(i * 16)
         elif cutlass.const_expr(self.n % (32 * kp) == 0):
             v0 = warp * Int32(32 * kp)
             if cutlass.const_expr(self.clus > 1):
@@ -785,6 +808,12 @@ class Merge:
             q, j = self.owner(v, False, None)
             a = self.ll_word_addr(ll0 + Int64(q) * ll_stride, j)
         return a
+
+    @cute.jit
+    def mask_half(self, vm: Int32, ll0: Int64, ll_stride: Int64) -> Uint64:
+        """The LL half (word, tag) of the mask word that holds bit 16 of l for position vm."""
+        q, j = self.owner(vm, False, None)
+        return C.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride, Int32(self.n) + (j >> Int32(5))))
 
     @cute.jit
     def load_r1_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, ll0: Int64,
@@ -806,12 +835,15 @@ class Merge:
         vm = warp * Int32(32 * kp) + (lane >> Int32(1)) * Int32(64) + (lane & Int32(1)) * Int32(32)
         if cutlass.const_expr(self.spread):
             vm = (lane >> Int32(1)) * Int32(SPREAD_S) + warp * Int32(64) + (lane & Int32(1)) * Int32(32)
+        if cutlass.const_expr(self.runs):
+            vm = (warp * Int32(32) + lane) * Int32(kp)  # (runs) the mask word of this thread's own run
         if cutlass.const_expr(self.clus > 1):
             vm = vm + self.cbase
-        if lane < Int32(kp) and vm < Int32(self.nk1):
-            q, j = self.owner(vm, False, None)
-            mh = C.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
-                                                     Int32(self.n) + (j >> Int32(5))))  # fmt: skip
+        if cutlass.const_expr(self.runs):
+            if vm < Int32(self.nk1):  # (runs) every lane, its own run's
+                mh = self.mask_half(vm, ll0, ll_stride)
+        elif lane < Int32(kp) and vm < Int32(self.nk1):
+            mh = self.mask_half(vm, ll0, ll_stride)
         hbits = Uint32(0)
         mword = Uint32(0)
         for b0 in cutlass.range_constexpr(0, np_, B):
@@ -867,7 +899,9 @@ class Merge:
                     q, j = self.owner(v, False, None)
                     w0 = Uint32(d0[k] & Uint64(0xFFFFFFFF))
                     w1 = Uint32(d1[k] & Uint64(0xFFFFFFFF))
-                    m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (lane >> Int32(4)))
+                    m = mword  # (runs: this thread's own mask word)
+                    if cutlass.const_expr(not self.runs):
+                        m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (lane >> Int32(4)))
                     words[2 * i] = w0
                     words[2 * i + 1] = w1
                     sh = Uint32(j & Int32(31))
@@ -1414,6 +1448,7 @@ class Merge:
         kp = self.kp2 if round2 else self.kp1
         cl = self.clus > 1 and not round2  # round 1 of a clustered row (a round 2 runs on CTA 0 alone)
         sp = self.spread and not round2  # round 1's positions pair group-major (spread)
+        rn = self.runs and not round2  # round 1's keys as contiguous runs per thread (runs)
         fl = Int32(0)  # (cl) a failure recorded once this CTA's waits were over
         K = self.topk
         G = self.gbits
@@ -1545,6 +1580,15 @@ class Merge:
                     _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
                     if lane == Int32(0):
                         wt[Int32(ip * C.NWARPS) + warp] = c2
+            elif cutlass.const_expr(rn):
+                # (runs) this thread's selected keys (own << 16 | all), the lanes' before it by one
+                # warp scan, the warp's total in every lane
+                q0, _ = self.owner_p(0, kp, lane, warp, round2, seg, qj)
+                xa = Int32(cute.arch.popc(selm))
+                xr = xa + ((xa * Int32(q0 == rank)) << Int32(16))
+                xi = C.warp_incl_scan(xr, lane)
+                rex = xi - xr
+                run = cute.arch.shuffle_sync(xi, Int32(31))
             else:
                 for ip in cutlass.range_constexpr(kp // 2):
                     _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
@@ -1603,6 +1647,11 @@ class Merge:
                             rslot = Int32(-1)
                         C.st_u32_if(kv_rows + (trow + Int64(rkpos)) * Int64(4), rslot, rown)
                         rkpos = rkpos + rown
+            rpos = Int32(0)  # (runs) the next output positions of this thread's run
+            rkpos = Int32(0)
+            if cutlass.const_expr(rn):
+                rpos = (wbase + rex) & Int32(0xFFFF)
+                rkpos = (wbase + rex) >> Int32(16)
             for b0 in cutlass.range_constexpr(0, 0 if roll else kp // 2, 4):
                 # block-table loads of this batch's own selected tokens first (in flight
                 # together), then the stores
@@ -1633,14 +1682,17 @@ class Merge:
                     if cutlass.const_expr(ip < kp // 2):
                         v = self.pos1(ip, kp, lane, warp)
                         q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-                        e = wbase + c1
-                        if cutlass.const_expr(sp):
-                            e = gb[ip] + c1
-                        else:
-                            wbase = wbase + c2
-                        pos = e & Int32(0xFFFF)
-                        kpos = e >> Int32(16)
+                        pos = rpos
+                        kpos = rkpos
+                        if cutlass.const_expr(not rn):
+                            c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
+                            e = wbase + c1
+                            if cutlass.const_expr(sp):
+                                e = gb[ip] + c1
+                            else:
+                                wbase = wbase + c2
+                            pos = e & Int32(0xFFFF)
+                            kpos = e >> Int32(16)
                         if cutlass.const_expr(not round2):
                             if j == Int32(0) and v < Int32(self.nk1):
                                 pref[q] = pos
@@ -1684,6 +1736,9 @@ class Merge:
                             if q == rank:
                                 kpos = self.own_slots(words, hbits, selm, ip, blks, kk, block_size, req_ok,
                                                       bt_cols, kv_row, kpos)  # fmt: skip
+                        if cutlass.const_expr(rn):
+                            rpos = pos
+                            rkpos = kpos
         self.mk(9)
         if cutlass.const_expr(cl):
             # (sc[7] set by clus_totals; the padding shared by the cluster's CTAs)

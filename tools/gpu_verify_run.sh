@@ -2,7 +2,7 @@
 # One GPU call that verifies the default build (seventeenth session): the GPU kernel + select
 # tests of both kinds of kernels, the JAX op (STEPS of tools/gpu_integration_run.sh), the full
 # kernel grid (benchmarks/bench_kernels.py, N = 256 / 512 / 1024) and the candidates' timing
-# (tools/candidates_time.py VARIANTS), then memcheck of the select tests.  Each step's log in
+# (tools/candidates_time.py's default; VERIFY_VARIANTS="names" for more), then memcheck of the select tests.  Each step's log in
 # $OUT; summaries on stdout, the grid's table last but one.
 #   here:  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build, then
 #          FFI_INCLUDE=<jax 0.11 jaxlib/include> PY=.venv/bin/python bash tools/gpu_integration_run.sh --build
@@ -26,7 +26,8 @@ grep -E "passed|failed|bit-identical|MISMATCH|noise lines|rror" "$OUT/integratio
 echo "== full kernel grid"
 timeout 200 env JAX_DSA_EXCHANGE_CACHE=/tmp/none python3 benchmarks/bench_kernels.py > "$OUT/kernels.log" 2>&1 || rc=1
 echo "== candidates' timing"
-timeout 120 python3 tools/candidates_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1
+timeout 150 python3 tools/candidates_time.py --only ${VERIFY_VARIANTS:-default} --out "$OUT/time.json" > "$OUT/time.log" \
+  2>&1 || rc=1  # (the default only: the candidates and floors are timed by gpu_candidates_run / gpu_report_run)
 grep -A12 "== merge alone" "$OUT/time.log" | grep -v "^$"
 echo "== memcheck: the select tests"
 timeout ${MEMCHECK_TIMEOUT:-120} compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest -q -p no:cacheprovider \

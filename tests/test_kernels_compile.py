@@ -573,17 +573,24 @@ def test_merge_wide2_allocates_for_two_ctas_per_sm():
     into a stack frame), and its shared memory lets two CTAs share an SM, so that the launchers'
     occupancy queries find twice the co-resident clusters (W = 16, N = 1024 at R = 64 on clusters
     of 4).  The default merge_wide and the merge keep no launch bound; the merge is the same code
-    either way; min_ctas other than 1 or 2 is refused."""
+    either way; min_ctas other than 1 or 2 is refused.  (runs=1 is checked on these images here
+    too: its clustered form.)"""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "imgs = cache.compile_images('sm_90a', 16, 2048, 1024); "
             "sys.stdout.write(json.dumps({k: dict(cache.cubin_resources(v[0].cubin), ptx=v[0].ptx, "
             "smem=v[0].smem) for k, v in imgs.items() if k.startswith('merge')}))")  # fmt: skip
     res = {}
-    for tune in ("", "wide2=1"):
+    for tune in ("", "wide2=1", "runs=1"):
         r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE=tune, JAX_DSA_EXCHANGE_SELECT_TUNE="")
         assert r.returncode == 0, (tune, r.stderr[-2000:])
         res[tune] = json.loads(r.stdout)
     base, wide2 = res[""], res["wide2=1"]
+    # runs=1 (a candidate) over clusters too: the clustered merge (2 CTAs of 16 words a thread) and
+    # merge_wide (4 of 8) lose round 1's ballots (2 x 4 a pair group) without a stack frame
+    for img, kp in (("merge", 16), ("merge_wide", 8)):
+        runs = res["runs=1"][img]
+        assert runs["frame_bytes"] == 0 and runs["registers"] <= base[img]["registers"], (img, runs)
+        assert base[img]["ptx"].count("vote.sync.ballot") - runs["ptx"].count("vote.sync.ballot") == 4 * kp, img
     assert set(base) == set(wide2) == {"merge", "merge_wide"}, (sorted(base), sorted(wide2))
     for img in ("merge", "merge_wide"):
         assert ".minnctapersm" not in base[img]["ptx"], img

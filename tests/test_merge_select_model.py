@@ -261,67 +261,74 @@ def test_spread_layout_counts_every_position_in_order(world, n):
         assert tot & 0xFFFF == sel.sum() and tot >> 16 == own_sel.sum()
 
 
-@pytest.mark.parametrize("world,n", [(8, 512), (8, 256), (16, 256), (4, 1024), (4, 256), (2, 512), (3, 64),
-                                     (1, 256)])
-def test_runs_layout_counts_every_position_in_order(world, n):
-    """merge.py runs=1 (a candidate): round 1's thread t = 32 w + l holds positions t kp .. t kp +
-    kp - 1 (Merge.pos1: pair i at t kp + 2 i).  The formulas of the kernel, for every thread:
-    each position once; a run in one list (kp divides N) and in one mask word (kp divides 32:
-    load_r1_fast's vm = t kp, its word j >> 5), pair i's LL record at the run's first record + i
-    (Merge.pair_addr); and the outputs' positions from each thread's count (popc of its
-    selection bits, own << 16 | all), one inclusive warp scan, the warp totals and warp_prefix,
-    then running over the thread's words, are the order-preserving compaction of a random
-    selection, over all keys and over this rank's, with pref[q] (the selected keys before list
-    q, written by the thread whose run starts it) as the saturation test reads it."""
+@pytest.mark.parametrize("world,n,clus", [(8, 512, 1), (8, 256, 1), (16, 256, 1), (4, 1024, 1), (4, 256, 1),
+                                          (2, 512, 1), (3, 64, 1), (1, 256, 1), (16, 1024, 2), (16, 1024, 4),
+                                          (8, 1024, 2), (8, 1024, 4), (16, 512, 2), (16, 512, 4)])
+def test_runs_layout_counts_every_position_in_order(world, n, clus):
+    """merge.py runs=1 (a candidate): round 1's thread t = 32 w + l of CTA c of a row's cluster of
+    ``clus`` holds positions c P + t kp .. + kp - 1 (P = 512 kp: Merge.pos1, pair i at + 2 i).  The
+    formulas of the kernel, for every thread: each position once; a run in one list (kp divides N)
+    and in one mask word (kp divides 32: load_r1_fast's vm, its word j >> 5), pair i's LL record
+    at the run's first record + i (Merge.pair_addr); each warp holds the same 32 kp positions as
+    with pair groups (the warp totals keep their meaning for clus_totals); and the outputs'
+    positions from each thread's count (popc of its selection bits, own << 16 | all), one
+    inclusive warp scan, the warp totals, warp_prefix and the CTAs before (clus_totals), then
+    running over the thread's words, are the order-preserving compaction of a random selection,
+    over all keys and over this rank's, with pref[q] (the selected keys before list q, written by
+    the thread whose run starts it) as the saturation test reads it."""
     TB, NW = 512, 16
     nk1 = world * n
-    kp = 2 * -(-nk1 // (2 * TB))
-    if not (n % kp == 0 and 32 % kp == 0):
+    kp = 2 * -(-nk1 // (2 * TB * clus))  # each CTA's words per thread
+    if not (n % kp == 0 and 32 % kp == 0) or (clus > 1 and nk1 != clus * TB * kp):
         pytest.skip(f"runs is off there (kp={kp})")
+    P = TB * kp
     seen = set()
-    for t in range(TB):
-        v0 = t * kp
-        if v0 >= nk1:
-            continue
-        q0, j0 = v0 // n, v0 % n
-        for i in range(kp // 2):
-            for h in range(2):
-                v = v0 + 2 * i + h
-                assert v < nk1 and v // n == q0 and (v % n) >> 5 == j0 >> 5  # one list, one mask word
-                assert (v % n) // 2 == (j0 >> 1) + i  # its record
-                seen.add(v)
+    for c in range(clus):
+        for t in range(TB):
+            v0 = c * P + t * kp
+            if v0 >= nk1:
+                continue
+            q0, j0 = v0 // n, v0 % n
+            w = t // 32
+            assert c * P + w * 32 * kp <= v0 < c * P + (w + 1) * 32 * kp  # the warp's positions
+            for i in range(kp // 2):
+                for h in range(2):
+                    v = v0 + 2 * i + h
+                    assert v < nk1 and v // n == q0 and (v % n) >> 5 == j0 >> 5  # one list, one mask word
+                    assert (v % n) // 2 == (j0 >> 1) + i  # its record
+                    seen.add(v)
     assert seen == set(range(nk1))
-    rng = np.random.default_rng(world * 100 + n)
+    rng = np.random.default_rng(world * 100 + n + clus)
     for _ in range(5):
-        sel = rng.random(TB * kp) < rng.random()
+        sel = rng.random(clus * P) < rng.random()
         sel[nk1:] = False
         own_q = int(rng.integers(world))
-        per_thread = sel.reshape(TB, kp)
-        own_t = np.array([(t * kp) // n == own_q for t in range(TB)])
-        x = per_thread.sum(1) + ((per_thread.sum(1) * own_t) << 16)
-        xw = x.reshape(NW, 32)
-        incl = np.cumsum(xw, axis=1)
-        rex = (incl - xw).reshape(TB)
-        wt = incl[:, 31]  # lane 0 stores its warp's total (the shuffle of lane 31's)
         want_pos = np.cumsum(sel) - sel
-        own_sel = sel & (np.arange(TB * kp) // n == own_q)
+        own_sel = sel & (np.arange(clus * P) // n == own_q)
         want_kpos = np.cumsum(own_sel) - own_sel
         pref = {}
-        for t in range(TB):
-            w = t // 32
-            wbase = int(wt[:w].sum())  # warp_prefix
-            e = wbase + int(rex[t])
-            pos, kpos = e & 0xFFFF, e >> 16
-            for i in range(kp):
-                v = t * kp + i
-                if v < nk1 and v % n == 0:
-                    pref[v // n] = pos
-                if sel[v]:
-                    assert pos == want_pos[v]
-                    if own_t[t]:
-                        assert kpos == want_kpos[v]
-                pos += int(sel[v])
-                kpos += int(sel[v] and own_t[t])
-        tot = int(wt.sum())
-        assert tot & 0xFFFF == sel.sum() and tot >> 16 == own_sel.sum()
+        before = 0  # the CTAs before this one (clus_totals' base), own << 16 | all
+        for c in range(clus):
+            per_thread = sel[c * P:(c + 1) * P].reshape(TB, kp)
+            own_t = np.array([(c * P + t * kp) // n == own_q for t in range(TB)])
+            x = per_thread.sum(1) + ((per_thread.sum(1) * own_t) << 16)
+            xw = x.reshape(NW, 32)
+            incl = np.cumsum(xw, axis=1)
+            rex = (incl - xw).reshape(TB)
+            wt = incl[:, 31]  # lane 0 stores its warp's total (the shuffle of lane 31's)
+            for t in range(TB):
+                e = before + int(wt[:t // 32].sum()) + int(rex[t])  # + warp_prefix + the scan
+                pos, kpos = e & 0xFFFF, e >> 16
+                for i in range(kp):
+                    v = c * P + t * kp + i
+                    if v < nk1 and v % n == 0:
+                        pref[v // n] = pos
+                    if sel[v]:
+                        assert pos == want_pos[v]
+                        if own_t[t]:
+                            assert kpos == want_kpos[v]
+                    pos += int(sel[v])
+                    kpos += int(sel[v] and own_t[t])
+            before += int(wt.sum())
+        assert before & 0xFFFF == sel.sum() and before >> 16 == own_sel.sum()
         assert pref == {q: int(sel[:q * n].sum()) for q in range(world)}

@@ -40,8 +40,35 @@ VARIANTS = [
     ("w16 wide2", "wide2=1", 16, 1024, "merge_wide"),
     ("w8n1024 wide2", "wide2=1", 8, 1024, "merge_wide"),
     ("w16n512 wide2", "wide2=1", 16, 512, "merge_wide"),  # (the largest frame: 392 bytes, 72 without wide2)
+    # runs=1 (twenty-eighth session, built): round 1 as contiguous runs per thread, over clusters too
+    ("w16 runs", "runs=1", 16, 1024, "merge"),
+    ("w16 wide runs", "runs=1", 16, 1024, "merge_wide"),
+    ("w16 wide2 runs", "runs=1,wide2=1", 16, 1024, "merge_wide"),
 ]
 ROWS = (1, 16, 24, 32, 64, 256)
+
+
+def launcher_rows(res: dict, fit: dict, rows) -> list:
+    """Add to ``res`` the rows the launcher would time with one rank per GPU: for each merge_wide
+    variant timed (``fit``: its co-resident clusters of 4), that image where
+    layout.merge_uses_wide(R, fit), else its merge (the variant of the same W, N and tune, wide2
+    aside: it acts on merge_wide only) -> the lines that say so."""
+    from jax_dsa_exchange import layout
+
+    spec = {v[0]: v[1:] for v in VARIANTS}  # name -> (tune, W, N, image)
+    lines = []
+    for wname, nfit in fit.items():
+        wmt, w, n, _ = spec[wname]
+        knobs = ",".join(k for k in wmt.split(",") if k and k != "wide2=1")
+        narrow = [nm for nm, (mt, w2, n2, img) in spec.items()
+                  if img == "merge" and (w2, n2) == (w, n) and mt == knobs and "#" not in nm and nm in res]
+        nar, wid = (res[narrow[0]] if narrow else {}), res.get(wname, {})
+        res[f"{wname} launcher"] = {"cluster": "*", **{
+            f"r{R}": (wid if layout.merge_uses_wide(R, nfit) else nar)[f"r{R}"] for R in rows
+            if f"r{R}" in nar and f"r{R}" in wid}}
+        lines.append(f"{wname}: fit {nfit} clusters of 4: the launcher runs it at R <= {nfit}, "
+                     f"else {narrow[0] if narrow else '(its merge not timed)'}")
+    return lines
 
 
 def main(argv=None):
@@ -74,7 +101,7 @@ def main(argv=None):
             b = KernelTimer(cp, w, 2048, n, 256, merge=image)
             r["cluster"] = b.sim.merge_cluster
             if image == "merge_wide":  # clusters of 4 the GPU holds at once
-                fit[name.rsplit(" ", 1)[0] + ("/wide2" if "wide2" in mt else "")] = r["fit"] = b.sim.merge_fit
+                fit[name] = r["fit"] = b.sim.merge_fit
             for R in a.rows:
                 r[f"r{R}"] = (round(time_merge(b, R, 8192, False, iters=a.iters), 2), round(b.last_kernel_us, 2))
                 print(name, R, r[f"r{R}"], flush=True)
@@ -88,23 +115,16 @@ def main(argv=None):
         res[name] = r
     os.environ[MT] = ""
     # the launcher with one rank per GPU: merge_wide where layout.merge_uses_wide(R, its fit)
-    from jax_dsa_exchange import layout
-
-    for key, f in fit.items():
-        pre, w2 = key.split("/")[0], key.endswith("/wide2")
-        nar, wid = res.get(f"{pre} merge", {}), res.get(f"{pre} {'wide2' if w2 else 'merge_wide'}", {})
-        res[f"{pre} launcher{' wide2' if w2 else ''}"] = {"cluster": "*", **{
-            f"r{R}": (wid if layout.merge_uses_wide(R, f) else nar)[f"r{R}"] for R in a.rows
-            if f"r{R}" in nar and f"r{R}" in wid}}
-        print(f"{key}: merge_wide fit {f} clusters: the launcher runs it at R <= {f}")
+    for line in launcher_rows(res, fit, a.rows):
+        print(line)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     cols = [f"r{R}" for R in a.rows] + ["r1resc"]
     print("\n== merge alone, K=2048 L=8192 (events us [CUPTI]); r1resc = forced rescue of rank 0, R = 1")
-    print(f"{'variant':24s} {'C':>2s} " + " ".join(f"{c:>15s}" for c in cols))
+    print(f"{'variant':32s} {'C':>2s} " + " ".join(f"{c:>15s}" for c in cols))
     for nm, r in res.items():
         cells = [f"{r[c][0]:6.2f} [{r[c][1]:6.2f}]" if c in r else f"{'-':>15s}" for c in cols]
-        print(f"{nm:24s} {r.get('cluster', '-')!s:>2s} " + " ".join(cells) + (f"  {r['error']}" if "error" in r else ""))
+        print(f"{nm:32s} {r.get('cluster', '-')!s:>2s} " + " ".join(cells) + (f"  {r['error']}" if "error" in r else ""))
     return 0
 
 

@@ -393,9 +393,11 @@ class Merge:
                            and not self.roll1 and n % 64 == 0 and SPREAD_S % n == 0)  # fmt: skip
         if TUNE["runs"] and TUNE["spread"]:
             raise ValueError(f"{TUNE_ENV}: runs and spread are two layouts of round 1: pick one")
-        # runs (a candidate): round 1's positions t kp1 + i, a thread's run in one list and one mask word
-        self.runs = bool(TUNE["runs"] and self.fast1 and self.clus == 1 and self.pre_bt and not self.roll1
-                         and n % self.kp1 == 0 and 32 % self.kp1 == 0)  # fmt: skip
+        # runs (a candidate): round 1's positions t kp1 + i (+ the CTA's base in a cluster), a
+        # thread's run in one list and one mask word; each warp holds the same 32 kp1 positions
+        # as with pair groups, so the warp totals (warp_prefix, clus_totals) mean what they did
+        self.runs = bool(TUNE["runs"] and self.fast1 and not self.roll1 and n % self.kp1 == 0
+                         and 32 % self.kp1 == 0)  # fmt: skip
         self.wt_words = 16 * max(1, self.kp1 // 2) if self.spread else 16
         self.btq_on = bool(TUNE["btq"]) or self.spread  # (own_slots: other ranks' keys skip the page arithmetic)
         # r2roll=U: round 2's pair groups go to shared memory, [group][thread]: groups
@@ -739,6 +741,8 @@ class Merge:
             v = Int32(i * SPREAD_S) + warp * Int32(64) + Int32(2) * lane
         elif cutlass.const_expr(self.runs):
             v = (warp * Int32(32) + lane) * Int32(kp) + Int32(2 * i)
+            if cutlass.const_expr(self.clus > 1):
+                v = v + self.cbase
         else:
             v = self.pair_pos(i, kp, lane, warp)
         return v
@@ -794,6 +798,8 @@ class Merge:
         elif cutlass.const_expr(self.runs):
             # (runs) this thread's run lies in one list: its first record, then 16 bytes a pair
             v0 = (warp * Int32(32) + lane) * Int32(kp)
+            if cutlass.const_expr(self.clus > 1):
+                v0 = v0 + self.cbase
             q0 = v0 // Int32(self.n)
             j0 = v0 - q0 * Int32(self.n)
             a = ll0 + Int64(q0) * ll_stride + Int64(j0 >> Int32(1)) * Int64(16) + Int64(i * 16)

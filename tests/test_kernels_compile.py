@@ -604,6 +604,26 @@ def test_merge_wide2_allocates_for_two_ctas_per_sm():
     assert r.returncode != 0 and "min_ctas=3 must be 1 or 2" in r.stderr, r.stderr[-500:]
 
 
+def test_rolled_round1_outputs_compile():
+    """A one-CTA row of more than merge.ROLL_KP round-1 words per thread (W = 10, N = 1024: 20,
+    not clustered) takes the rolled outputs loop (Merge.roll1).  It compiles, and the runs knob
+    (off there: 20 words do not divide 32) leaves its PTX as it is.  (The twenty-eighth session's
+    first form of runs named a variable as the rolled loop does, which the DSL then carried
+    through that loop: every such configuration failed to compile, none of the other tests'
+    configurations is rolled.)"""
+    code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
+            "o = cache._kernel_object('merge', 10, 2048, 1024); "
+            "img, _ = cache.compile_images('sm_90a', 10, 2048, 1024)['merge']; "
+            "sys.stdout.write(json.dumps(dict(roll1=o.roll1, clus=o.clus, runs=o.runs, ptx=img.ptx)))")  # fmt: skip
+    res = {}
+    for tune in ("", "runs=1"):
+        r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE=tune, JAX_DSA_EXCHANGE_SELECT_TUNE="")
+        assert r.returncode == 0, (tune, r.stderr[-2000:])
+        res[tune] = json.loads(r.stdout)
+    assert res[""]["roll1"] and res[""]["clus"] == 1 and not res["runs=1"]["runs"]
+    assert res["runs=1"]["ptx"] == res[""]["ptx"]
+
+
 def test_rolled_round2_fits_beside_a_producer_cta():
     """Wherever the merge's round 2 is rolled over shared memory (r2roll, the default), the
     merge still fits on one SM beside a producer CTA (its CTAs start under PDL while the

@@ -1593,7 +1593,8 @@ class Merge:
                 xa = Int32(cute.arch.popc(selm))
                 xr = xa + ((xa * Int32(q0 == rank)) << Int32(16))
                 xi = C.warp_incl_scan(xr, lane)
-                rex = xi - xr
+                tex = xi - xr  # (names of their own: the rolled outputs loop carries rex / rpos / rkpos,
+                # and the DSL finds a loop's carried values by name, whichever branch is traced)
                 run = cute.arch.shuffle_sync(xi, Int32(31))
             else:
                 for ip in cutlass.range_constexpr(kp // 2):
@@ -1653,11 +1654,11 @@ class Merge:
                             rslot = Int32(-1)
                         C.st_u32_if(kv_rows + (trow + Int64(rkpos)) * Int64(4), rslot, rown)
                         rkpos = rkpos + rown
-            rpos = Int32(0)  # (runs) the next output positions of this thread's run
-            rkpos = Int32(0)
+            tpos = Int32(0)  # (runs) the next output positions of this thread's run
+            tkpos = Int32(0)
             if cutlass.const_expr(rn):
-                rpos = (wbase + rex) & Int32(0xFFFF)
-                rkpos = (wbase + rex) >> Int32(16)
+                tpos = (wbase + tex) & Int32(0xFFFF)
+                tkpos = (wbase + tex) >> Int32(16)
             for b0 in cutlass.range_constexpr(0, 0 if roll else kp // 2, 4):
                 # block-table loads of this batch's own selected tokens first (in flight
                 # together), then the stores
@@ -1688,8 +1689,8 @@ class Merge:
                     if cutlass.const_expr(ip < kp // 2):
                         v = self.pos1(ip, kp, lane, warp)
                         q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        pos = rpos
-                        kpos = rkpos
+                        pos = tpos
+                        kpos = tkpos
                         if cutlass.const_expr(not rn):
                             c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
                             e = wbase + c1
@@ -1743,8 +1744,8 @@ class Merge:
                                 kpos = self.own_slots(words, hbits, selm, ip, blks, kk, block_size, req_ok,
                                                       bt_cols, kv_row, kpos)  # fmt: skip
                         if cutlass.const_expr(rn):
-                            rpos = pos
-                            rkpos = kpos
+                            tpos = pos
+                            tkpos = kpos
         self.mk(9)
         if cutlass.const_expr(cl):
             # (sc[7] set by clus_totals; the padding shared by the cluster's CTAs)

@@ -1,5 +1,5 @@
 """tools/clus_time.py's launcher rows (pure Python; the timing itself needs a GPU): each
-merge_wide variant is paired with the merge of the same configuration and tune (wide2 aside),
+merge_wide variant is paired with the merge of the same configuration and tune,
 and takes the rows up to its measured fit."""
 
 import os
@@ -15,16 +15,15 @@ def test_launcher_rows_pair_each_wide_image_with_its_merge():
     rows = [1, 16, 32, 64]
     names = [v[0] for v in clus_time.VARIANTS]
     res = {n: {f"r{R}": (float(i * 100 + R), 0.0) for R in rows} for i, n in enumerate(names)}
-    fit = {"w16 merge_wide": 30, "w16 wide2": 66, "w16 wide runs": 30, "w16 wide2 runs": 66}
+    fit = {"w16 merge_wide": 30, "w8n1024 merge_wide": 62}
     lines = clus_time.launcher_rows(res, fit, rows)
-    assert len(lines) == 4 and lines[0].endswith("else w16 merge") and lines[3].endswith("else w16 runs")
+    assert len(lines) == 2 and lines[0].endswith("else w16 merge") and lines[1].endswith("else w8n1024 merge")
     at = lambda name, R: res[name][f"r{R}"]  # noqa: E731
     assert at("w16 merge_wide launcher", 16) == at("w16 merge_wide", 16)
     assert at("w16 merge_wide launcher", 64) == at("w16 merge", 64)  # 64 > its fit: the merge
-    assert at("w16 wide2 launcher", 64) == at("w16 wide2", 64)  # 64 <= 66
-    assert at("w16 wide runs launcher", 64) == at("w16 runs", 64)  # the runs merge, not the default
-    assert at("w16 wide2 runs launcher", 32) == at("w16 wide2 runs", 32)
+    assert at("w8n1024 merge_wide launcher", 32) == at("w8n1024 merge_wide", 32)  # 32 <= 62
+    assert at("w8n1024 merge_wide launcher", 64) == at("w8n1024 merge", 64)  # (not its clus=0 variant)
     # a wide variant whose merge was not timed: an empty row, no error
-    del res["w16 runs"]
-    clus_time.launcher_rows(res, {"w16 wide runs": 30}, rows)
-    assert set(res["w16 wide runs launcher"]) == {"cluster"}
+    del res["w16 merge"]
+    clus_time.launcher_rows(res, {"w16 merge_wide": 30}, rows)
+    assert set(res["w16 merge_wide launcher"]) == {"cluster"}

@@ -511,8 +511,8 @@ def test_merge_exact_knobs_compile(tmp_path):
     r2list (removed) are refused as unknown knobs.  The candidates btq=1, fbrot=1 (twenty-sixth
     session; fbrot in the twenty-seventh's form), early=1 and spread=1 (twenty-seventh) compile without a
     stack frame, alone and together; early=1 issues the epoch and status loads before the
-    launch's first barrier (the default after it).  runs=1 (twenty-eighth) compiles without a frame
-    and 32 fewer ballots, alone and with btq / fbrot / early, and is refused beside spread."""
+    launch's first barrier (the default after it).  runs and wide2 (twenty-eighth session; runs
+    is the clustered rows' layout since the twenty-ninth, wide2 was removed) are unknown knobs."""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "imgs = cache.compile_images('sm_90a', 8, 2048, 512); m = imgs['merge'][0]; "
             "sys.stdout.write(json.dumps(dict(cache.cubin_resources(m.cubin), ptx=m.ptx)))")  # fmt: skip
@@ -549,17 +549,7 @@ def test_merge_exact_knobs_compile(tmp_path):
     spread = ok("spread=1")
     assert spread["registers"] <= base["registers"], (base, spread)
     ok("btq=1,fbrot=1,early=1,spread=1")  # (the next run's set)
-    # runs=1 (a candidate, twenty-eighth session): round 1's keys as contiguous runs per thread
-    # (the layout's model: tests/test_merge_select_model.py); round 1's 32 per-pair-group ballots
-    # (16 in the selection's totals, 16 again in the outputs) give way to one warp scan
-    runs = ok("runs=1")
-    assert runs["registers"] <= base["registers"], (base, runs)
-    assert base["ptx"].count("vote.sync.ballot") - runs["ptx"].count("vote.sync.ballot") == 32, (
-        base["ptx"].count("vote.sync.ballot"), runs["ptx"].count("vote.sync.ballot"))
-    ok("btq=1,fbrot=1,early=1,runs=1")
-    r = build("runs=1,spread=1")
-    assert r.returncode != 0 and "runs and spread are two layouts" in r.stderr, r.stderr[-500:]
-    for bad in ("reqlate=1",):  # (removed: the SASS had no round trip to save)
+    for bad in ("reqlate=1", "runs=1", "wide2=1"):  # (removed: reqlate's SASS had no round trip to save)
         r = build(bad)
         assert r.returncode != 0 and "unknown knob" in r.stderr, (bad, r.stderr[-500:])
     for bad, msg in (("spec=1", "unknown knob"), ("rcache=16384", "unknown knob"), ("r2list=1", "unknown knob")):
@@ -567,61 +557,46 @@ def test_merge_exact_knobs_compile(tmp_path):
         assert r.returncode != 0 and msg in r.stderr, (bad, r.stderr[-500:])
 
 
-def test_merge_wide2_allocates_for_two_ctas_per_sm():
-    """wide2=1 (a candidate of the twenty-eighth session): the merge_wide image is compiled for
-    two 512-thread CTAs per SM (PTX .minnctapersm 2: at most 64 registers, ptxas spills the rest
-    into a stack frame), and its shared memory lets two CTAs share an SM, so that the launchers'
-    occupancy queries find twice the co-resident clusters (W = 16, N = 1024 at R = 64 on clusters
-    of 4).  The default merge_wide and the merge keep no launch bound; the merge is the same code
-    either way; min_ctas other than 1 or 2 is refused.  (runs=1 is checked on these images here
-    too: its clustered form.)"""
+def test_clustered_merges_hold_round1_as_runs():
+    """A clustered row's round 1 holds its keys as contiguous runs per thread (Merge.runs: the
+    twenty-eighth session's candidate, the default on clusters since the twenty-ninth, where it
+    took 0.35-1.0 us off W = 16 N = 1024), a one-CTA row as pair groups (runs lost there).  The
+    W = 16 N = 1024 merge (2 CTAs of 16 words a thread) and merge_wide (4 of 8) compile without a
+    stack frame or a launch bound; W = 8 N = 512 (one CTA) keeps the pair groups.  The layout's
+    model: tests/test_merge_select_model.py."""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "imgs = cache.compile_images('sm_90a', 16, 2048, 1024); "
-            "sys.stdout.write(json.dumps({k: dict(cache.cubin_resources(v[0].cubin), ptx=v[0].ptx, "
-            "smem=v[0].smem) for k, v in imgs.items() if k.startswith('merge')}))")  # fmt: skip
-    res = {}
-    for tune in ("", "wide2=1", "runs=1"):
-        r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE=tune, JAX_DSA_EXCHANGE_SELECT_TUNE="")
-        assert r.returncode == 0, (tune, r.stderr[-2000:])
-        res[tune] = json.loads(r.stdout)
-    base, wide2 = res[""], res["wide2=1"]
-    # runs=1 (a candidate) over clusters too: the clustered merge (2 CTAs of 16 words a thread) and
-    # merge_wide (4 of 8) lose round 1's ballots (2 x 4 a pair group) without a stack frame
-    for img, kp in (("merge", 16), ("merge_wide", 8)):
-        runs = res["runs=1"][img]
-        assert runs["frame_bytes"] == 0 and runs["registers"] <= base[img]["registers"], (img, runs)
-        assert base[img]["ptx"].count("vote.sync.ballot") - runs["ptx"].count("vote.sync.ballot") == 4 * kp, img
-    assert set(base) == set(wide2) == {"merge", "merge_wide"}, (sorted(base), sorted(wide2))
-    for img in ("merge", "merge_wide"):
-        assert ".minnctapersm" not in base[img]["ptx"], img
-        assert base[img]["registers"] > 64, (img, base[img]["registers"])
-    assert ".minnctapersm 2" in wide2["merge_wide"]["ptx"]
-    assert wide2["merge_wide"]["registers"] <= 64, wide2["merge_wide"]["registers"]
-    assert 2 * (wide2["merge_wide"]["smem"] + 1024) <= 228 * 1024, wide2["merge_wide"]["smem"]
-    assert ".minnctapersm" not in wide2["merge"]["ptx"]
-    assert wide2["merge"]["ptx"] == base["merge"]["ptx"]
-    r = _in_fresh_process("from jax_dsa_exchange.kernels.merge import Merge; Merge(16, 2048, 1024, min_ctas=3)")
-    assert r.returncode != 0 and "min_ctas=3 must be 1 or 2" in r.stderr, r.stderr[-500:]
+            "objs = {k: cache._kernel_object(k, 16, 2048, 1024) for k in ('merge', 'merge_wide')}; "
+            "one = cache._kernel_object('merge', 8, 2048, 512); "
+            "sys.stdout.write(json.dumps(dict(one=[one.clus, one.runs], **{k: dict(cache.cubin_resources(v[0].cubin), "
+            "ptx=v[0].ptx, clus=objs[k].clus, kp=objs[k].kp1, runs=objs[k].runs) "
+            "for k, v in imgs.items() if k.startswith('merge')})))")  # fmt: skip
+    r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE="", JAX_DSA_EXCHANGE_SELECT_TUNE="")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert res.pop("one") == [1, False]
+    assert set(res) == {"merge", "merge_wide"}, sorted(res)
+    for img, clus, kp in (("merge", 2, 16), ("merge_wide", 4, 8)):
+        m = res[img]
+        assert (m["clus"], m["kp"], m["runs"]) == (clus, kp, True), (img, m["clus"], m["kp"], m["runs"])
+        assert m["frame_bytes"] == 0, (img, m["frame_bytes"])
+        assert ".minnctapersm" not in m["ptx"], img
 
 
 def test_rolled_round1_outputs_compile():
     """A one-CTA row of more than merge.ROLL_KP round-1 words per thread (W = 10, N = 1024: 20,
-    not clustered) takes the rolled outputs loop (Merge.roll1).  It compiles, and the runs knob
-    (off there: 20 words do not divide 32) leaves its PTX as it is.  (The twenty-eighth session's
-    first form of runs named a variable as the rolled loop does, which the DSL then carried
-    through that loop: every such configuration failed to compile, none of the other tests'
-    configurations is rolled.)"""
+    not clustered) takes the rolled outputs loop (Merge.roll1) and pair groups (runs: clusters
+    only), and compiles.  (The twenty-eighth session's first form of runs named a variable as the
+    rolled loop does, which the DSL then carried through that loop: every such configuration
+    failed to compile, none of the other tests' configurations is rolled.)"""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "o = cache._kernel_object('merge', 10, 2048, 1024); "
             "img, _ = cache.compile_images('sm_90a', 10, 2048, 1024)['merge']; "
             "sys.stdout.write(json.dumps(dict(roll1=o.roll1, clus=o.clus, runs=o.runs, ptx=img.ptx)))")  # fmt: skip
-    res = {}
-    for tune in ("", "runs=1"):
-        r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE=tune, JAX_DSA_EXCHANGE_SELECT_TUNE="")
-        assert r.returncode == 0, (tune, r.stderr[-2000:])
-        res[tune] = json.loads(r.stdout)
-    assert res[""]["roll1"] and res[""]["clus"] == 1 and not res["runs=1"]["runs"]
-    assert res["runs=1"]["ptx"] == res[""]["ptx"]
+    r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE="", JAX_DSA_EXCHANGE_SELECT_TUNE="")
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    assert res["roll1"] and res["clus"] == 1 and not res["runs"] and ".entry" in res["ptx"]
 
 
 def test_rolled_round2_fits_beside_a_producer_cta():

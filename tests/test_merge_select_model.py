@@ -265,7 +265,9 @@ def test_spread_layout_counts_every_position_in_order(world, n):
                                           (2, 512, 1), (3, 64, 1), (1, 256, 1), (16, 1024, 2), (16, 1024, 4),
                                           (8, 1024, 2), (8, 1024, 4), (16, 512, 2), (16, 512, 4)])
 def test_runs_layout_counts_every_position_in_order(world, n, clus):
-    """merge.py runs=1 (a candidate): round 1's thread t = 32 w + l of CTA c of a row's cluster of
+    """Merge.runs (clustered rows' layout; one CTA (clus = 1) is the twenty-eighth session's
+    measured candidate, kept here as the layout's simplest case): round 1's thread t = 32 w + l
+    of CTA c of a row's cluster of
     ``clus`` holds positions c P + t kp .. + kp - 1 (P = 512 kp: Merge.pos1, pair i at + 2 i).  The
     formulas of the kernel, for every thread: each position once; a run in one list (kp divides N)
     and in one mask word (kp divides 32: load_r1_fast's vm, its word j >> 5), pair i's LL record

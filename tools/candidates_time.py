@@ -31,27 +31,9 @@ VARIANTS = [
     # b631992); timing only: skip=push / pass2 / compact / hist1+pass2+dsmem+compact+push, and
     # skip=select+push (the floor), each "p"
     # ("rep2", "", "rep=2", "p"): timing only, the select twice in one launch (twenty-third session)
-    # built, not yet measured (no device lent; merge.py): other ranks' keys without block-table
-    # arithmetic (btq, twenty-sixth session), the one-warp bin search's 16-byte reads without
-    # their 8-way bank conflicts (fbrot, twenty-seventh session's form), the first row's epoch
-    # and status before the first barrier and the next row's epoch at a row's start (early,
-    # twenty-seventh), round 1's positions pair group-major so that this rank's keys lie in 8
-    # warps, not 2 (spread, twenty-seventh); reqlate (twenty-sixth) was removed: the SASS showed
-    # no round trip to save.  COMBO_M=btq=1,fbrot=1,early=1,spread=1 at --build and at the run
-    # for their tests.
-    ("btq", "btq=1", "", "m"),
-    ("fbrot", "fbrot=1", "", "m"),
-    ("early", "early=1", "", "m"),
-    ("spread", "spread=1", "", "m"),
-    ("all4", "btq=1,fbrot=1,early=1,spread=1", "", "mr"),
-    # round 1's keys as contiguous runs per thread, one warp scan instead of the pair groups'
-    # ballots (runs, twenty-eighth session; the other layout than spread: with btq / fbrot / early
-    # in all4r)
-    ("runs", "runs=1", "", "m"),
-    ("all4r", "btq=1,fbrot=1,early=1,runs=1", "", "mr"),
-    # the lean select's slice copy without its stores' bank conflicts (csw, twenty-seventh
-    # session; COMBO_S=csw=1 for its tests)
-    ("csw", "", "csw=1", "p"),
+    # twenty-ninth session, measured (kernels/NOTES.md): btq, fbrot, early, spread, their set
+    # all4, runs, all4r (merge, W = 8 N = 512: none faster than the default; runs was kept for
+    # clustered rows, where it gains) and csw (select: 0.1-0.3 us slower): removed
     # timing only (outputs wrong): the merge's measured floor and breakdown on this source tree
     # (#12's limits): "floor" = the launch, the status / epoch / LL records' round trips and the
     # row's end (no select, no outputs); "nosel" = the outputs of the first K positions without

@@ -34,16 +34,8 @@ VARIANTS = [
     # (twenty-first session's candidates, rejected: ("w8n512 ckp=4", "ckp=4", 8, 512, "merge"): 2 CTAs
     # of 4 words; ("w8n512 ckp=2 c4", "ckp=2,clus=4", 8, 512, "merge"): 4 CTAs of 2 words)
     ("w8n512 merge#2", "", 8, 512, "merge"),
-    # twenty-eighth session's candidate (built, not yet measured): merge_wide compiled for two CTAs
-    # per SM (wide2=1: 64 registers), so that R = 64 rows of W = 16 N = 1024 get a cluster of 4
-    # each at once where the device holds >= 64 of them (its fit is printed)
-    ("w16 wide2", "wide2=1", 16, 1024, "merge_wide"),
-    ("w8n1024 wide2", "wide2=1", 8, 1024, "merge_wide"),
-    ("w16n512 wide2", "wide2=1", 16, 512, "merge_wide"),  # (the largest frame: 392 bytes, 72 without wide2)
-    # runs=1 (twenty-eighth session, built): round 1 as contiguous runs per thread, over clusters too
-    ("w16 runs", "runs=1", 16, 1024, "merge"),
-    ("w16 wide runs", "runs=1", 16, 1024, "merge_wide"),
-    ("w16 wide2 runs", "runs=1,wide2=1", 16, 1024, "merge_wide"),
+    # (twenty-eighth session's candidates, measured in the twenty-ninth: runs=1 over clusters, now
+    # the default of every clustered row; wide2=1, merge_wide for two CTAs per SM: slower, removed)
 ]
 ROWS = (1, 16, 24, 32, 64, 256)
 
@@ -51,17 +43,16 @@ ROWS = (1, 16, 24, 32, 64, 256)
 def launcher_rows(res: dict, fit: dict, rows) -> list:
     """Add to ``res`` the rows the launcher would time with one rank per GPU: for each merge_wide
     variant timed (``fit``: its co-resident clusters of 4), that image where
-    layout.merge_uses_wide(R, fit), else its merge (the variant of the same W, N and tune, wide2
-    aside: it acts on merge_wide only) -> the lines that say so."""
+    layout.merge_uses_wide(R, fit), else its merge (the variant of the same W, N and tune) -> the
+    lines that say so."""
     from jax_dsa_exchange import layout
 
     spec = {v[0]: v[1:] for v in VARIANTS}  # name -> (tune, W, N, image)
     lines = []
     for wname, nfit in fit.items():
         wmt, w, n, _ = spec[wname]
-        knobs = ",".join(k for k in wmt.split(",") if k and k != "wide2=1")
         narrow = [nm for nm, (mt, w2, n2, img) in spec.items()
-                  if img == "merge" and (w2, n2) == (w, n) and mt == knobs and "#" not in nm and nm in res]
+                  if img == "merge" and (w2, n2) == (w, n) and mt == wmt and "#" not in nm and nm in res]
         nar, wid = (res[narrow[0]] if narrow else {}), res.get(wname, {})
         res[f"{wname} launcher"] = {"cluster": "*", **{
             f"r{R}": (wid if layout.merge_uses_wide(R, nfit) else nar)[f"r{R}"] for R in rows

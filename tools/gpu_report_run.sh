@@ -8,13 +8,13 @@
 #   2. the merge's floor and breakdown on this source tree (tools/candidates_time.py, timing-only
 #      builds: floor = nosel=1,noout=1, nosel, noout; the default beside them);
 #   3. W = 16 and W = 8, N = 1024: the merge, merge_wide and the launcher's choice by the measured
-#      co-resident clusters (tools/clus_time.py; wide2 while it is a candidate);
+#      co-resident clusters (tools/clus_time.py);
 #   4. the producer's grid N = 256 / 512 / 1024 x R x L with the copy bandwidth, the floors and
 #      the baselines (benchmarks/bench_kernels.py --no-rescue: README "kernels alone"); NO_GRID=1
 #      leaves it out (tools/gpu_verify_run.sh runs it too); with it the call may pass 600 s: run
 #      it alone then (NO_MERGE=1).
 #   build here:  PY=.venv/bin/python bash tools/gpu_candidates_run.sh --build  (the default set,
-#                the timing-only variants, the W = 16 / 8 N = 1024 wide2 images)
+#                the timing-only variants, clus_time's images)
 #   run there:   OUT=dir NO_GRID=1 bash tools/gpu_report_run.sh (carry .cubins; ~4 min), and the grid
 #                in a call of its own: OUT=dir2 NO_MERGE=1 bash tools/gpu_report_run.sh (~3-4 min)
 set -o pipefail
@@ -35,8 +35,8 @@ timeout 150 python3 tools/candidates_time.py --only default floor nosel noout --
 sed -n '/^== merge alone/,/^$/p' "$OUT/floor.log"
 grep "^empty merge launch" "$OUT/floor.log"
 echo "== 3. W = 16 / 8, N = 1024: merge, merge_wide, the launcher's choice"
-timeout 200 python3 tools/clus_time.py --only "w16 merge" "w16 merge_wide" "w16 wide2" "w8n1024 merge" \
-  "w8n1024 merge_wide" "w8n1024 wide2" --rows 1 16 64 256 --no-rescue --iters 15 --out "$OUT/clus.json" \
+timeout 200 python3 tools/clus_time.py --only "w16 merge" "w16 merge_wide" "w8n1024 merge" \
+  "w8n1024 merge_wide" --rows 1 16 64 256 --no-rescue --iters 15 --out "$OUT/clus.json" \
   > "$OUT/clus.log" 2>&1 || rc=1
 grep -E "fit|^== |^w" "$OUT/clus.log" | tail -16
 fi

@@ -168,8 +168,7 @@ def source_hash(files=SOURCE_FILES) -> str:
 # JAX_DSA_EXCHANGE_MERGE_TUNE knobs that change the merge's code layout only (kernels/merge.py):
 # their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
 # timing-only (merge.TIMING_ONLY)
-MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus", "ckp", "bpoll", "btq", "fbrot", "early", "spread",
-                     "wide2", "runs")
+MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus", "ckp", "bpoll", "btq", "fbrot", "early", "spread")
 
 
 def tune_exact() -> bool:
@@ -217,11 +216,10 @@ def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_l
         from .select_push import SelectPush
 
         return SelectPush(world, local_topk, topk, rescue_list, lean=kernel == "select_push_lean")
-    from .merge import CLUS_WIDE, TUNE, WIDE_KP, Merge
+    from .merge import CLUS_WIDE, WIDE_KP, Merge
 
     if kernel == "merge_wide":
-        return Merge(world, topk, local_topk, rescue_list, clus=CLUS_WIDE, min_kp=WIDE_KP,
-                     min_ctas=2 if TUNE["wide2"] else 1)
+        return Merge(world, topk, local_topk, rescue_list, clus=CLUS_WIDE, min_kp=WIDE_KP)
     return Merge(world, topk, local_topk, rescue_list)
 
 

@@ -172,22 +172,15 @@ SPREAD_S = 64 * C.NWARPS  # (spread) positions of one pair group over the CTA's 
 #            longest per-warp chain before the stats and the outputs barriers, shared by 4x the
 #            warps (with btq's branches); the outputs count positions from the (group, warp)
 #            totals (Merge.spread_bases).  One-CTA rows with the block table in registers only.
-#   runs=1   (exact; a candidate of the twenty-eighth session, not yet measured) round 1's keys as
-#            contiguous runs, thread t holding positions t kp .. t kp + kp - 1 (the lean select's
-#            layout; peer top-k kernels place keys so too), instead of pair groups over the lanes:
-#            the selected keys before each key come from a thread's own count (popc of its
-#            selection bits), one warp scan and the warp totals, where each pair group took four
-#            ballots and their popc twice (in the selection's totals and again in the outputs:
-#            ~250 of the critical warp's ~900 instructions at W = 8, N = 512).  A run lies in one
-#            list and one mask word (kp divides N and 32): each thread loads its own mask half, no
-#            shuffles.  One-CTA rows with the block table in registers; not with spread (the
-#            other layout)
-#   wide2=1  (exact; a candidate of the twenty-eighth session, not yet measured) the merge_wide
-#            image compiled for two CTAs per SM (launch bound minctasm 2: 64 registers, ptxas
-#            spills ~80 words a thread, ~13% more instructions), so that twice as many of its
-#            clusters are co-resident (the launchers' occupancy queries size its grid) and
-#            W = 16 N = 1024 at R = 64 runs it, one cluster of 4 per row, instead of the merge's
-#            2 CTAs of 16 words a thread (17.9 us against the goal's 8; merge_wide 10.6 at R = 16)
+#   (runs, the twenty-eighth session's candidate, measured in the twenty-ninth: the default on
+#            clusters, Merge.runs) round 1's keys as contiguous runs, thread t holding positions
+#            t kp .. t kp + kp - 1 (+ the CTA's base), instead of pair groups over the lanes: the
+#            selected keys before each key come from a thread's own count (popc), one warp scan
+#            and the warp totals, where each pair group took four ballots and their popc twice.
+#            Clustered rows only: W = 16 N = 1024 gains 0.35-1.0 us (CUPTI, R = 1-64); on one CTA
+#            (W = 8 N = 512) it lost 0.5 us at R = 1 and 3 us at R = 256.  (wide2, merge_wide for
+#            two CTAs per SM, lost there too: 12.5 against 10.1 us at R = 1, 16.4 against 15.9 at
+#            R = 32, its fit; removed.)
 #   bpoll=1  (exact; the default) round 1's stale LL halves of a batch re-polled together, every
 #            load in flight at once, until none is stale (load_r1_fast); bpoll=0: each stale
 #            half waited for in turn, a round trip each once the data has landed (under PDL the
@@ -328,15 +321,10 @@ class Merge:
     the producer's K-list of the row instead of selecting the row itself)."""
 
     def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False, clus: int | None = None,
-                 min_kp: int | None = None, min_ctas: int = 1):
+                 min_kp: int | None = None):
         """``clus``: the most CTAs of a clustered row (None: the clus knob, CLUS_MAX); ``min_kp``:
-        the fewest round-1 words per thread of a clustered CTA (None: the ckp knob, CLUS_KP);
-        ``min_ctas``: CTAs per SM the registers are allocated for (the launch bound minctasm;
-        1: none, ptxas takes up to 128 registers)."""
+        the fewest round-1 words per thread of a clustered CTA (None: the ckp knob, CLUS_KP)."""
         layout.check_config(world, topk, n)
-        if min_ctas not in (1, 2):
-            raise ValueError(f"min_ctas={min_ctas} must be 1 or 2 (512-thread CTAs)")
-        self.min_ctas = min_ctas
         self.world, self.topk, self.n = world, topk, n
         self.gbits = layout.gid_bits(world)
         self.keybits = 16 + self.gbits
@@ -391,12 +379,11 @@ class Merge:
         # warps.  Round 1 on one CTA with the block table in registers only.
         self.spread = bool(TUNE["spread"] and self.fast1 and self.clus == 1 and self.pre_bt
                            and not self.roll1 and n % 64 == 0 and SPREAD_S % n == 0)  # fmt: skip
-        if TUNE["runs"] and TUNE["spread"]:
-            raise ValueError(f"{TUNE_ENV}: runs and spread are two layouts of round 1: pick one")
-        # runs (a candidate): round 1's positions t kp1 + i (+ the CTA's base in a cluster), a
-        # thread's run in one list and one mask word; each warp holds the same 32 kp1 positions
-        # as with pair groups, so the warp totals (warp_prefix, clus_totals) mean what they did
-        self.runs = bool(TUNE["runs"] and self.fast1 and not self.roll1 and n % self.kp1 == 0
+        # runs: a clustered row's round-1 positions t kp1 + i + the CTA's base, a thread's run in
+        # one list and one mask word; each warp holds the same 32 kp1 positions as with pair
+        # groups, so the warp totals (warp_prefix, clus_totals) mean what they did.  Clusters
+        # only: one CTA's pair groups were faster (the comment above the knobs)
+        self.runs = bool(self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
                          and 32 % self.kp1 == 0)  # fmt: skip
         self.wt_words = 16 * max(1, self.kp1 // 2) if self.spread else 16
         self.btq_on = bool(TUNE["btq"]) or self.spread  # (own_slots: other ranks' keys skip the page arithmetic)
@@ -2563,16 +2550,7 @@ class Merge:
         self.kernel(peers, local, state, logits, row_ends, req_id, block_table, kv_rows, counts,
                     ids, saturated, rows, cols, bt_rows, bt_cols, block_size, rank, max_rows,
                     rescue_off, flags_off, timeout_us, host_status).launch(
-            grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem, **self.launch_bounds())  # fmt: skip
-
-    def launch_bounds(self) -> dict:
-        """The launch's register bound: none by default (the PTX keeps only .reqntid); with
-        min_ctas = 2 the kernel's .minnctapersm 2 (ptxas then allocates 64 registers).  The
-        carveout is given so that the DSL does not query a device for it (builds run without a
-        GPU); the launchers load the cubin themselves and the driver sizes the carveout."""
-        if self.min_ctas == 1:
-            return {}
-        return {"min_blocks_per_mp": self.min_ctas, "preferred_smem_carveout": 100}
+            grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)
 
     def compile(self, arch: str = "sm_90a", dump_dir: str = "."):
         return cute.compile(self.entry, *ABI.dummies(Int64, Int32), options=C.compile_options(arch, dump_dir))

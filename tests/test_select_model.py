@@ -352,33 +352,3 @@ def test_ord16_short_form_and_its_guard():
             mine_guard = (guard >> shift) & 0x8000
             assert np.array_equal(mine_guard != 0, special), (other, shift)
             assert np.array_equal(mine[~special], want[~special]), (other, shift)
-
-
-def test_lean_copy_swizzle_stores_without_bank_conflicts():
-    """kernels/lean.py csw=1 (a candidate): thread t's run of ch tokens in the slice copy starts
-    at 2 ch t bytes, its 16-byte chunk c at chunk c ^ f(t) of the run (lean.copy_swizzle: f =
-    (t >> 1) & 3 at ch = 32, (t >> 2) & 1 at ch = 16, else 0).  The chunks stay a permutation of
-    the run (the thread reads token j back at chunk (j >> 3) ^ f, lean.copy_addr), and each store
-    instruction (chunk k of every lane) puts the 8 lanes of a quarter-warp in 8 distinct 16-byte
-    bank groups, where the plain copy has 4 (ch = 16: 2-way) or 2 (ch = 32: 4-way)."""
-
-    def f(t, ch):
-        return (t >> 1) & 3 if ch == 32 else ((t >> 2) & 1 if ch == 16 else 0)
-
-    def store_addr(t, ch, k, swz):
-        return 2 * ch * t + 16 * ((k ^ f(t, ch)) if swz else k)
-
-    for ch in (8, 16, 24, 32):
-        nv = ch // 8
-        for t in range(512):
-            chunks = sorted(store_addr(t, ch, k, True) for k in range(nv))
-            assert chunks == [2 * ch * t + 16 * c for c in range(nv)]
-            for j in range(ch):  # the reader finds token j where its vector was stored
-                a = 2 * ch * t + 16 * ((j >> 3) ^ f(t, ch)) + 2 * (j & 7)
-                assert a == store_addr(t, ch, j >> 3, True) + 2 * (j & 7)
-        for k in range(nv):
-            for q0 in range(0, 512, 8):
-                groups = {store_addr(t, ch, k, True) // 16 % 8 for t in range(q0, q0 + 8)}
-                plain = {store_addr(t, ch, k, False) // 16 % 8 for t in range(q0, q0 + 8)}
-                assert len(groups) == 8, (ch, k, q0)
-                assert len(plain) == {8: 8, 16: 4, 24: 8, 32: 2}[ch]

@@ -193,33 +193,6 @@ def fits(cols: Int32, csize: Int32) -> Int32:
     return Int32(thread_len(slice_len(cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize)) <= Int32(TMAX))
 
 
-@cute.jit
-def copy_swizzle(ch: Int32, tid) -> Int32:
-    """(csw, a candidate) The 16-byte chunk permutation of thread tid's run in the slice copy:
-    run chunk c lies at chunk c ^ f.  The plain copy puts a thread's run of ch tokens 2 ch bytes
-    after its neighbour's, so each 16-byte store instruction has its quarter-warp's 8 lanes in 2
-    (ch = 32: 64-byte runs) or 4 (ch = 16) of the 8 bank groups of 128 bytes: a 4- / 2-way
-    conflict; with f = (tid >> 1) & 3 (ch = 32) or (tid >> 2) & 1 (ch = 16) the 8 lanes are in 8
-    (tests/test_select_model.py).  Other ch: 0 (runs of 8 or 24 tokens are conflict-free).  Only
-    the thread itself reads its run back."""
-    f = Int32(0)
-    if cutlass.const_expr(S.LEAN_CSW != 0):
-        if ch == Int32(32):
-            f = (tid >> Int32(1)) & Int32(3)
-        elif ch == Int32(16):
-            f = (tid >> Int32(2)) & Int32(1)
-    return f
-
-
-@cute.jit
-def copy_addr(cache_a: Int32, t0: Int32, j: Int32, f: Int32) -> Int32:
-    """Shared address of token j of the run starting at slice token t0 (chunks permuted by f)."""
-    a = cache_a + (t0 + j) * Int32(2)
-    if cutlass.const_expr(S.LEAN_CSW != 0):
-        a = cache_a + t0 * Int32(2) + (((j >> Int32(3)) ^ f) << Int32(4)) + ((j & Int32(7)) << Int32(1))
-    return a
-
-
 @dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     C._asm(None, [], "trap;", "~{memory}", loc, ip)
@@ -294,7 +267,6 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
         sl, ch, s0, s_buf = issue_loads(row_addr, S.clamp_end(end_raw, cols), csize, me, tid, aligned, xs, vok)
     end = S.clamp_end(end_raw, cols)
     t0 = tid * ch  # the thread's first token in the slice
-    swz = copy_swizzle(ch, tid)
     if cutlass.const_expr(early is not None):
         early()
     # ---- zero the counters and the row while the loads are on their way
@@ -331,7 +303,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
                 # an unaligned row or the buffer's partial last vector: token by token
                 S.load_vec(row_addr, s0, l0 >> Int32(3), s_lim, aligned, xs, 4 * k)
             if l0 < s_buf:
-                S.st_smem_v4(copy_addr(cache_a, t0, Int32(8 * k), swz), xs[4 * k], xs[4 * k + 1], xs[4 * k + 2],
+                S.st_smem_v4(cache_a + l0 * Int32(2), xs[4 * k], xs[4 * k + 1], xs[4 * k + 2],
                              xs[4 * k + 3])  # fmt: skip
             tw = max_u16x2(tw, max_u16x2(max_u16x2(xs[4 * k], xs[4 * k + 1]), max_u16x2(xs[4 * k + 2], xs[4 * k + 3])))
             for p in cutlass.range_constexpr(4):
@@ -432,7 +404,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     while m != Uint32(0):
         j = S.low_bit(Int32(m))
         m = m & (m - Uint32(1))
-        o = S.ld_smem_u16(copy_addr(cache_a, t0, j, swz))
+        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
         S.red_smem_add(h2_a + Int32(o & Uint32(S.NB2 - 1)) * Int32(4), Int32(1))
         sh = Uint64((o & Uint32(S.NB2 - 1)) * Uint32(2))
         if ((lowc >> sh) & Uint64(3)) == Uint64(3):
@@ -502,7 +474,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
         while m != Uint32(0):
             j = S.low_bit(Int32(m))
             m = m & (m - Uint32(1))
-            o = S.ld_smem_u16(copy_addr(cache_a, t0, j, swz))
+            o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
             ngt, neq = S.count_token(o, v, ngt, neq)
     mk(9)
     x = C.warp_incl_scan(ngt, lane)
@@ -525,7 +497,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     while m != Uint32(0):
         j = S.low_bit(Int32(m))
         m = m & (m - Uint32(1))
-        o = S.ld_smem_u16(copy_addr(cache_a, t0, j, swz))
+        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
         gt_b, eq_b = S.emit_token(o, Uint32(s0 + t0 + j), v, gt_b, eq_b, need_eq, n, Int32(0), row_a,
                                   row, row_a)  # fmt: skip
     mk(11)

@@ -89,7 +89,6 @@ CLUS_WIDE = 4
 # 10.0 on one CTA; twenty-first session)
 WIDE_KP = 4
 CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
-SPREAD_S = 64 * C.NWARPS  # (spread) positions of one pair group over the CTA's warps
 
 # Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
 # cache.source_hash() mixes the string into the cubins' tag (variants coexist in one dir).
@@ -148,30 +147,11 @@ SPREAD_S = 64 * C.NWARPS  # (spread) positions of one pair group over the CTA's 
 #            loads, is removed without a GPU run: the PTX branched on the id before the loads, but
 #            ptxas if-converts that branch and issues the id's load before the records (SASS,
 #            tools/sass.py --prologue), so there was no round trip to save)
-#   btq=1    (exact; a candidate of the twenty-sixth session, not yet measured) round 1's
-#            block-table prefetch (prefetch_bt, kp1 <= PRE_BT_MAX) and the branch-free outputs'
-#            KV slots behind a branch on the pair group's owner: the other ranks' keys skip the
-#            page arithmetic (~20 instructions a key in all 16 warps before the stats barrier,
-#            the phase profile's 0.30 us; ~10 a key in the outputs)
-#   fbrot=1  (exact; a candidate, not yet measured; twenty-seventh session's form) warp_find_bin's
-#            lane sums read a lane's 16-byte chunks of bins in an order rotated by the lane: ptxas
-#            reads the plain order as 8 LDS.128 per lane (1024 bins), lane k's at 128 k bytes, so the
-#            8 lanes of each quarter-warp hit the same 4 banks (8-way conflicts: 256 wavefronts a
-#            search, where 32 suffice).  (The twenty-sixth session's form, scalar reads rotated by
-#            the bin, was read off the PTX, which has 32 scalar loads: its SASS had 92 more shared
-#            loads and 432 more instructions than the default.)
-#   early=1  (exact; a candidate of the twenty-seventh session, not yet measured) the first
-#            row's epoch and the status word loaded before the launch's first barrier (SASS: they
-#            were issued after it), and where a CTA merges several rows (R > the grid) the next
-#            row's epoch loaded at a row's start, not at its end, where each later row's first
-#            record load waited for it (Merge.next_row)
-#   spread=1 (exact; a candidate of the twenty-seventh session, not yet measured) round 1's
-#            positions pair group-major (Merge.pos1: group i of warp w at i * 1024 + 64 w), so this
-#            rank's list lies in N / 64 warps with one pair group each (W = 8, N = 512: 8 warps x
-#            2 keys a thread) instead of 2 warps x 8: its block-table loads and KV slots, the
-#            longest per-warp chain before the stats and the outputs barriers, shared by 4x the
-#            warps (with btq's branches); the outputs count positions from the (group, warp)
-#            totals (Merge.spread_bases).  One-CTA rows with the block table in registers only.
+#   (btq, fbrot, early, spread: candidates of the twenty-sixth / twenty-seventh sessions, measured in
+#            the twenty-ninth and removed; W = 8 N = 512 merge, CUPTI us at R = 1 / 16 / 64 / 256:
+#            default 6.40 / 6.69 / 7.39 / 22.93, btq 8.11 / 8.19 / 8.48 / 25.86, fbrot 6.43 / 7.01 /
+#            7.46 / 22.98, early 6.66 / 6.90 / 7.38 / 22.66 (default again 6.66 / 6.91 / 7.39 /
+#            23.30: no gain), spread 7.49 / 7.46 / 8.10 / 24.70)
 #   (runs, the twenty-eighth session's candidate, measured in the twenty-ninth: the default on
 #            clusters, Merge.runs) round 1's keys as contiguous runs, thread t holding positions
 #            t kp .. t kp + kp - 1 (+ the CTA's base), instead of pair groups over the lanes: the
@@ -268,7 +248,7 @@ def smem_bytes(topk: int) -> int:
 
 class MergeSmem:
     def __init__(self, rw: int, stage_words: int = 0, stage2_words: int = 0, r2m_words: int = 0,
-                 clus: bool = False, wt_words: int = 16):
+                 clus: bool = False):
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K: the producer's select on one CTA (its row is buf)
         self.sel = S.SelectSmem(smem, rw, False)
@@ -286,7 +266,7 @@ class MergeSmem:
         self.fh2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
         self.eq = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
         self.st = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.wt = smem.allocate_tensor(Int32, cute.make_layout((wt_words,)), 16)  # (spread: per pair group)
+        self.wt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         self.pref = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
         self.sc = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         # tie-break histograms on g (many keys at the boundary score)
@@ -371,22 +351,12 @@ class Merge:
         # from a shared-memory copy (the unrolled code waited on instruction fetch)
         self.roll1 = self.fast1 and self.kp1 > ROLL_KP
         self.stage_words = self.kp1 * C.TB if self.roll1 else 0
-        # spread (a candidate): round 1's pair group i of warp w at positions i * SPREAD_S + 64 w
-        # (each list's 64-aligned blocks dealt over the warps) instead of w * 32 kp1 + 64 i, so this
-        # rank's keys lie in N / 64 warps, one pair group each, not in N / (32 kp1) warps holding
-        # kp1 of them (W = 8, N = 512: 8 warps x 2 keys a thread instead of 2 x 8): the block-table
-        # and KV-slot work of this rank's keys, which the row's barriers wait for, spread over more
-        # warps.  Round 1 on one CTA with the block table in registers only.
-        self.spread = bool(TUNE["spread"] and self.fast1 and self.clus == 1 and self.pre_bt
-                           and not self.roll1 and n % 64 == 0 and SPREAD_S % n == 0)  # fmt: skip
         # runs: a clustered row's round-1 positions t kp1 + i + the CTA's base, a thread's run in
         # one list and one mask word; each warp holds the same 32 kp1 positions as with pair
         # groups, so the warp totals (warp_prefix, clus_totals) mean what they did.  Clusters
         # only: one CTA's pair groups were faster (the comment above the knobs)
         self.runs = bool(self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
                          and 32 % self.kp1 == 0)  # fmt: skip
-        self.wt_words = 16 * max(1, self.kp1 // 2) if self.spread else 16
-        self.btq_on = bool(TUNE["btq"]) or self.spread  # (own_slots: other ranks' keys skip the page arithmetic)
         # r2roll=U: round 2's pair groups go to shared memory, [group][thread]: groups
         # 0 .. R2_H - 1 in the rescue select's hist1, then R2_M in its mask (both free after its
         # push), the rest in stage2; at most 16 groups (the segments' 4-bit codes in two
@@ -416,8 +386,7 @@ class Merge:
         """Launch shared memory (bytes) of the MergeSmem parts this configuration allocates."""
         return (smem_bytes(self.topk) + 4 * max(self.stage_words, 4) + 16
                 + 4 * max(self.stage2_words, 4) + 16 + 4 * max(self.r2m_words, 4) + 16
-                + (4 * (SCORE_BINS + EQ_MAX + CLUS_XC) + 32 if self.clus > 1 else 0)
-                + 4 * (self.wt_words - 16))  # fmt: skip
+                + (4 * (SCORE_BINS + EQ_MAX + CLUS_XC) + 32 if self.clus > 1 else 0))  # fmt: skip
 
     # ---------------------------------------------------------------- keys
 
@@ -721,12 +690,10 @@ class Merge:
 
     @cute.jit
     def pos1(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp) -> Int32:
-        """Round 1's position of pair group i of this lane: pair_pos, or with spread i * SPREAD_S
-        + 64 warp + 2 lane (one CTA a row)."""
+        """Round 1's position of pair group i of this lane: pair_pos, or with runs (a clustered
+        row) (32 warp + lane) kp + 2 i + the CTA's base."""
         v = Int32(0)
-        if cutlass.const_expr(self.spread):
-            v = Int32(i * SPREAD_S) + warp * Int32(64) + Int32(2) * lane
-        elif cutlass.const_expr(self.runs):
+        if cutlass.const_expr(self.runs):
             v = (warp * Int32(32) + lane) * Int32(kp) + Int32(2 * i)
             if cutlass.const_expr(self.clus > 1):
                 v = v + self.cbase
@@ -776,13 +743,7 @@ class Merge:
         per-warp base plus i * 512 bytes (no per-pair address registers)."""
         kp = self.kp1
         a = Int64(0)
-        if cutlass.const_expr(self.spread):
-            # (spread) a pair group's 64 positions lie in one list: its base, then 16 bytes a lane
-            v0 = Int32(i * SPREAD_S) + warp * Int32(64)
-            q0 = v0 // Int32(self.n)
-            j0 = v0 - q0 * Int32(self.n)
-            a = ll0 + Int64(q0) * ll_stride + Int64((j0 >> Int32(1)) + lane) * Int64(16)
-        elif cutlass.const_expr(self.runs):
+        if cutlass.const_expr(self.runs):
             # (runs) this thread's run lies in one list: its first record, then 16 bytes a pair
             v0 = (warp * Int32(32) + lane) * Int32(kp)
             if cutlass.const_expr(self.clus > 1):
@@ -826,8 +787,6 @@ class Merge:
         # the mask half of this lane (k = lane < kp)
         mh = good
         vm = warp * Int32(32 * kp) + (lane >> Int32(1)) * Int32(64) + (lane & Int32(1)) * Int32(32)
-        if cutlass.const_expr(self.spread):
-            vm = (lane >> Int32(1)) * Int32(SPREAD_S) + warp * Int32(64) + (lane & Int32(1)) * Int32(32)
         if cutlass.const_expr(self.runs):
             vm = (warp * Int32(32) + lane) * Int32(kp)  # (runs) the mask word of this thread's own run
         if cutlass.const_expr(self.clus > 1):
@@ -1029,19 +988,8 @@ class Merge:
         per = nb // 32
         assert per * 32 == nb and per & (per - 1) == 0, nb
         s = Int32(0)
-        if cutlass.const_expr(TUNE["fbrot"] and per >= 8):
-            # (fbrot) ptxas reads a lane's per contiguous bins as per / 4 16-byte loads (SASS:
-            # LDS.128), lane k's at k * 4 per bytes: the 8 lanes of a quarter-warp in the same 4
-            # banks, an 8-way conflict on each load.  Lane k takes its 16-byte chunks in the order
-            # rotated by k: a quarter-warp's 8 chunks in 8 distinct bank groups.
-            nch = per // 4
-            h_a = S.smem_addr(hist) + (Int32(nb) - (lane + Int32(1)) * Int32(per)) * Int32(4)
-            for u in cutlass.range_constexpr(nch):
-                a, b, c4, d = S.ld_smem_v4(h_a + ((Int32(u) + lane) & Int32(nch - 1)) * Int32(16))
-                s = s + ((a + b) + (c4 + d))
-        else:
-            for u in cutlass.range_constexpr(per):
-                s = s + hist[Int32(nb - 1 - u) - lane * Int32(per)]
+        for u in cutlass.range_constexpr(per):
+            s = s + hist[Int32(nb - 1 - u) - lane * Int32(per)]
         incl = C.warp_incl_scan(s, lane)
         excl = incl - s
         bal = Uint32(cute.arch.vote_ballot_sync(excl < need and incl >= need))
@@ -1113,25 +1061,12 @@ class Merge:
         hbits = hb[0]
         for ip in cutlass.range_constexpr(kp // 2):
             q, j = self.owner(self.pos1(ip, kp, lane, warp), False, None)
-            if cutlass.const_expr(self.btq_on):
-                # (btq, spread) other ranks' pair groups skip the address arithmetic: the branch is
-                # warp-uniform where a warp's positions lie in one list (W = 8, N = 512: 14 of
-                # the 16 warps hold none of this rank's keys)
-                btp[2 * ip] = Int32(0)
-                btp[2 * ip + 1] = Int32(0)
-                if q == rank:
-                    for h in cutlass.range_constexpr(2):
-                        i = 2 * ip + h  # predicated loads, all in flight together
-                        page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
-                        ok = Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
-                        btp[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
-            else:
-                for h in cutlass.range_constexpr(2):
-                    # no branch: predicated loads, all in flight together (C.ld_u32_if)
-                    i = 2 * ip + h
-                    page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
-                    ok = Int32(q == rank) & Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
-                    btp[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
+            for h in cutlass.range_constexpr(2):
+                # no branch: predicated loads, all in flight together (C.ld_u32_if)
+                i = 2 * ip + h
+                page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
+                ok = Int32(q == rank) & Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
+                btp[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
 
     @cute.jit
     def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, lane, warp,
@@ -1393,36 +1328,6 @@ class Merge:
         return wbase, tot
 
     @cute.jit
-    def spread_bases(self, wt: cute.Tensor, ng: cutlass.Constexpr, lane, warp, gb: cute.Tensor) -> Int32:
-        """(spread) From the warp totals of each pair group, wt[ip NWARPS + w] (own << 16 | all,
-        stored, barrier passed; position order is (ip, w)): gb[ip] = the selected keys before
-        this warp's pair group ip, for ip < ng; returns the row's total.  One scan of the
-        ng * 16 <= 64 totals in every warp (lane l holds totals l and 32 + l)."""
-        n_ = ng * C.NWARPS
-        x0 = Int32(0)
-        x1 = Int32(0)
-        if lane < Int32(n_):
-            x0 = wt[lane]
-        if cutlass.const_expr(n_ > 32):
-            if lane + Int32(32) < Int32(n_):
-                x1 = wt[lane + Int32(32)]
-        s0 = C.warp_incl_scan(x0, lane)
-        t0 = cute.arch.shuffle_sync(s0, Int32(31))
-        e0 = s0 - x0
-        tot = t0
-        e1 = Int32(0)
-        if cutlass.const_expr(n_ > 32):
-            s1 = C.warp_incl_scan(x1, lane)
-            e1 = s1 - x1 + t0
-            tot = t0 + cute.arch.shuffle_sync(s1, Int32(31))
-        for ip in cutlass.range_constexpr(ng):
-            if cutlass.const_expr(ip * C.NWARPS < 32):
-                gb[ip] = cute.arch.shuffle_sync(e0, Int32((ip * C.NWARPS) % 32) + warp)
-            else:
-                gb[ip] = cute.arch.shuffle_sync(e1, Int32((ip * C.NWARPS) % 32) + warp)
-        return tot
-
-    @cute.jit
     def fast_round(self, words: cute.Tensor, hb: cute.Tensor, round2: cutlass.Constexpr, slot: Int32,
                    sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
                    ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32, ids: Int64,
@@ -1440,7 +1345,6 @@ class Merge:
         seg = sm.seg
         kp = self.kp2 if round2 else self.kp1
         cl = self.clus > 1 and not round2  # round 1 of a clustered row (a round 2 runs on CTA 0 alone)
-        sp = self.spread and not round2  # round 1's positions pair group-major (spread)
         rn = self.runs and not round2  # round 1's keys as contiguous runs per thread (runs)
         fl = Int32(0)  # (cl) a failure recorded once this CTA's waits were over
         K = self.topk
@@ -1567,12 +1471,6 @@ class Merge:
                 for rip0 in cutlass.range(kp // 2, unroll=1):
                     _, rc20 = self.pair_counts_dyn(selm, rip0, kp, lane, warp, rank, lt)
                     run = run + rc20
-            elif cutlass.const_expr(sp):
-                # (spread) each pair group's warp total: the positions run pair group-major
-                for ip in cutlass.range_constexpr(kp // 2):
-                    _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-                    if lane == Int32(0):
-                        wt[Int32(ip * C.NWARPS) + warp] = c2
             elif cutlass.const_expr(rn):
                 # (runs) this thread's selected keys (own << 16 | all), the lanes' before it by one
                 # warp scan, the warp's total in every lane
@@ -1587,18 +1485,11 @@ class Merge:
                 for ip in cutlass.range_constexpr(kp // 2):
                     _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
                     run = run + c2
-            if cutlass.const_expr(not sp):
-                if lane == Int32(0):
-                    wt[warp] = run
+            if lane == Int32(0):
+                wt[warp] = run
             cute.arch.sync_threads()
             self.mk(8)
-            wbase = Int32(0)
-            tot = Int32(0)
-            gb = cute.make_rmem_tensor((max(1, kp // 2),), Int32)  # (spread) each pair group's base
-            if cutlass.const_expr(sp):
-                tot = self.spread_bases(wt, kp // 2, lane, warp, gb)
-            else:
-                wbase, tot = self.warp_prefix(wt, warp)
+            wbase, tot = self.warp_prefix(wt, warp)
             all_run = tot & Int32(0xFFFF)
             own_run = tot >> Int32(16)
             if cutlass.const_expr(cl):
@@ -1681,10 +1572,7 @@ class Merge:
                         if cutlass.const_expr(not rn):
                             c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
                             e = wbase + c1
-                            if cutlass.const_expr(sp):
-                                e = gb[ip] + c1
-                            else:
-                                wbase = wbase + c2
+                            wbase = wbase + c2
                             pos = e & Int32(0xFFFF)
                             kpos = e >> Int32(16)
                         if cutlass.const_expr(not round2):
@@ -1716,20 +1604,13 @@ class Merge:
                             g = lidx * Int32(self.world) + q
                             C.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
                             pos = pos + sel
-                            if cutlass.const_expr(not self.btq_on):
-                                own = sel & Int32(q == rank)
-                                page = self.page_of(lidx, block_size)
-                                slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                                if req_ok == Int32(0) or page >= bt_cols:
-                                    slot_ = Int32(-1)
-                                C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
-                                kpos = kpos + own
-                        if cutlass.const_expr(self.btq_on and kp <= BRANCH_FREE_KP):
-                            # (btq) this rank's KV slots only in its own pair groups (a
-                            # warp-uniform branch where a warp's positions lie in one list)
-                            if q == rank:
-                                kpos = self.own_slots(words, hbits, selm, ip, blks, kk, block_size, req_ok,
-                                                      bt_cols, kv_row, kpos)  # fmt: skip
+                            own = sel & Int32(q == rank)
+                            page = self.page_of(lidx, block_size)
+                            slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
+                            if req_ok == Int32(0) or page >= bt_cols:
+                                slot_ = Int32(-1)
+                            C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
+                            kpos = kpos + own
                         if cutlass.const_expr(rn):
                             tpos = pos
                             tkpos = kpos
@@ -2059,8 +1940,7 @@ class Merge:
         tid = Int32(tid)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sm = MergeSmem(self.rw_k, self.stage_words, self.stage2_words, self.r2m_words, self.clus > 1,
-                       self.wt_words)
+        sm = MergeSmem(self.rw_k, self.stage_words, self.stage2_words, self.r2m_words, self.clus > 1)
         sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
         # clus: row t on cluster t (its CTAs in the order of their rank crank), G = nblk / C
         # clusters; cbase = the row's first position of this CTA
@@ -2085,16 +1965,6 @@ class Merge:
         hb = cute.make_rmem_tensor((1,), Uint32)
         btp = cute.make_rmem_tensor((self.kp1 if self.pre_bt else 1,), Int32)
         sm_st = sm.st
-        # epoch of the first row, loaded together with the status word (a plain load of
-        # this rank's own state: harmless even when the call is refused); later rows'
-        # epochs are loaded one row ahead.  Only this CTA touches its rows' epochs.
-        # (early: both issued before the launch's first barrier, not after it)
-        epn = Int32(0)
-        stw0 = Uint32(0)
-        if cutlass.const_expr(TUNE["early"]):
-            if t < rows:
-                epn = C.ld_u32(C.state_epoch(state, max_rows, t))
-            stw0 = C.ld_volatile_u32(status)
         if tid < Int32(16):  # fast-path stats slots: [count, max, min, eq count]
             sm_st[tid] = Int32(0)
             if (tid & Int32(3)) == Int32(2):
@@ -2105,12 +1975,15 @@ class Merge:
         last_f = Int32(0)
         finished = Int32(0)  # the launch's end done (after a last row without a rescue)
         refused = Int32(0)
-        if cutlass.const_expr(not TUNE["early"]):
-            if t < rows:
-                epn = C.ld_u32(C.state_epoch(state, max_rows, t))
-            # A failed or closed exchange (status set before this launch) does no exchange
-            # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
-            stw0 = C.ld_volatile_u32(status)
+        # epoch of the first row, loaded together with the status word (a plain load of
+        # this rank's own state: harmless even when the call is refused); later rows'
+        # epochs are loaded one row ahead.  Only this CTA touches its rows' epochs.
+        epn = Int32(0)
+        if t < rows:
+            epn = C.ld_u32(C.state_epoch(state, max_rows, t))
+        # A failed or closed exchange (status set before this launch) does no exchange
+        # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
+        stw0 = C.ld_volatile_u32(status)
         if cutlass.const_expr(self.clus > 1):
             # CTA 0's word for the whole cluster (the CTAs must agree: each passes the same
             # cluster barriers); this barrier also has every CTA of the cluster running before
@@ -2160,8 +2033,6 @@ class Merge:
                     self.fake_r1(words, hb, lane, warp)
                 else:
                     self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
-                if cutlass.const_expr(TUNE["early"]):
-                    epn_next = self.next_row(t + Int32(nstep), rows, state, max_rows)
                 self.mk(2)
                 if cutlass.const_expr(TUNE["nobt"]):
                     for i in cutlass.range_constexpr(self.kp1 if self.pre_bt else 1):
@@ -2179,8 +2050,6 @@ class Merge:
             else:
                 for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
                     self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
-                if cutlass.const_expr(TUNE["early"]):
-                    epn_next = self.next_row(t + Int32(nstep), rows, state, max_rows)
                 cute.arch.sync_threads()
                 T = self.radix_select(keys, False, sm, tid, lane, warp, ll0, ll_stride,
                                       resc0, ep, status, t, timeout_ns)  # fmt: skip
@@ -2235,8 +2104,7 @@ class Merge:
                         epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nstep, rows, state, max_rows,
                                                         saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
                 elif t + Int32(nstep) < rows:
-                    if cutlass.const_expr(not TUNE["early"]):  # (early: loaded at the row's start)
-                        epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nstep)))
+                    epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nstep)))
             elif cutlass.const_expr(not self.end_first):
                 if mask != Int32(0):
                     self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
@@ -2271,8 +2139,6 @@ class Merge:
                         C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
                     epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nstep, rows, state, max_rows,
                                                     saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
-            if cutlass.const_expr(TUNE["early"]):
-                epn = epn_next
             t = t + Int32(nstep)
             rowi = rowi + Int32(1)
         if finished == Int32(0):
@@ -2282,35 +2148,6 @@ class Merge:
             # no CTA leaves while another may still read its shared memory
             S.cluster_arrive()
             S.cluster_wait()
-
-    @cute.jit
-    def own_slots(self, words: cute.Tensor, hbits: Uint32, selm: Uint32, ip: cutlass.Constexpr,
-                  blks: cute.Tensor, kk: cutlass.Constexpr, block_size: Int32, req_ok: Int32,
-                  bt_cols: Int32, kv_row: Int64, kpos: Int32) -> Int32:
-        """(btq) The KV slots of this rank's selected keys of pair group ip (blks[2 kk + h]: their
-        block-table entries) at kv_row[kpos ..] -> the next kpos."""
-        for h in cutlass.range_constexpr(2):
-            i = 2 * ip + h
-            sel = Int32((selm >> Uint32(i)) & Uint32(1))
-            lidx = self.lidx_of(words[i], hbits, i)
-            page = self.page_of(lidx, block_size)
-            slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-            if req_ok == Int32(0) or page >= bt_cols:
-                slot_ = Int32(-1)
-            C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, sel)
-            kpos = kpos + sel
-        return kpos
-
-    @cute.jit
-    def next_row(self, tn: Int32, rows: Int32, state: Int64, max_rows: Int32) -> Int32:
-        """(early) The epoch of this CTA's next row tn (0 if none), loaded at a row's start once
-        its own loads are issued (rather than at its end, where the next row's first record
-        load, which needs the parity, waited for it).  (Not also that row's LL rows prefetched
-        into L2: the eighteenth session's pf=1 did, at R = 256 no faster.)"""
-        en = Int32(0)
-        if tn < rows:
-            en = C.ld_u32(C.state_epoch(state, max_rows, tn))
-        return en
 
     @cute.jit
     def finish(self, refused: Int32, last_f: Int32, rowi: Int32, status: Int64, sm_seg: cute.Tensor,
@@ -2363,9 +2200,8 @@ class Merge:
         if saturated != Int64(0):
             if tid == Int32(0):
                 C.st_u32(saturated + Int64(t) * Int64(4), mask)
-        if cutlass.const_expr(not TUNE["early"]):  # (early: loaded at the row's start)
-            if t + Int32(nblk) < rows:
-                epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
+        if t + Int32(nblk) < rows:
+            epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
         # ---- every word of the row was read; the producer grid is done
         self.mk(12)
         C.pdl_wait()

@@ -181,11 +181,9 @@ CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
 # CTAs per cluster the lean select sums over ("lcm=16": non-portable clusters of up to 16, which
 # the launch must allow: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)
 LEAN_CLUSTER_MAX = CLUSTER_MAX
-# "csw=1" (exact; a candidate of the twenty-seventh session, not yet measured): the lean select's
-# slice copy with each thread's 16-byte chunks permuted (lean.copy_swizzle): its stores' 2- / 4-way
-# bank conflicts at 16 / 32 tokens a thread ((64, 8K) and (16, 32K) at 8K-token slices, (1, 128K)
-# at 16K) gone
-LEAN_CSW = 0
+# (csw, the lean slice copy's 16-byte chunks permuted against its store bank conflicts, a
+# candidate of the twenty-seventh session, was measured in the twenty-ninth and removed: the
+# producer 0.1-0.3 us slower, e.g. (R = 1, L = 8K) 5.31 against 5.06 / 5.14 us)
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = (x.strip() for x in _kv.split("="))
     if _k == "skip":
@@ -198,8 +196,7 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
                "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
                "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
                "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC", "lcm": "LEAN_CLUSTER_MAX",
-               "csw": "LEAN_CSW"}[_k]] = int(_v)  # fmt: skip
+               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC", "lcm": "LEAN_CLUSTER_MAX"}[_k]] = int(_v)  # fmt: skip
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:

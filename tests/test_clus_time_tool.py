@@ -23,6 +23,9 @@ def test_launcher_rows_pair_each_wide_image_with_its_merge():
     assert at("w16 merge_wide launcher", 64) == at("w16 merge", 64)  # 64 > its fit: the merge
     assert at("w8n1024 merge_wide launcher", 32) == at("w8n1024 merge_wide", 32)  # 32 <= 62
     assert at("w8n1024 merge_wide launcher", 64) == at("w8n1024 merge", 64)  # (not its clus=0 variant)
+    lines = clus_time.launcher_rows(res, {"w16 wide runs=0": 30}, rows)  # (paired by tune too)
+    assert lines[0].endswith("else w16 runs=0")
+    assert at("w16 wide runs=0 launcher", 64) == at("w16 runs=0", 64)
     # a wide variant whose merge was not timed: an empty row, no error
     del res["w16 merge"]
     clus_time.launcher_rows(res, {"w16 merge_wide": 30}, rows)

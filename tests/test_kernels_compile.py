@@ -502,8 +502,8 @@ def test_merge_exact_knobs_compile(tmp_path):
     round 2 in registers (r2roll=0: 142.7 KB of SASS against 98.8 KB), with no more
     registers; r2radix=1 (the radix walk): fewer registers than r2roll=0; r2all=0 (the tie-break also when
     the boundary is taken whole) compiles.  The rejected candidates spec / rpush / ru1 / rcache /
-    r2list (removed) are refused as unknown knobs.  runs and wide2 (twenty-eighth session; runs
-    is the clustered rows' layout since the twenty-ninth, wide2 was removed) and btq, fbrot, early,
+    r2list (removed) are refused as unknown knobs.  wide2 (twenty-eighth session, removed in the
+    twenty-ninth) and btq, fbrot, early,
     spread (twenty-sixth / twenty-seventh sessions' candidates, measured in the twenty-ninth and
     removed) are unknown knobs too."""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
@@ -527,9 +527,9 @@ def test_merge_exact_knobs_compile(tmp_path):
     radix = ok("r2radix=1")
     assert radix["registers"] < regs["registers"], (regs, radix)
     ok("r2all=0")
-    # (removed: reqlate's SASS had no round trip to save; btq, fbrot, early, spread measured slower
-    # or no faster in the twenty-ninth session)
-    for bad in ("reqlate=1", "runs=1", "wide2=1", "btq=1", "fbrot=1", "early=1", "spread=1"):
+    # (removed: reqlate's SASS had no round trip to save; wide2, btq, fbrot, early, spread measured
+    # slower or no faster in the twenty-ninth session)
+    for bad in ("reqlate=1", "wide2=1", "btq=1", "fbrot=1", "early=1", "spread=1"):
         r = build(bad)
         assert r.returncode != 0 and "unknown knob" in r.stderr, (bad, r.stderr[-500:])
     for bad, msg in (("spec=1", "unknown knob"), ("rcache=16384", "unknown knob"), ("r2list=1", "unknown knob")):
@@ -542,8 +542,9 @@ def test_clustered_merges_hold_round1_as_runs():
     twenty-eighth session's candidate, the default on clusters since the twenty-ninth, where it
     took 0.35-1.0 us off W = 16 N = 1024), a one-CTA row as pair groups (runs lost there).  The
     W = 16 N = 1024 merge (2 CTAs of 16 words a thread) and merge_wide (4 of 8) compile without a
-    stack frame or a launch bound; W = 8 N = 512 (one CTA) keeps the pair groups.  The layout's
-    model: tests/test_merge_select_model.py."""
+    stack frame or a launch bound; W = 8 N = 512 (one CTA) keeps the pair groups; runs=0 (the
+    pair groups on clusters too, kept to compare the two in one call) compiles without a frame.
+    The layout's model: tests/test_merge_select_model.py."""
     code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
             "imgs = cache.compile_images('sm_90a', 16, 2048, 1024); "
             "objs = {k: cache._kernel_object(k, 16, 2048, 1024) for k in ('merge', 'merge_wide')}; "
@@ -551,16 +552,22 @@ def test_clustered_merges_hold_round1_as_runs():
             "sys.stdout.write(json.dumps(dict(one=[one.clus, one.runs], **{k: dict(cache.cubin_resources(v[0].cubin), "
             "ptx=v[0].ptx, clus=objs[k].clus, kp=objs[k].kp1, runs=objs[k].runs) "
             "for k, v in imgs.items() if k.startswith('merge')})))")  # fmt: skip
-    r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE="", JAX_DSA_EXCHANGE_SELECT_TUNE="")
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads(r.stdout)
-    assert res.pop("one") == [1, False]
-    assert set(res) == {"merge", "merge_wide"}, sorted(res)
-    for img, clus, kp in (("merge", 2, 16), ("merge_wide", 4, 8)):
-        m = res[img]
-        assert (m["clus"], m["kp"], m["runs"]) == (clus, kp, True), (img, m["clus"], m["kp"], m["runs"])
-        assert m["frame_bytes"] == 0, (img, m["frame_bytes"])
-        assert ".minnctapersm" not in m["ptx"], img
+    out = {}
+    for tune in ("", "runs=0"):
+        r = _in_fresh_process(code, JAX_DSA_EXCHANGE_MERGE_TUNE=tune, JAX_DSA_EXCHANGE_SELECT_TUNE="")
+        assert r.returncode == 0, (tune, r.stderr[-2000:])
+        out[tune] = json.loads(r.stdout)
+    for tune, runs in (("", True), ("runs=0", False)):
+        res = out[tune]
+        assert res.pop("one") == [1, False]
+        assert set(res) == {"merge", "merge_wide"}, sorted(res)
+        for img, clus, kp in (("merge", 2, 16), ("merge_wide", 4, 8)):
+            m = res[img]
+            assert (m["clus"], m["kp"], m["runs"]) == (clus, kp, runs), (tune, img, m["clus"], m["kp"], m["runs"])
+            assert m["frame_bytes"] == 0, (tune, img, m["frame_bytes"])
+            assert ".minnctapersm" not in m["ptx"], (tune, img)
+    for img in ("merge", "merge_wide"):  # (runs: no per-pair-group ballots in round 1)
+        assert out[""][img]["ptx"].count("vote.sync.ballot") < out["runs=0"][img]["ptx"].count("vote.sync.ballot"), img
 
 
 def test_rolled_round1_outputs_compile():

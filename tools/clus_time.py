@@ -35,7 +35,15 @@ VARIANTS = [
     # of 4 words; ("w8n512 ckp=2 c4", "ckp=2,clus=4", 8, 512, "merge"): 4 CTAs of 2 words)
     ("w8n512 merge#2", "", 8, 512, "merge"),
     # (twenty-eighth session's candidates, measured in the twenty-ninth: runs=1 over clusters, now
-    # the default of every clustered row; wide2=1, merge_wide for two CTAs per SM: slower, removed)
+    # the default of every clustered row; wide2=1, merge_wide for two CTAs per SM: slower, removed.)
+    # runs=0: the pair-group layout on clusters (the default before the twenty-ninth session), to
+    # compare with runs in one call (R = 256 at W = 16 N = 1024 measured slower across calls)
+    ("w16 runs=0", "runs=0", 16, 1024, "merge"),
+    ("w16 wide runs=0", "runs=0", 16, 1024, "merge_wide"),
+    ("w8n1024 runs=0", "runs=0", 8, 1024, "merge"),
+    ("w8n1024 wide runs=0", "runs=0", 8, 1024, "merge_wide"),
+    ("w16n512 runs=0", "runs=0", 16, 512, "merge"),
+    ("w16n512 wide runs=0", "runs=0", 16, 512, "merge_wide"),
 ]
 ROWS = (1, 16, 24, 32, 64, 256)
 

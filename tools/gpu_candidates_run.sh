@@ -21,7 +21,8 @@
 #             tests run instead, and the call ends there)   2. phase profiles, default vs COMBO_M
 #             (NO_PROF=1: none), vs PROF_S (select)   3. tools/candidates_time.py (the table last)
 #             4. tools/clus_time.py: the clustered merges at W = 16 / 8 N = 1024 and W = 16
-#             N = 512, merge and merge_wide, with the latter's co-resident clusters
+#             N = 512, merge and merge_wide, runs (the default) and runs=0 (pair groups), with
+#             merge_wide's co-resident clusters
 set -o pipefail
 cd "$(dirname "$0")/.."
 COMBO_M=${COMBO_M:-}
@@ -48,7 +49,7 @@ print("\n".join(sorted({mt + "|" + st + "|" + str(int("L" in w)) for _, mt, st, 
     --world 16 && one "prof=1${COMBO_M:+,$COMBO_M}" "prof=1${COMBO_S:+,$COMBO_S}" --topk 2048 --local-topk 512 --world 8 || exit 1
   if [ -n "$PROF_S" ]; then one "prof=1" "prof=1,$PROF_S" --topk 2048 --local-topk 512 --world 8 || exit 1; fi
   for wn in "16 1024" "8 1024" "16 512"; do  # (tools/clus_time.py's, timed below; the default set has them too)
-    set -- $wn; one "" "" --topk 2048 --local-topk $2 --world $1 || exit 1
+    set -- $wn; one "" "" --topk 2048 --local-topk $2 --world $1 && one "runs=0" "" --topk 2048 --local-topk $2 --world $1 || exit 1
   done
   bash tools/pack_cubins.sh .cubins > /dev/null  # (PTX and cubins gzipped: the carry is 64 MiB)
   echo "cubins: $(ls .cubins | wc -l) folders, $(du -sh .cubins | cut -f1)"
@@ -103,9 +104,9 @@ fi
 echo "== timing"
 timeout 330 python3 tools/candidates_time.py --out "$OUT/time.json" > "$OUT/time.log" 2>&1 || rc=1
 tail -32 "$OUT/time.log"
-echo "== the clustered merges (W = 16 / 8 N = 1024, W = 16 N = 512) and the launcher's images"
-timeout 270 python3 tools/clus_time.py --only "w16 merge" "w16 merge_wide" "w8n1024 merge" "w8n1024 merge_wide" \
-  "w16n512 merge" "w16n512 merge_wide" --rows 1 16 32 64 --no-rescue --iters 15 --out "$OUT/clus.json" \
-  > "$OUT/clus.log" 2>&1 || rc=1
-grep -E "fit|^== |^w" "$OUT/clus.log" | tail -16
+echo "== the clustered merges (W = 16 / 8 N = 1024, W = 16 N = 512), runs (the default) and runs=0, the launcher's images"
+timeout 270 python3 tools/clus_time.py --only "w16 merge" "w16 merge_wide" "w16 runs=0" "w16 wide runs=0" "w8n1024 merge" \
+  "w8n1024 merge_wide" "w8n1024 runs=0" "w8n1024 wide runs=0" "w16n512 merge" "w16n512 merge_wide" "w16n512 runs=0" \
+  "w16n512 wide runs=0" --rows 1 16 32 64 256 --no-rescue --iters 15 --out "$OUT/clus.json" > "$OUT/clus.log" 2>&1 || rc=1
+grep -E "fit|^== |^w" "$OUT/clus.log" | tail -30
 exit $rc

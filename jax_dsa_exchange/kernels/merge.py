@@ -152,15 +152,17 @@ CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
 #            default 6.40 / 6.69 / 7.39 / 22.93, btq 8.11 / 8.19 / 8.48 / 25.86, fbrot 6.43 / 7.01 /
 #            7.46 / 22.98, early 6.66 / 6.90 / 7.38 / 22.66 (default again 6.66 / 6.91 / 7.39 /
 #            23.30: no gain), spread 7.49 / 7.46 / 8.10 / 24.70)
-#   (runs, the twenty-eighth session's candidate, measured in the twenty-ninth: the default on
-#            clusters, Merge.runs) round 1's keys as contiguous runs, thread t holding positions
+#   runs=1   (exact; the default since the twenty-ninth session, Merge.runs: clustered rows only)
+#            round 1's keys as contiguous runs, thread t holding positions
 #            t kp .. t kp + kp - 1 (+ the CTA's base), instead of pair groups over the lanes: the
 #            selected keys before each key come from a thread's own count (popc), one warp scan
 #            and the warp totals, where each pair group took four ballots and their popc twice.
-#            Clustered rows only: W = 16 N = 1024 gains 0.35-1.0 us (CUPTI, R = 1-64); on one CTA
-#            (W = 8 N = 512) it lost 0.5 us at R = 1 and 3 us at R = 256.  (wide2, merge_wide for
-#            two CTAs per SM, lost there too: 12.5 against 10.1 us at R = 1, 16.4 against 15.9 at
-#            R = 32, its fit; removed.)
+#            Clustered rows only: W = 16 N = 1024 gains 0.35-1.5 us (CUPTI, R = 1-64, one call),
+#            but R = 256 measured 56.1 against 51.7 us (two calls); on one CTA (W = 8 N = 512) it
+#            lost 0.5 us at R = 1 and 3 us at R = 256.  runs=0: the pair groups on clusters too
+#            (kept to compare the two at R = 256 in one call).  (wide2, merge_wide for two CTAs
+#            per SM, lost everywhere: 12.5 against 10.1 us at R = 1, 16.4 against 15.9 at R = 32,
+#            its fit; removed.)
 #   bpoll=1  (exact; the default) round 1's stale LL halves of a batch re-polled together, every
 #            load in flight at once, until none is stale (load_r1_fast); bpoll=0: each stale
 #            half waited for in turn, a round trip each once the data has landed (under PDL the
@@ -175,6 +177,7 @@ TUNE["r2all"] = 1
 TUNE["clus"] = CLUS_MAX
 TUNE["ckp"] = CLUS_KP
 TUNE["bpoll"] = 1
+TUNE["runs"] = 1
 for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     _k, _v = _kv.split("=")
     if _k.strip() not in TUNE:
@@ -355,7 +358,7 @@ class Merge:
         # one list and one mask word; each warp holds the same 32 kp1 positions as with pair
         # groups, so the warp totals (warp_prefix, clus_totals) mean what they did.  Clusters
         # only: one CTA's pair groups were faster (the comment above the knobs)
-        self.runs = bool(self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
+        self.runs = bool(TUNE["runs"] and self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
                          and 32 % self.kp1 == 0)  # fmt: skip
         # r2roll=U: round 2's pair groups go to shared memory, [group][thread]: groups
         # 0 .. R2_H - 1 in the rescue select's hist1, then R2_M in its mask (both free after its

@@ -55,6 +55,7 @@ KIND = {"select_push": "select_push", "select_push_lean": "select_push", "merge"
 _HERE = pathlib.Path(__file__).resolve().parent
 SOURCE_FILES = (
     _HERE / "abi.py",
+    _HERE / "ptx.py",
     _HERE / "common.py",
     _HERE / "select.py",
     _HERE / "lean.py",

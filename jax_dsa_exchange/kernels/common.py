@@ -1,9 +1,5 @@
-"""PTX helpers and the CTA-wide selections shared by both kernels (docs/DESIGN.md §4-§6).
-
-No JAX import.  Every global access goes through an Int64 address and a short
-inline-PTX helper, so the memory semantics (volatile LL halves, system-scope
-release/acquire, 16-byte stores) are exactly what the PTX shows and what the
-compile test checks.
+"""Addresses in the symmetric buffer and the local state, and the CTA-wide pieces shared by
+both kernels (docs/DESIGN.md §4-§6).  No JAX import; the inline PTX is in ``ptx.py``.
 
 One CTA of ``TB`` threads works on one row at a time.  Two selections:
 
@@ -19,11 +15,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32, Uint64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Int32, Int64, Uint32
 
 from .. import layout
+from . import ptx as P
 
 TB = 512  # threads per CTA; also the number of bins of the first histogram
 NWARPS = TB // 32
@@ -92,21 +87,6 @@ def ll_word_addr(base, j):
             + Int64(j & Int32(1)) * Int64(layout.LL_HALF_BYTES))  # fmt: skip
 
 
-# --------------------------------------------------------------------------
-# Inline PTX.  Addresses are generic 64-bit; ``.global`` is valid for every
-# buffer we touch (cudaMalloc memory, own or a peer's mapped over NVLink).
-# --------------------------------------------------------------------------
-
-
-def _asm(res, args, text, cons, loc=None, ip=None):
-    return llvm.inline_asm(
-        res, [a.ir_value(loc=loc, ip=ip) for a in args], text, cons,
-        has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )  # fmt: skip
-
-
-
 def compile_options(arch: str, dump_dir: str, ptxas: str = "") -> str:
     """cute.compile options: the PTX and cubin are kept (the cache stores them) in
     ``dump_dir``, where the DSL writes them under the kernel's name and reads them back:
@@ -114,172 +94,6 @@ def compile_options(arch: str, dump_dir: str, ptxas: str = "") -> str:
     ``ptxas``: extra ptxas options (one string)."""
     extra = f" --ptxas-options '{ptxas}'" if ptxas else ""
     return f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump_dir}{extra}"
-
-
-@dsl_user_op
-def ld_u32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    """Plain 32-bit load (inputs written by earlier kernels)."""
-    return Int32(_asm(T.i32(), [Int64(addr)], "ld.global.u32 $0, [$1];", "=r,l", loc, ip))
-
-
-@dsl_user_op
-def ld_u64(addr: Int64, *, loc=None, ip=None) -> Int64:
-    return Int64(_asm(T.i64(), [Int64(addr)], "ld.global.u64 $0, [$1];", "=l,l", loc, ip))
-
-
-@dsl_user_op
-def ld_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
-    """One bf16's bits (logits are read-only while the kernel runs)."""
-    return Uint32(
-        _asm(T.i32(), [Int64(addr)], "ld.global.nc.u16 $0, [$1];", "=r,l", loc, ip)
-    )
-
-
-@dsl_user_op
-def ld_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Int32:
-    """ld_u32 where ``pred`` != 0, else 0, by a predicated load: the same load under an
-    ``if`` lets LLVM fold the value's users into the branch (a multiply right after the
-    load), so each such load waited for the one before (kernels/NOTES.md, 7th session).
-    The zero is written first: the output is early-clobber (``=&``), never the address's
-    register."""
-    return Int32(_asm(T.i32(), [Int64(addr), Int32(pred)],
-                      "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; @p ld.global.u32 $0, [$1]; }",
-                      "=&r,l,r", loc, ip))  # fmt: skip
-
-
-@dsl_user_op
-def ld_volatile_u64_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Uint64:
-    """ld_volatile_u64 where ``pred`` != 0, else 0 (predicated, see ld_u32_if)."""
-    return Uint64(_asm(T.i64(), [Int64(addr), Int32(pred)],
-                       "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u64 $0, 0; "
-                       "@p ld.volatile.global.u64 $0, [$1]; }",
-                       "=&l,l,r", loc, ip))  # fmt: skip
-
-
-@dsl_user_op
-def ld_volatile_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Uint32:
-    """ld_volatile_u32 where ``pred`` != 0, else 0 (predicated, see ld_u32_if)."""
-    return Uint32(_asm(T.i32(), [Int64(addr), Int32(pred)],
-                       "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, 0; "
-                       "@p ld.volatile.global.u32 $0, [$1]; }",
-                       "=&r,l,r", loc, ip))  # fmt: skip
-
-
-@dsl_user_op
-def ld_volatile_u64(addr: Int64, *, loc=None, ip=None) -> Uint64:
-    """One LL half (word | epoch << 32) in ONE 8-byte load: the only
-    atomicity the protocol relies on.  Volatile: never served from L1."""
-    return Uint64(
-        _asm(T.i64(), [Int64(addr)], "ld.volatile.global.u64 $0, [$1];", "=l,l", loc, ip)
-    )
-
-
-@dsl_user_op
-def ld_volatile_u32(addr: Int64, *, loc=None, ip=None) -> Uint32:
-    return Uint32(
-        _asm(T.i32(), [Int64(addr)], "ld.volatile.global.u32 $0, [$1];", "=r,l", loc, ip)
-    )
-
-
-@dsl_user_op
-def ld_acquire_sys(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(
-        _asm(T.i32(), [Int64(addr)], "ld.acquire.sys.global.u32 $0, [$1];", "=r,l", loc, ip)
-    )
-
-
-@dsl_user_op
-def st_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr), Int32(v)], "st.global.u32 [$0], $1;", "l,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def st_u32_if(addr: Int64, v: Int32, pred: Int32, *, loc=None, ip=None) -> None:
-    """st_u32 when ``pred`` != 0, by a predicated store: an ``if`` around a store compiles
-    to a branch and a convergence barrier per store (kernels/NOTES.md, merge outputs)."""
-    _asm(None, [Int64(addr), Int32(v), Int32(pred)],
-         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.u32 [$0], $1; }", "l,r,r,~{memory}",
-         loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def st_volatile_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int64(addr), Int32(v)], "st.volatile.global.u32 [$0], $1;",
-         "l,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def st_ll_v4(addr: Int64, w0: Int32, e: Int32, w1: Int32, *, loc=None, ip=None) -> None:
-    """NCCL-LL store (w0, e, w1, e): one 16-byte volatile store of two 64-bit elements,
-    so each 8-byte half (word, epoch) is one single-copy-atomic access in the PTX memory
-    model, like the merge's 8-byte reads of a half (a v4.u32 store is four 32-bit
-    elements there, even though the hardware writes the 16 bytes at once)."""
-    _asm(None, [Int64(addr), Int32(w0), Int32(e), Int32(w1)],
-         "{ .reg .b64 h0, h1; mov.b64 h0, {$1, $2}; mov.b64 h1, {$3, $2}; "
-         "st.volatile.global.v2.u64 [$0], {h0, h1}; }",
-         "l,r,r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def st_ll_v4_if(addr: Int64, w0: Int32, e: Int32, w1: Int32, pred: Int32, *, loc=None, ip=None) -> None:
-    """st_ll_v4 when ``pred`` != 0 (a predicated store, no branch)."""
-    _asm(None, [Int64(addr), Int32(w0), Int32(e), Int32(w1), Int32(pred)],
-         "{ .reg .pred p; .reg .b64 h0, h1; setp.ne.s32 p, $4, 0; mov.b64 h0, {$1, $2}; "
-         "mov.b64 h1, {$3, $2}; @p st.volatile.global.v2.u64 [$0], {h0, h1}; }",
-         "l,r,r,r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def st_ll_half_if(addr: Int64, w: Int32, e: Int32, pred: Int32, *, loc=None, ip=None) -> None:
-    """One 8-byte half (w, e) of an NCCL-LL record when ``pred`` != 0 (an edge word of a
-    CTA's part of a row): ONE 64-bit store, single-copy atomic like the merge's 8-byte
-    reads of a half (a v2.u32 store is two 32-bit accesses in the memory model)."""
-    _asm(None, [Int64(addr), Int32(w), Int32(e), Int32(pred)],
-         "{ .reg .pred p; .reg .b64 h; setp.ne.s32 p, $3, 0; mov.b64 h, {$1, $2}; "
-         "@p st.volatile.global.u64 [$0], h; }",
-         "l,r,r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def st_v4(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
-    """Plain 16-byte store (rescue rows: published by a release flag)."""
-    _asm(None, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d)],
-         "st.global.v4.u32 [$0], {$1, $2, $3, $4};",
-         "l,r,r,r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def ld_cg_v4(addr: Int64, *, loc=None, ip=None):
-    """16-byte load cached in the L2 only (data another grid wrote: not through the L1)."""
-    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
-    r = _asm(st, [Int64(addr)], "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-             loc, ip)  # fmt: skip
-    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
-
-
-@dsl_user_op
-def atom_cas_u32(addr: Int64, cmp: Int32, v: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(
-        _asm(T.i32(), [Int64(addr), Int32(cmp), Int32(v)],
-             "atom.relaxed.gpu.global.cas.b32 $0, [$1], $2, $3;",
-             "=r,l,r,r,~{memory}", loc, ip)
-    )  # fmt: skip
-
-
-@dsl_user_op
-def globaltimer(*, loc=None, ip=None) -> Int64:
-    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", loc, ip))
-
-
-@dsl_user_op
-def clock32(*, loc=None, ip=None) -> Int32:
-    """The SM's cycle counter (low 32 bits): phase marks of timing-only builds."""
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %clock;", "=r", loc, ip))
-
-
-@dsl_user_op
-def globaltimer_lo(*, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %globaltimer_lo;", "=r", loc, ip))
 
 
 class Marks:
@@ -299,39 +113,22 @@ class Marks:
 
     def __call__(self, i: int):
         if self.on:
-            self.t[i] = clock32()
+            self.t[i] = P.clock32()
 
     def gtime(self, i: int):
         """The global nanosecond timer's low word (comparable across SMs)."""
         if self.on:
-            self.t[i] = globaltimer_lo()
+            self.t[i] = P.globaltimer_lo()
 
     def store(self, addr, pred):
         """The N samples as int32 at ``addr`` (16-byte aligned) where ``pred`` != 0 (predicated
         stores: the DSL cannot carry this object through a run-time ``if``)."""
         if self.on:
             for i in range(0, self.N, 4):
-                _asm(None, [Int64(addr + Int64(4 * i)), self.t[i], self.t[i + 1], self.t[i + 2],
+                P._asm(None, [Int64(addr + Int64(4 * i)), self.t[i], self.t[i + 1], self.t[i + 2],
                             self.t[i + 3], Int32(pred)],
                      "{ .reg .pred p; setp.ne.s32 p, $5, 0; @p st.global.v4.u32 [$0], {$1, $2, $3, $4}; }",
                      "l,r,r,r,r,r,~{memory}")  # fmt: skip
-
-
-@dsl_user_op
-def fence_sys(*, loc=None, ip=None) -> None:
-    _asm(None, [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
-
-
-@dsl_user_op
-def pdl_wait(*, loc=None, ip=None) -> None:
-    """griddepcontrol.wait: no-op unless launched with programmatic
-    dependent launch; then waits until the previous grid completed."""
-    _asm(None, [], "griddepcontrol.wait;", "~{memory}", loc, ip)
-
-
-@dsl_user_op
-def pdl_launch_dependents(*, loc=None, ip=None) -> None:
-    _asm(None, [], "griddepcontrol.launch_dependents;", "~{memory}", loc, ip)
 
 
 # --------------------------------------------------------------------------

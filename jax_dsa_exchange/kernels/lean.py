@@ -30,11 +30,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, Uint64
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import layout
 from . import common as C
+from . import ptx as P
 from . import select as S
 
 TB = C.TB
@@ -83,52 +83,13 @@ class LeanSmem:
 
 
 @dsl_user_op
-def ld_nc_v4_if(addr: Int64, pred: Int32, *, loc=None, ip=None):
-    """Eight bf16 in one 16-byte load where ``pred`` != 0, else zeros (predicated: the loads of
-    a thread are all in flight before the first is used)."""
-    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
-    r = C._asm(st, [Int64(addr), Int32(pred)],
-               "{ .reg .pred p; setp.ne.s32 p, $5, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
-               "mov.b32 $3, 0; @p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4]; }",
-               "=&r,=&r,=&r,=&r,l,r", loc, ip)  # fmt: skip
-    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
-
-
-@dsl_user_op
-def red_smem_max(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    C._asm(None, [Int32(addr), Int32(v)], "red.shared.max.u32 [$0], $1;", "r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def ld_dsmem_u32_if(addr: Int32, pred: Int32, *, loc=None, ip=None) -> Int32:
-    """A DSMEM word where ``pred`` != 0, else 0 (predicated: every CTA's load in flight at once)."""
-    return Int32(C._asm(T.i32(), [Int32(addr), Int32(pred)],
-                        "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.b32 $0, 0; "
-                        "@p ld.shared::cluster.u32 $0, [$1]; }", "=&r,r,r", loc, ip))  # fmt: skip
-
-
-@dsl_user_op
-def max_u16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
-    """Halfword-wise unsigned maximum of two packed ord16 pairs."""
-    return Int32(C._asm(T.i32(), [Int32(a), Int32(b)], "max.u16x2 $0, $1, $2;", "=r,r,r", loc, ip))
-
-
-@dsl_user_op
 def bin_addr(base: Int32, w: Int32, hi: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
     """base + 4 * (the first histogram's bin of the low / high ord16 of the pair w): one bit-field
     extract and one shift-add."""
     pos = 16 * int(hi) + (16 - S.B1)
-    return Int32(C._asm(T.i32(), [Int32(base), Int32(w)],
+    return Int32(P._asm(T.i32(), [Int32(base), Int32(w)],
                         "{ .reg .b32 t; bfe.u32 t, $2, %d, %d; shl.b32 t, t, 2; add.u32 $0, $1, t; }" % (pos, S.B1),
                         "=r,r,r", loc, ip))  # fmt: skip
-
-
-@dsl_user_op
-def or_if_ge(m: Uint32, x: Uint32, thr: Uint32, bit: cutlass.Constexpr, *, loc=None, ip=None) -> Uint32:
-    """m | (1 << bit) where x >= thr (unsigned): a compare and a predicated or."""
-    return Uint32(C._asm(T.i32(), [Uint32(m), Uint32(x), Uint32(thr)],
-                         "{ .reg .pred p; setp.ge.u32 p, $2, $3; mov.b32 $0, $1; @p or.b32 $0, $0, %d; }" % (1 << bit),
-                         "=&r,r,r,r", loc, ip))  # fmt: skip
 
 
 @cute.jit
@@ -137,9 +98,9 @@ def cluster_word(a: Int32, r: Int32, one: Int32) -> Int32:
     one-CTA cluster)."""
     x = Int32(0)
     if one != Int32(0):
-        x = S.ld_smem_u32(a)
+        x = P.ld_smem_u32(a)
     else:
-        x = S.ld_dsmem_u32(S.mapa(a, r))
+        x = P.ld_dsmem_u32(P.mapa(a, r))
     return x
 
 
@@ -150,11 +111,11 @@ def cluster_sum(a: Int32, csize: Int32, one: Int32, upto: Int32):
     tot = Int32(0)
     bef = Int32(0)
     if one != Int32(0):
-        tot = S.ld_smem_u32(a)
+        tot = P.ld_smem_u32(a)
     else:
         for r in cutlass.range_constexpr(S.LEAN_CLUSTER_MAX):
             # (rank clamped into the cluster: mapa of a rank outside it is undefined)
-            x = ld_dsmem_u32_if(S.mapa(a, cutlass.min(Int32(r), csize - Int32(1))), Int32(Int32(r) < csize))
+            x = P.ld_dsmem_u32_if(P.mapa(a, cutlass.min(Int32(r), csize - Int32(1))), Int32(Int32(r) < csize))
             tot = tot + x
             if Int32(r) < upto:
                 bef = bef + x
@@ -193,11 +154,6 @@ def fits(cols: Int32, csize: Int32) -> Int32:
     return Int32(thread_len(slice_len(cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize)) <= Int32(TMAX))
 
 
-@dsl_user_op
-def trap(*, loc=None, ip=None) -> None:
-    C._asm(None, [], "trap;", "~{memory}", loc, ip)
-
-
 def thread_len(s):
     """Tokens per thread of a slice of s tokens: ceil(s / TB) rounded up to 8 (the lean select
     takes the slice when this is at most TMAX)."""
@@ -219,7 +175,7 @@ def issue_loads(row_addr: Int64, blen: Int32, csize: Int32, me: Int32, tid, alig
     for k in cutlass.range_constexpr(NVEC):
         ok = aligned & Int32(Int32(8 * k) < ch) & Int32(t0 + Int32(8 * k + 8) <= s_buf)
         vok[k] = ok
-        a, b, c, d = ld_nc_v4_if(base + Int64(16 * k), ok)
+        a, b, c, d = P.ld_nc_v4_if(base + Int64(16 * k), ok)
         xs[4 * k] = a
         xs[4 * k + 1] = b
         xs[4 * k + 2] = c
@@ -243,12 +199,12 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     if cutlass.const_expr(mk is None):
         mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
-    cache_a = S.smem_addr(cache)
-    h1_a = S.smem_addr(hist1)
-    h2_a = S.smem_addr(hist2)
-    pub_a = S.smem_addr(pub)
-    row_a = S.smem_addr(row)
-    wt_a = S.smem_addr(wt)
+    cache_a = P.smem_addr(cache)
+    h1_a = P.smem_addr(hist1)
+    h2_a = P.smem_addr(hist2)
+    pub_a = P.smem_addr(pub)
+    row_a = P.smem_addr(row)
+    wt_a = P.smem_addr(wt)
     one = S.one_cta(csize)  # (ONE: a one-CTA cluster takes block barriers and its own memory)
     aligned = Int32((row_addr & Int64(15)) == Int64(0))
     # ---- every 16-byte load of the thread in flight before any is used (two branches, each
@@ -270,7 +226,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     if cutlass.const_expr(early is not None):
         early()
     # ---- zero the counters and the row while the loads are on their way
-    S.st_smem_v4(h1_a + tid * Int32(16), Int32(0), Int32(0), Int32(0), Int32(0))  # 4 bins each
+    P.st_smem_v4(h1_a + tid * Int32(16), Int32(0), Int32(0), Int32(0), Int32(0))  # 4 bins each
     if tid < Int32(S.NB2):
         hist2[tid] = Int32(0)
     if tid < Int32(32):
@@ -303,17 +259,17 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
                 # an unaligned row or the buffer's partial last vector: token by token
                 S.load_vec(row_addr, s0, l0 >> Int32(3), s_lim, aligned, xs, 4 * k)
             if l0 < s_buf:
-                S.st_smem_v4(cache_a + l0 * Int32(2), xs[4 * k], xs[4 * k + 1], xs[4 * k + 2],
+                P.st_smem_v4(cache_a + l0 * Int32(2), xs[4 * k], xs[4 * k + 1], xs[4 * k + 2],
                              xs[4 * k + 3])  # fmt: skip
-            tw = max_u16x2(tw, max_u16x2(max_u16x2(xs[4 * k], xs[4 * k + 1]), max_u16x2(xs[4 * k + 2], xs[4 * k + 3])))
+            tw = P.max_u16x2(tw, P.max_u16x2(P.max_u16x2(xs[4 * k], xs[4 * k + 1]), P.max_u16x2(xs[4 * k + 2], xs[4 * k + 3])))
             for p in cutlass.range_constexpr(4):
                 # every token, unconditionally: NaN / past the end (o = 0) count in bin 0, so the
                 # CTA's valid tokens are TB * ch - bin 0
-                S.red_smem_add(bin_addr(h1_a, xs[4 * k + p], False), Int32(1))
-                S.red_smem_add(bin_addr(h1_a, xs[4 * k + p], True), Int32(1))
+                P.red_smem_add(bin_addr(h1_a, xs[4 * k + p], False), Int32(1))
+                P.red_smem_add(bin_addr(h1_a, xs[4 * k + p], True), Int32(1))
     top = cute.arch.warp_redux_sync(cutlass.max(tw & Int32(0xFFFF), Int32(Uint32(tw) >> Uint32(16))), "max")
     if lane == Int32(0):
-        red_smem_max(pub_a + Int32(4 * _P_TOP), top)
+        P.red_smem_max(pub_a + Int32(4 * _P_TOP), top)
     mk(2)
     S.csync_n(True, csize)
     mk(3)
@@ -345,7 +301,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
                 cb = Int32(0)
                 ow = Int32(0)
                 if bn >= Int32(BIN_MIN):
-                    ow = S.ld_smem_u32(h1_a + bn * Int32(4))
+                    ow = P.ld_smem_u32(h1_a + bn * Int32(4))
                     if one != Int32(0):
                         c = ow
                     else:
@@ -393,19 +349,19 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
                 w = Uint32(xs[4 * k + p])
                 lo = w & Uint32(0xFFFF)
                 hi2 = w >> Uint32(16)
-                mcand = or_if_ge(mcand, lo, thr, 8 * k + 2 * p)
-                mcand = or_if_ge(mcand, hi2, thr, 8 * k + 2 * p + 1)
-                mg = or_if_ge(mg, lo, thr_g, 8 * k + 2 * p)
-                mg = or_if_ge(mg, hi2, thr_g, 8 * k + 2 * p + 1)
+                mcand = P.or_if_ge(mcand, lo, thr, 8 * k + 2 * p)
+                mcand = P.or_if_ge(mcand, hi2, thr, 8 * k + 2 * p + 1)
+                mg = P.or_if_ge(mg, lo, thr_g, 8 * k + 2 * p)
+                mg = P.or_if_ge(mg, hi2, thr_g, 8 * k + 2 * p + 1)
     meq = mcand & ~mg
     lowc = Uint64(0)
     ovf = Int32(0)
     m = meq
     while m != Uint32(0):
-        j = S.low_bit(Int32(m))
+        j = P.low_bit(Int32(m))
         m = m & (m - Uint32(1))
-        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
-        S.red_smem_add(h2_a + Int32(o & Uint32(S.NB2 - 1)) * Int32(4), Int32(1))
+        o = P.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
+        P.red_smem_add(h2_a + Int32(o & Uint32(S.NB2 - 1)) * Int32(4), Int32(1))
         sh = Uint64((o & Uint32(S.NB2 - 1)) * Uint32(2))
         if ((lowc >> sh) & Uint64(3)) == Uint64(3):
             ovf = Int32(1)
@@ -455,7 +411,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
             scal[_GTO] = u_gto
             scal[_EQO] = u_eqo
     if one == Int32(0):
-        S.cluster_arrive()  # every DSMEM load of this CTA was used above (the caller waits)
+        P.cluster_arrive()  # every DSMEM load of this CTA was used above (the caller waits)
     cute.arch.sync_threads()
     mk(8)
     v = Uint32(scal[_V])
@@ -472,9 +428,9 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     else:
         m = meq
         while m != Uint32(0):
-            j = S.low_bit(Int32(m))
+            j = P.low_bit(Int32(m))
             m = m & (m - Uint32(1))
-            o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
+            o = P.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
             ngt, neq = S.count_token(o, v, ngt, neq)
     mk(9)
     x = C.warp_incl_scan(ngt, lane)
@@ -484,8 +440,8 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
         wt[NWARPS + warp] = y
     cute.arch.sync_threads()
     for w4 in cutlass.range_constexpr(NWARPS // 4):
-        f0, f1, f2, f3 = S.ld_smem_v4(wt_a + Int32(16 * w4))
-        g0, g1, g2, g3 = S.ld_smem_v4(wt_a + Int32(4 * NWARPS + 16 * w4))
+        f0, f1, f2, f3 = P.ld_smem_v4(wt_a + Int32(16 * w4))
+        g0, g1, g2, g3 = P.ld_smem_v4(wt_a + Int32(4 * NWARPS + 16 * w4))
         for q, (wa, wb) in enumerate(((f0, g0), (f1, g1), (f2, g2), (f3, g3))):
             if Int32(4 * w4 + q) < warp:
                 x = x + wa
@@ -495,9 +451,9 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     eq_b = eqb + y - neq
     m = mcand
     while m != Uint32(0):
-        j = S.low_bit(Int32(m))
+        j = P.low_bit(Int32(m))
         m = m & (m - Uint32(1))
-        o = S.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
+        o = P.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
         gt_b, eq_b = S.emit_token(o, Uint32(s0 + t0 + j), v, gt_b, eq_b, need_eq, n, Int32(0), row_a,
                                   row, row_a)  # fmt: skip
     mk(11)

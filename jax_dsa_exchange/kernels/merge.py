@@ -33,13 +33,12 @@ import os
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, Uint64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import layout
 from . import abi
 from . import cache
 from . import common as C
+from . import ptx as P
 from . import select as S
 from .select_push import row_end
 from .select_push import smem_bytes as select_push_smem
@@ -185,44 +184,6 @@ for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
     TUNE[_k.strip()] = int(_v)
 # a normal-path skip makes the saturation test meaningless: no rescue then
 NO_RESCUE = any(TUNE[k] for k in ("noload", "nosel", "notie", "noout", "norescue"))
-
-
-@dsl_user_op
-def st_relaxed_sys(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
-    """A strong store at system scope (after a fence.acq_rel.sys: a release pattern)."""
-    C._asm(None, [Int64(addr), Int32(v)], "st.relaxed.sys.global.u32 [$0], $1;",
-           "l,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def trap(*, loc=None, ip=None) -> None:
-    C._asm(None, [], "trap;", "~{memory}", loc, ip)
-
-
-@dsl_user_op
-def ld_volatile_v2_u64(addr: Int64, *, loc=None, ip=None):
-    """One LL record (w0 | e << 32, w1 | e << 32) in one 16-byte load; each
-    8-byte half is one 64-bit element access (its tag checked separately)."""
-    st = llvm.StructType.get_literal([T.i64(), T.i64()])
-    r = llvm.inline_asm(st, [Int64(addr).ir_value(loc=loc, ip=ip)],
-                        "ld.volatile.global.v2.u64 {$0, $1}, [$2];", "=l,=l,l",
-                        has_side_effects=True, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)  # fmt: skip
-    return (Uint64(llvm.extractvalue(T.i64(), r, [0], loc=loc, ip=ip)),
-            Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
-
-
-@dsl_user_op
-def ld_volatile_v2_u64_if(addr: Int64, pred: Int32, *, loc=None, ip=None):
-    """ld_volatile_v2_u64 where ``pred`` != 0, else (0, 0) (predicated: C.ld_u32_if)."""
-    st = llvm.StructType.get_literal([T.i64(), T.i64()])
-    r = llvm.inline_asm(st, [Int64(addr).ir_value(loc=loc, ip=ip), Int32(pred).ir_value(loc=loc, ip=ip)],
-                        "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.u64 $0, 0; mov.u64 $1, 0; "
-                        "@p ld.volatile.global.v2.u64 {$0, $1}, [$2]; }", "=&l,=&l,l,r",
-                        has_side_effects=True, is_align_stack=False,
-                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)  # fmt: skip
-    return (Uint64(llvm.extractvalue(T.i64(), r, [0], loc=loc, ip=ip)),
-            Uint64(llvm.extractvalue(T.i64(), r, [1], loc=loc, ip=ip)))  # fmt: skip
 
 
 # page = (l * page_magic(B)) >> PAGE_SHIFT equals l // B for every 0 <= l < 2**17 and B >= 1:
@@ -414,9 +375,9 @@ class Merge:
         scope; the flag's value is its tag)."""
         h = Uint64(0)
         if cutlass.const_expr(flag):
-            h = Uint64(Uint32(C.ld_acquire_sys(addr))) << Uint64(32)
+            h = Uint64(Uint32(P.ld_acquire_sys(addr))) << Uint64(32)
         else:
-            h = C.ld_volatile_u64(addr)
+            h = P.ld_volatile_u64(addr)
         return h
 
     @cute.jit
@@ -427,15 +388,15 @@ class Merge:
         the whole grid wins); once status is set every wait gives up at once."""  # fmt: skip
         h = self.probe(addr, flag)
         if Int32(Uint32(h >> Uint64(32))) != want:
-            start = C.globaltimer()
+            start = P.globaltimer()
             go = Int32(1)
             while go != Int32(0):
                 h = self.probe(addr, flag)
                 if Int32(Uint32(h >> Uint64(32))) == want:
                     go = Int32(0)
-                elif C.ld_volatile_u32(status) != Uint32(layout.STATUS_OK):
+                elif P.ld_volatile_u32(status) != Uint32(layout.STATUS_OK):
                     go = Int32(0)
-                elif C.globaltimer() - start > timeout_ns:
+                elif P.globaltimer() - start > timeout_ns:
                     self.record(status, Int32(code), t, ep, q)
                     go = Int32(0)
         return h
@@ -448,16 +409,16 @@ class Merge:
         if cutlass.const_expr(wait):
             h = self.wait_tag(addr, ep, False, status, layout.STATUS_TIMEOUT_ROUND1, t, ep, q, timeout_ns)
         else:
-            h = C.ld_volatile_u64(addr)
+            h = P.ld_volatile_u64(addr)
         return Uint32(h & Uint64(0xFFFFFFFF))
 
     @cute.jit
     def record(self, status: Int64, code: Int32, t: Int32, ep: Int32, q: Int32):
-        old = C.atom_cas_u32(C.status_word(status, layout.STATUS_CODE), Int32(layout.STATUS_OK), code)
+        old = P.atom_cas_u32(C.status_word(status, layout.STATUS_CODE), Int32(layout.STATUS_OK), code)
         if old == Int32(layout.STATUS_OK):
-            C.st_volatile_u32(C.status_word(status, layout.STATUS_ROW), t)
-            C.st_volatile_u32(C.status_word(status, layout.STATUS_EPOCH), ep)
-            C.st_volatile_u32(C.status_word(status, layout.STATUS_RANK), q)
+            P.st_volatile_u32(C.status_word(status, layout.STATUS_ROW), t)
+            P.st_volatile_u32(C.status_word(status, layout.STATUS_EPOCH), ep)
+            P.st_volatile_u32(C.status_word(status, layout.STATUS_RANK), q)
 
     @cute.jit
     def ll_key(self, ll_base: Int64, q: Int32, j: Int32, ep: Int32, wait: cutlass.Constexpr,
@@ -495,8 +456,8 @@ class Merge:
             s = seg[17 + q]
             if s >= Int32(0):
                 base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
-                w = C.ld_volatile_u32(base + Int64(j) * Int64(4))
-                m = C.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
+                w = P.ld_volatile_u32(base + Int64(j) * Int64(4))
+                m = P.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
                 key = self.make_key(w, m, j, q)
             else:
                 key = self.ll_key(ll0 + Int64(q) * ll_stride, q, j, ep, False, status, t,
@@ -602,13 +563,13 @@ class Merge:
         if sel:
             pos = all_run + (excl & Int32(0xFFFF))
             if ids != Int64(0):
-                C.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(pos)) * Int64(4), g)
+                P.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(pos)) * Int64(4), g)
             if cutlass.const_expr(count_ranks):
                 cute.arch.atomic_add(sm_rcnt.iterator + q, Int32(1), sem="relaxed", scope="cta")
             if q == rank:
                 kpos = own_run + (excl >> Int32(16))
                 slot = self.kv_slot(g // Int32(self.world), bt_row, req_ok, bt_cols, block_size)
-                C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(kpos)) * Int64(4), slot)
+                P.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(kpos)) * Int64(4), slot)
         return all_run + (tot & Int32(0xFFFF)), own_run + (tot >> Int32(16))
 
     @cute.jit
@@ -632,7 +593,7 @@ class Merge:
         if req_ok != Int32(0):
             page = self.page_of(lidx, block_size)
             if page < bt_cols:
-                blk = C.ld_u32(bt_row + Int64(page) * Int64(4))
+                blk = P.ld_u32(bt_row + Int64(page) * Int64(4))
                 slot = blk * block_size + (lidx - page * block_size)
         return slot
 
@@ -667,12 +628,12 @@ class Merge:
                 kv_rows, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
         # -1 padding (all_run, own_run are uniform: they come from block totals)
         for i in cutlass.range(own_run + tid, self.topk, C.TB, unroll=1):
-            C.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
+            P.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
         if ids != Int64(0):
             for i in cutlass.range(all_run + tid, self.topk, C.TB, unroll=1):
-                C.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
+                P.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
         if tid == Int32(0):
-            C.st_u32(counts + Int64(t) * Int64(4), own_run)
+            P.st_u32(counts + Int64(t) * Int64(4), own_run)
         cute.arch.sync_threads()
 
     # ------------------------------------------------------ fast path
@@ -770,7 +731,7 @@ class Merge:
     def mask_half(self, vm: Int32, ll0: Int64, ll_stride: Int64) -> Uint64:
         """The LL half (word, tag) of the mask word that holds bit 16 of l for position vm."""
         q, j = self.owner(vm, False, None)
-        return C.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride, Int32(self.n) + (j >> Int32(5))))
+        return P.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride, Int32(self.n) + (j >> Int32(5))))
 
     @cute.jit
     def load_r1_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, ll0: Int64,
@@ -808,7 +769,7 @@ class Merge:
                     d0[k] = good
                     d1[k] = good
                     if v < Int32(self.nk1):
-                        a, c = ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp))
+                        a, c = P.ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp))
                         d0[k] = a
                         d1[k] = c
             # One test of every tag of the batch; the waits (spin code per half) sit behind one
@@ -875,16 +836,16 @@ class Merge:
         timeout (from the first poll) is recorded here, for the owner of a half still stale;
         once the status is set (here or by another wait) it returns with bad != 0 and the
         per-half waits after it give up at once."""
-        start = C.globaltimer()
+        start = P.globaltimer()
         bad = Int32(1)
         go = Int32(1)
         while go != Int32(0):
-            stw = C.ld_volatile_u32(status)
+            stw = P.ld_volatile_u32(status)
             qbad = Int32(-1)
             if cutlass.const_expr(b0 == 0):
                 sm_ = Int32(Int32(Uint32(mh >> Uint64(32))) != ep)
                 qm, jm = self.owner(vm, False, None)
-                nm = C.ld_volatile_u64_if(self.ll_word_addr(ll0 + Int64(qm) * ll_stride,
+                nm = P.ld_volatile_u64_if(self.ll_word_addr(ll0 + Int64(qm) * ll_stride,
                                                             Int32(self.n) + (jm >> Int32(5))), sm_)  # fmt: skip
                 if sm_ != Int32(0):
                     mh = nm
@@ -894,8 +855,8 @@ class Merge:
                     a0 = self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp)
                     s0 = Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep)
                     s1 = Int32(Int32(Uint32(d1[k] >> Uint64(32))) != ep)
-                    n0 = C.ld_volatile_u64_if(a0, s0)
-                    n1 = C.ld_volatile_u64_if(a0 + Int64(layout.LL_HALF_BYTES), s1)
+                    n0 = P.ld_volatile_u64_if(a0, s0)
+                    n1 = P.ld_volatile_u64_if(a0 + Int64(layout.LL_HALF_BYTES), s1)
                     if s0 != Int32(0):
                         d0[k] = n0
                     if s1 != Int32(0):
@@ -917,7 +878,7 @@ class Merge:
                 go = Int32(0)
             elif stw != Uint32(layout.STATUS_OK):
                 go = Int32(0)
-            elif C.globaltimer() - start > timeout_ns:
+            elif P.globaltimer() - start > timeout_ns:
                 self.record(status, Int32(layout.STATUS_TIMEOUT_ROUND1), t, ep, qbad)
                 go = Int32(0)
         return mh, bad
@@ -948,7 +909,7 @@ class Merge:
         nk = seg[self.world]
         hbits = Uint32(0)
         for i in cutlass.range_constexpr(kp // 2):
-            # no branch per pair: both sources' loads predicated (C.ld_u32_if), so every
+            # no branch per pair: both sources' loads predicated (P.ld_u32_if), so every
             # pair's loads are in flight together
             v = self.pair_pos(i, kp, lane, warp)
             inr = Int32(v < nk)
@@ -959,10 +920,10 @@ class Merge:
             pl = inr & Int32(s < Int32(0))  # else its round-1 LL list (tags checked in round 1)
             rbase = resc0 + Int64(cutlass.max(s, Int32(0))) * Int64(self.rescue_row_bytes)
             lbase = ll0 + Int64(q) * ll_stride
-            d = C.ld_volatile_u64_if(rbase + Int64(j) * Int64(4), pr)
-            mr = C.ld_volatile_u32_if(rbase + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4), pr)
-            a, c = ld_volatile_v2_u64_if(self.ll_word_addr(lbase, j), pl)
-            ml = Uint32(C.ld_volatile_u64_if(self.ll_word_addr(lbase, Int32(self.n) + (j >> Int32(5))), pl)
+            d = P.ld_volatile_u64_if(rbase + Int64(j) * Int64(4), pr)
+            mr = P.ld_volatile_u32_if(rbase + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4), pr)
+            a, c = P.ld_volatile_v2_u64_if(self.ll_word_addr(lbase, j), pl)
+            ml = Uint32(P.ld_volatile_u64_if(self.ll_word_addr(lbase, Int32(self.n) + (j >> Int32(5))), pl)
                         & Uint64(0xFFFFFFFF))  # fmt: skip
             # (a predicated-off load leaves 0, so the two sources can be or-ed)
             w0 = Uint32(d & Uint64(0xFFFFFFFF)) | Uint32(a & Uint64(0xFFFFFFFF))
@@ -1065,11 +1026,11 @@ class Merge:
         for ip in cutlass.range_constexpr(kp // 2):
             q, j = self.owner(self.pos1(ip, kp, lane, warp), False, None)
             for h in cutlass.range_constexpr(2):
-                # no branch: predicated loads, all in flight together (C.ld_u32_if)
+                # no branch: predicated loads, all in flight together (P.ld_u32_if)
                 i = 2 * ip + h
                 page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
                 ok = Int32(q == rank) & Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
-                btp[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
+                btp[i] = P.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
 
     @cute.jit
     def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, lane, warp,
@@ -1089,7 +1050,7 @@ class Merge:
                     i = 2 * ip + h  # predicated loads, in flight together (prefetch_bt)
                     page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
                     ok = Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
-                    btv[i] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
+                    btv[i] = P.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
         for ip in cutlass.range_constexpr(kp // 2):
             q, j = self.owner(self.pos1(ip, kp, lane, warp), False, None)
             if q == rank:
@@ -1207,12 +1168,12 @@ class Merge:
         lo = Int32(0)
         hi = Int32(0)
         if cutlass.const_expr(cl):
-            S.cluster_sync_local()
+            P.cluster_sync_local()
             self.mk(4)
-            st_a = S.smem_addr(st) + slot * Int32(16)
+            st_a = P.smem_addr(st) + slot * Int32(16)
             lo = Int32(0xFFFF)
             for r in cutlass.range_constexpr(self.clus):
-                a, b, c, _ = S.ld_dsmem_v4(S.mapa(st_a, Int32(r)))
+                a, b, c, _ = P.ld_dsmem_v4(P.mapa(st_a, Int32(r)))
                 tot = tot + a
                 hi = cutlass.max(hi, b)
                 lo = cutlass.min(lo, c)
@@ -1233,15 +1194,15 @@ class Merge:
         bin there."""
         if cutlass.const_expr(cl):
             hs = sm.hs
-            S.cluster_sync_local()
-            h_a = S.smem_addr(hist) + tid * Int32(16)
+            P.cluster_sync_local()
+            h_a = P.smem_addr(hist) + tid * Int32(16)
             if tid < Int32(nb // 4):
                 g0 = Int32(0)
                 g1 = Int32(0)
                 g2 = Int32(0)
                 g3 = Int32(0)
                 for r in cutlass.range_constexpr(self.clus):
-                    a, b, c, d = S.ld_dsmem_v4(S.mapa(h_a, Int32(r)))
+                    a, b, c, d = P.ld_dsmem_v4(P.mapa(h_a, Int32(r)))
                     g0 = g0 + a
                     g1 = g1 + b
                     g2 = g2 + c
@@ -1263,16 +1224,16 @@ class Merge:
         stats slot word 3) gathered into this CTA's he after a cluster barrier (which
         replaces the block barrier after the local gather); returns he."""
         he = sm.he
-        S.cluster_sync_local()
-        st_a = S.smem_addr(sm.st) + slot * Int32(16) + Int32(12)
-        e_a = S.smem_addr(eqb)
+        P.cluster_sync_local()
+        st_a = P.smem_addr(sm.st) + slot * Int32(16) + Int32(12)
+        e_a = P.smem_addr(eqb)
         if tid < m:
             off = Int32(0)
             val = Int32(0)
             for r in cutlass.range_constexpr(self.clus):
-                c = S.ld_dsmem_u32(S.mapa(st_a, Int32(r)))
+                c = P.ld_dsmem_u32(P.mapa(st_a, Int32(r)))
                 if tid >= off and tid < off + c:
-                    val = S.ld_dsmem_u32(S.mapa(e_a + (tid - off) * Int32(4), Int32(r)))
+                    val = P.ld_dsmem_u32(P.mapa(e_a + (tid - off) * Int32(4), Int32(r)))
                 off = off + c
             he[tid] = val
         cute.arch.sync_threads()
@@ -1298,22 +1259,22 @@ class Merge:
         if tid == Int32(0):
             xc[0] = tot & Int32(0xFFFF)
             xc[15] = flag
-        S.cluster_sync_local()
-        xa = S.smem_addr(xc)
+        P.cluster_sync_local()
+        xa = P.smem_addr(xc)
         base = Int32(0)
         allr = Int32(0)
         for r in cutlass.range_constexpr(self.clus):
-            x = S.ld_dsmem_u32(S.mapa(xa, Int32(r)))
+            x = P.ld_dsmem_u32(P.mapa(xa, Int32(r)))
             allr = allr + x
             if Int32(r) < self.crank:
                 base = base + x
-        own = S.ld_dsmem_u32(S.mapa(xa + (Int32(1) + rank % Int32(npc)) * Int32(4), rank // Int32(npc)))
+        own = P.ld_dsmem_u32(P.mapa(xa + (Int32(1) + rank % Int32(npc)) * Int32(4), rank // Int32(npc)))
         if tid < Int32(self.world):
-            rcnt[tid] = S.ld_dsmem_u32(S.mapa(xa + (Int32(1) + tid % Int32(npc)) * Int32(4), tid // Int32(npc)))
+            rcnt[tid] = P.ld_dsmem_u32(P.mapa(xa + (Int32(1) + tid % Int32(npc)) * Int32(4), tid // Int32(npc)))
         if tid == Int32(0):
             f = Int32(0)
             for r in cutlass.range_constexpr(self.clus):
-                f = f | S.ld_dsmem_u32(S.mapa(xa + Int32(60), Int32(r)))
+                f = f | P.ld_dsmem_u32(P.mapa(xa + Int32(60), Int32(r)))
             sc[7] = f
         return base, allr, own
 
@@ -1383,24 +1344,24 @@ class Merge:
                 # every wait of this CTA is over (the barrier above): its status word, in flight
                 # during the select, published with the counts (clus_totals)
                 if tid == Int32(0):
-                    sw0 = C.ld_volatile_u32(status)
+                    sw0 = P.ld_volatile_u32(status)
                     if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
                         fl = Int32(1)
             if total >= Int32(K):
                 shift = Int32(0)
                 while (rng >> shift) >= Int32(SCORE_BINS):
                     shift = shift + Int32(1)
-                fh_a = S.smem_addr(fh)
+                fh_a = P.smem_addr(fh)
                 for i in cutlass.range_constexpr(kp):
                     sv = Int32(words[i] >> Uint32(16))
                     if cutlass.const_expr(kp > BRANCH_FREE_KP):
                         if sv != Int32(0):
-                            S.red_smem_add(fh_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
+                            P.red_smem_add(fh_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
                     else:
                         b_ = Int32(FH_DUMMY)
                         if sv != Int32(0):
                             b_ = (sv - lo) >> shift
-                        S.red_smem_add(fh_a + b_ * Int32(4), Int32(1))  # unconditional (see the stats)
+                        P.red_smem_add(fh_a + b_ * Int32(4), Int32(1))  # unconditional (see the stats)
                 self.find_bin_x(fh, SCORE_BINS, Int32(K), tid, lane, warp, sc, 0, cl, sm)
                 self.mk(5)
                 b = sc[0]
@@ -1430,7 +1391,7 @@ class Merge:
         stw = Uint32(0)
         if cutlass.const_expr(not round2 and not cl):
             if tid == Int32(0):
-                stw = C.ld_volatile_u32(status)
+                stw = P.ld_volatile_u32(status)
         all_run = Int32(0)
         own_run = Int32(0)
         if cutlass.const_expr(not TUNE["noout"]):  # (noout: timing only)
@@ -1526,14 +1487,14 @@ class Merge:
                         rlidx = Int32(Uint32(0xFFFF) - (rw & Uint32(0xFFFF))) | (
                             Int32((hbits >> Uint32(ri)) & Uint32(1)) << Int32(16))
                         rg = rlidx * Int32(self.world) + rq
-                        C.st_u32_if(ids + (trow + Int64(rpos)) * Int64(4), rg, rsel & ids_on)
+                        P.st_u32_if(ids + (trow + Int64(rpos)) * Int64(4), rg, rsel & ids_on)
                         rpos = rpos + rsel
                         rown = rsel & Int32(rq == rank)
                         rpage = self.page_of(rlidx, block_size)
                         rslot = sm.buf[rj + Int32(h)] * block_size + (rlidx - rpage * block_size)
                         if req_ok == Int32(0) or rpage >= bt_cols:
                             rslot = Int32(-1)
-                        C.st_u32_if(kv_rows + (trow + Int64(rkpos)) * Int64(4), rslot, rown)
+                        P.st_u32_if(kv_rows + (trow + Int64(rkpos)) * Int64(4), rslot, rown)
                         rkpos = rkpos + rown
             tpos = Int32(0)  # (runs) the next output positions of this thread's run
             tkpos = Int32(0)
@@ -1564,7 +1525,7 @@ class Merge:
                         page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
                         ok = (Int32((selm >> Uint32(i)) & Uint32(1)) & Int32(q == rank) & req_ok
                               & Int32(page < bt_cols))  # fmt: skip
-                        blks[k] = C.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
+                        blks[k] = P.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
                 for kk in cutlass.range_constexpr(4):
                     ip = b0 + kk
                     if cutlass.const_expr(ip < kp // 2):
@@ -1587,14 +1548,14 @@ class Merge:
                                 lidx = self.lidx_of(words[i], hbits, i)
                                 g = lidx * Int32(self.world) + q
                                 if ids != Int64(0):
-                                    C.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
+                                    P.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
                                 pos = pos + Int32(1)
                                 if q == rank:
                                     page = self.page_of(lidx, block_size)
                                     slot_ = Int32(-1)
                                     if req_ok != Int32(0) and page < bt_cols:
                                         slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                                    C.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
+                                    P.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
                                     kpos = kpos + Int32(1)
                         for h in cutlass.range_constexpr(0 if kp > BRANCH_FREE_KP else 2):
                             # predicated stores, no branch per key (as the selection)
@@ -1605,14 +1566,14 @@ class Merge:
                             sel = Int32((selm >> Uint32(i)) & Uint32(1))
                             lidx = self.lidx_of(words[i], hbits, i)
                             g = lidx * Int32(self.world) + q
-                            C.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
+                            P.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
                             pos = pos + sel
                             own = sel & Int32(q == rank)
                             page = self.page_of(lidx, block_size)
                             slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
                             if req_ok == Int32(0) or page >= bt_cols:
                                 slot_ = Int32(-1)
-                            C.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
+                            P.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
                             kpos = kpos + own
                         if cutlass.const_expr(rn):
                             tpos = pos
@@ -1623,10 +1584,10 @@ class Merge:
             if tid == Int32(0):
                 pref[self.world] = all_run
                 if self.crank == Int32(0):
-                    C.st_u32(counts + Int64(t) * Int64(4), own_run)
+                    P.st_u32(counts + Int64(t) * Int64(4), own_run)
         elif tid == Int32(0):
             pref[self.world] = all_run
-            C.st_u32(counts + Int64(t) * Int64(4), own_run)
+            P.st_u32(counts + Int64(t) * Int64(4), own_run)
             if cutlass.const_expr(not round2):
                 sc[7] = Int32(0)
                 if stw == Uint32(layout.STATUS_TIMEOUT_ROUND1) or stw == Uint32(layout.STATUS_TIMEOUT_RESCUE):
@@ -1639,10 +1600,10 @@ class Merge:
                 p0 = self.crank * Int32(C.TB) + tid
                 pstep = C.TB * self.clus
             for i in cutlass.range(own_run + p0, K, pstep, unroll=1):
-                C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
+                P.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
             if ids != Int64(0):
                 for i in cutlass.range(all_run + p0, K, pstep, unroll=1):
-                    C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+                    P.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
         cute.arch.sync_threads()
         self.mk(10)
         return T
@@ -1705,13 +1666,13 @@ class Merge:
         TB = C.TB
         gmax = Int32((1 << G) - 1)
         nk = seg[W]
-        ah = S.smem_addr(sm.sel.hist1) + tid * Int32(8)
-        am = S.smem_addr(sm.sel.mask) + tid * Int32(8) - Int32(R2_H * 8 * TB)
-        ax = S.smem_addr(sm.stage2) + tid * Int32(8) - Int32((R2_H + R2_M) * 8 * TB)
+        ah = P.smem_addr(sm.sel.hist1) + tid * Int32(8)
+        am = P.smem_addr(sm.sel.mask) + tid * Int32(8) - Int32(R2_H * 8 * TB)
+        ax = P.smem_addr(sm.stage2) + tid * Int32(8) - Int32((R2_H + R2_M) * 8 * TB)
         d1 = am - ax
         d2 = ah - am
-        ma = S.smem_addr(sm.r2m)
-        buf_a = S.smem_addr(sm.buf)
+        ma = P.smem_addr(sm.r2m)
+        buf_a = P.smem_addr(sm.buf)
         self.mk(2)  # (a rescue's marks 2-10 are round 2's: 2 the select, push and flags done)
         segr = cute.make_rmem_tensor((W,), Int32)
         for r in cutlass.range_constexpr(W):
@@ -1724,7 +1685,7 @@ class Merge:
             src = C.ll_word_addr(ll0 + Int64(q) * ll_stride, Int32(self.n) + jm)
             if s >= Int32(0):
                 src = resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(Int32(K) + jm) * Int64(4)
-            S.cp_async(ma + u * Int32(4), src, 4)
+            P.cp_async(ma + u * Int32(4), src, 4)
         qb0 = Uint32(0)
         qb1 = Uint32(0)
         for p in cutlass.range(npair, unroll=U):
@@ -1736,19 +1697,19 @@ class Merge:
                 j = v - seg[q]
                 s = seg[17 + q]
                 if s >= Int32(0):  # a rescued rank: its K-list, plain words
-                    S.cp_async(dst, resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(j) * Int64(4), 8)
+                    P.cp_async(dst, resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(j) * Int64(4), 8)
                 else:  # its round-1 LL list (tags checked in round 1): each record's two words
                     a = C.ll_word_addr(ll0 + Int64(q) * ll_stride, j)
-                    S.cp_async(dst, a, 4)
-                    S.cp_async(dst + Int32(4), a + Int64(layout.LL_HALF_BYTES), 4)
+                    P.cp_async(dst, a, 4)
+                    P.cp_async(dst + Int32(4), a + Int64(layout.LL_HALF_BYTES), 4)
             else:
-                S.st_smem_v2(dst, Int32(0), Int32(0))
+                P.st_smem_v2(dst, Int32(0), Int32(0))
             qs = Uint32(q) << (Uint32(p & Int32(7)) * Uint32(4))
             if p < Int32(8):
                 qb0 = qb0 | qs
             else:
                 qb1 = qb1 | qs
-        S.cp_async_wait_all()
+        P.cp_async_wait_all()
         cute.arch.sync_threads()
         self.mk(3)
         # ---- bit 16 of each l; this rank's block-table entries (copies in flight during
@@ -1760,8 +1721,8 @@ class Merge:
         nmw = (nk + Int32(31)) >> Int32(5)
         for p in cutlass.range(npair, unroll=U):
             v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
-            m = Uint32(S.ld_smem_u32(ma + cutlass.min(v >> Int32(5), nmw - Int32(1)) * Int32(4)))
-            w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+            m = Uint32(P.ld_smem_u32(ma + cutlass.min(v >> Int32(5), nmw - Int32(1)) * Int32(4)))
+            w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
             hp = (m >> Uint32(v & Int32(31))) & Uint32(3)
             if v >= nk:
                 hp = Uint32(0)
@@ -1777,7 +1738,7 @@ class Merge:
                 lidx = Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hp >> Uint32(h)) & Uint32(1)) << Int32(16))
                 page = self.page_of(lidx, block_size)
                 if q == rank and nz != Int32(0) and req_ok != Int32(0) and page < bt_cols:
-                    S.cp_async(buf_a + (v - seg[q] + Int32(h)) * Int32(4), bt_row + Int64(page) * Int64(4), 4)
+                    P.cp_async(buf_a + (v - seg[q] + Int32(h)) * Int32(4), bt_row + Int64(page) * Int64(4), 4)
         total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane)
         vth = Int32(0)  # boundary score (0: fewer than K keys, every one selected)
         gT = Int32(-1)  # largest selected g at score vth
@@ -1785,15 +1746,15 @@ class Merge:
             shift = Int32(0)
             while (rng >> shift) >= Int32(SCORE_BINS):
                 shift = shift + Int32(1)
-            fh_a = S.smem_addr(fh)
+            fh_a = P.smem_addr(fh)
             for p in cutlass.range(npair, unroll=U):
-                w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                 for h in cutlass.range_constexpr(2):
                     sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
                     b_ = Int32(FH_DUMMY)
                     if sv != Int32(0):
                         b_ = (sv - lo) >> shift
-                    S.red_smem_add(fh_a + b_ * Int32(4), Int32(1))
+                    P.red_smem_add(fh_a + b_ * Int32(4), Int32(1))
             self.cta_find_bin(fh, SCORE_BINS, Int32(K), lane, warp, sc, 0)
             self.mk(5)
             b = sc[0]
@@ -1803,7 +1764,7 @@ class Merge:
             if shift > Int32(0):
                 low = (Int32(1) << shift) - Int32(1)
                 for p in cutlass.range(npair, unroll=U):
-                    w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                    w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                     for h in cutlass.range_constexpr(2):
                         sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
                         if sv != Int32(0) and ((sv - lo) >> shift) == b:
@@ -1824,13 +1785,13 @@ class Merge:
             elif m <= Int32(EQ_MAX):
                 c = Int32(0)
                 for p in cutlass.range(npair, unroll=U):
-                    w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                    w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                     c = c + Int32(Int32(Uint32(w0) >> Uint32(16)) == vth) + Int32(Int32(Uint32(w1) >> Uint32(16)) == vth)
                 if c != Int32(0):
                     pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
                                                scope="cta")  # fmt: skip
                     for p in cutlass.range(npair, unroll=U):
-                        w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                        w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                         q = self.r2_q(p, qb0, qb1)
                         for h in cutlass.range_constexpr(2):
                             w = Uint32((w0, w1)[h])
@@ -1847,7 +1808,7 @@ class Merge:
                     lo_ = (G - 10, G - 16, 0)[d]
                     hist = (fg, fg2, fg3)[d]
                     for p in cutlass.range(npair, unroll=U):
-                        w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+                        w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                         q = self.r2_q(p, qb0, qb1)
                         for h in cutlass.range_constexpr(2):
                             w = Uint32((w0, w1)[h])
@@ -1867,7 +1828,7 @@ class Merge:
         lt = cute.arch.lanemask_lt()
         run = Int32(0)
         for p in cutlass.range(npair, unroll=U):
-            w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+            w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
             q = self.r2_q(p, qb0, qb1)
             sp = Uint32(0)
             for h in cutlass.range_constexpr(2):
@@ -1881,7 +1842,7 @@ class Merge:
             run = run + c2
         if lane == Int32(0):
             wt[warp] = run
-        S.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
+        P.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
         cute.arch.sync_threads()
         self.mk(8)
         wbase, tot = self.warp_prefix(wt, warp)
@@ -1902,30 +1863,30 @@ class Merge:
             wbase = wbase + c2
             pos = e & Int32(0xFFFF)
             kpos = e >> Int32(16)
-            w0, w1 = S.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-            bt0, bt1 = S.ld_smem_v2(buf_a + j * Int32(4))
+            w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+            bt0, bt1 = P.ld_smem_v2(buf_a + j * Int32(4))
             for h in cutlass.range_constexpr(2):
                 w = Uint32((w0, w1)[h])
                 sel = Int32((sp >> Uint32(h)) & Uint32(1))
                 lidx = self.lidx_at(w, hbits, Int32(2) * p + Int32(h))
-                C.st_u32_if(ids + (trow + Int64(pos)) * Int64(4), lidx * Int32(W) + q, sel & ids_on)
+                P.st_u32_if(ids + (trow + Int64(pos)) * Int64(4), lidx * Int32(W) + q, sel & ids_on)
                 pos = pos + sel
                 own = sel & Int32(q == rank)
                 page = self.page_of(lidx, block_size)
                 slot_ = (bt0, bt1)[h] * block_size + (lidx - page * block_size)
                 if req_ok == Int32(0) or page >= bt_cols:
                     slot_ = Int32(-1)
-                C.st_u32_if(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_, own)
+                P.st_u32_if(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_, own)
                 kpos = kpos + own
         self.mk(9)
         if tid == Int32(0):
             pref[W] = all_run
-            C.st_u32(counts + Int64(t) * Int64(4), own_run)
+            P.st_u32(counts + Int64(t) * Int64(4), own_run)
         for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
-            C.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
+            P.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
         if ids != Int64(0):
             for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
-                C.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+                P.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
         cute.arch.sync_threads()
         self.mk(10)
 
@@ -1951,7 +1912,7 @@ class Merge:
         t = Int32(bid)
         if cutlass.const_expr(self.clus > 1):
             if cute.arch.cluster_size() != Int32(self.clus):
-                trap()  # launched without its cluster: DSMEM would address CTAs that do not exist
+                P.trap()  # launched without its cluster: DSMEM would address CTAs that do not exist
             self.crank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
             self.cbase = self.crank * Int32(self.cp)
             t = cute.arch.cluster_idx()[0]
@@ -1983,10 +1944,10 @@ class Merge:
         # epochs are loaded one row ahead.  Only this CTA touches its rows' epochs.
         epn = Int32(0)
         if t < rows:
-            epn = C.ld_u32(C.state_epoch(state, max_rows, t))
+            epn = P.ld_u32(C.state_epoch(state, max_rows, t))
         # A failed or closed exchange (status set before this launch) does no exchange
         # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
-        stw0 = C.ld_volatile_u32(status)
+        stw0 = P.ld_volatile_u32(status)
         if cutlass.const_expr(self.clus > 1):
             # CTA 0's word for the whole cluster (the CTAs must agree: each passes the same
             # cluster barriers); this barrier also has every CTA of the cluster running before
@@ -1994,8 +1955,8 @@ class Merge:
             sm_xc = sm.xc
             if tid == Int32(0):
                 sm_xc[14] = Int32(stw0)
-            S.cluster_sync_local()
-            stw0 = Uint32(S.ld_dsmem_u32(S.mapa(S.smem_addr(sm_xc) + Int32(56), Int32(0))))
+            P.cluster_sync_local()
+            stw0 = Uint32(P.ld_dsmem_u32(P.mapa(P.smem_addr(sm_xc) + Int32(56), Int32(0))))
         # page_of's multiplier: one 64-bit division per launch, while the loads above are in
         # flight (block_size < 1 never reaches a lookup: req_ok is 0 then)
         self.pdiv = (Uint64(1) << Uint64(PAGE_SHIFT)) // Uint64(cutlass.max(block_size, Int32(1))) + Uint64(1)
@@ -2010,12 +1971,12 @@ class Merge:
                 t = t + Int32(nstep)
         while t < rows:
             ep = epn + Int32(1)
-            seq = C.ld_u32(C.state_seq(state, max_rows, t))
+            seq = P.ld_u32(C.state_seq(state, max_rows, t))
             # LL row [parity, 0, t] (layout.ll_row_offset, factored: ll_stride steps the source)
             ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)
             # rescue row [t, 0] (layout.rescue_row_offset with slot 0)
             resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rescue_row_bytes)
-            req = C.ld_u32(req_id + Int64(t) * Int64(4))
+            req = P.ld_u32(req_id + Int64(t) * Int64(4))
             req_ok = Int32(0)
             bt_row = block_table
             if req >= Int32(0) and req < bt_rows and block_size > Int32(0):
@@ -2087,7 +2048,7 @@ class Merge:
                 # first orders the other CTAs' round-1 stores before its stores.  The others go
                 # on to their next row (their next cluster barrier waits for CTA 0).
                 if mask != Int32(0) or sm.sc[7] != Int32(0):
-                    S.cluster_sync()
+                    P.cluster_sync()
                 if self.crank == Int32(0):
                     if mask == Int32(0):
                         epn, last_f = self.row_epilogue(t, ep, mask, True, epn, nstep, rows, state, max_rows,
@@ -2103,11 +2064,11 @@ class Merge:
                                     bt_row, req_ok, bt_cols, block_size, keys, words, hb,
                                     slot1 + Int32(1), state)  # fmt: skip
                         if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
-                            C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
+                            P.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
                         epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nstep, rows, state, max_rows,
                                                         saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
                 elif t + Int32(nstep) < rows:
-                    epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nstep)))
+                    epn = P.ld_u32(C.state_epoch(state, max_rows, t + Int32(nstep)))
             elif cutlass.const_expr(not self.end_first):
                 if mask != Int32(0):
                     self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
@@ -2116,7 +2077,7 @@ class Merge:
                                 bt_row, req_ok, bt_cols, block_size, keys, words, hb,
                                 slot1 + Int32(1), state)  # fmt: skip
                     if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
-                        C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
+                        P.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
                 epn, last_f = self.row_epilogue(t, ep, mask, None, epn, nstep, rows, state, max_rows,
                                                 saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
             else:
@@ -2139,7 +2100,7 @@ class Merge:
                                 bt_row, req_ok, bt_cols, block_size, keys, words, hb,
                                 slot1 + Int32(1), state)  # fmt: skip
                     if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
-                        C.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
+                        P.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
                     epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nstep, rows, state, max_rows,
                                                     saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
             t = t + Int32(nstep)
@@ -2149,8 +2110,8 @@ class Merge:
                         host_status, ids, bid)  # fmt: skip
         if cutlass.const_expr(self.clus > 1):
             # no CTA leaves while another may still read its shared memory
-            S.cluster_arrive()
-            S.cluster_wait()
+            P.cluster_arrive()
+            P.cluster_wait()
 
     @cute.jit
     def finish(self, refused: Int32, last_f: Int32, rowi: Int32, status: Int64, sm_seg: cute.Tensor,
@@ -2165,7 +2126,7 @@ class Merge:
             # complete: pdl_wait above, or below when this CTA had no row).
             # A CTA that merged rows reuses its last row's check: status never clears
             # within a launch, and the CTA whose wait failed sees it (withdraw is idempotent).
-            C.pdl_wait()
+            P.pdl_wait()
             fe = last_f
             if cutlass.const_expr(self.clus > 1):
                 # (the other CTAs of a cluster end no row: they read the status here)
@@ -2202,12 +2163,12 @@ class Merge:
         epoch, the failure flag)."""
         if saturated != Int64(0):
             if tid == Int32(0):
-                C.st_u32(saturated + Int64(t) * Int64(4), mask)
+                P.st_u32(saturated + Int64(t) * Int64(4), mask)
         if t + Int32(nblk) < rows:
-            epn = C.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
+            epn = P.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
         # ---- every word of the row was read; the producer grid is done
         self.mk(12)
-        C.pdl_wait()
+        P.pdl_wait()
         self.mk(13)
         # A failure anywhere in the grid (status set) voids this row: waits that gave
         # up read stale words, so the row gets empty outputs, never a guess.
@@ -2225,7 +2186,7 @@ class Merge:
         if f != Int32(0):
             self.empty_row(t, tid, kv_rows, counts, ids, saturated)
         if tid == Int32(0):
-            C.st_u32(C.state_epoch(state, max_rows, t), ep)
+            P.st_u32(C.state_epoch(state, max_rows, t), ep)
         self.mk(14)  # (here: before a launch's end that follows a last row)
         return epn, f
 
@@ -2235,17 +2196,17 @@ class Merge:
         reader that sees the code sees the rest)."""
         for i in cutlass.range_constexpr(layout.STATUS_REPORT_WORDS):
             if cutlass.const_expr(i != layout.STATUS_CODE):
-                C.st_volatile_u32(host_status + Int64(4 * i), Int32(C.ld_volatile_u32(C.status_word(status, i))))
-        C.fence_sys()
-        C.st_volatile_u32(host_status + Int64(4 * layout.STATUS_CODE),
-                          Int32(C.ld_volatile_u32(C.status_word(status, layout.STATUS_CODE))))
+                P.st_volatile_u32(host_status + Int64(4 * i), Int32(P.ld_volatile_u32(C.status_word(status, i))))
+        P.fence_sys()
+        P.st_volatile_u32(host_status + Int64(4 * layout.STATUS_CODE),
+                          Int32(P.ld_volatile_u32(C.status_word(status, layout.STATUS_CODE))))
 
     @cute.jit
     def failed(self, status: Int64, sm_seg: cute.Tensor, tid: Int32) -> Int32:
         """CTA-uniform: 1 when a timeout was recorded (status 1 or 2)."""
         cute.arch.sync_threads()
         if tid == Int32(0):
-            code = Int32(C.ld_volatile_u32(status))
+            code = Int32(P.ld_volatile_u32(status))
             sm_seg[47] = Int32(0)
             if code == Int32(layout.STATUS_TIMEOUT_ROUND1) or code == Int32(layout.STATUS_TIMEOUT_RESCUE):
                 sm_seg[47] = Int32(1)
@@ -2258,13 +2219,13 @@ class Merge:
         in every rank's buffer, with a tag 2^31 away from the row's epoch: no reader
         within 2^31 calls accepts it (idempotent: every failed CTA may do it)."""
         for p in cutlass.range(self.world, unroll=1):
-            base = C.ld_u64(peers + Int64(p) * Int64(8))
+            base = P.ld_u64(peers + Int64(p) * Int64(8))
             for i in cutlass.range(tid, Int32(2) * max_rows, C.TB, unroll=1):
                 par = i // max_rows
                 r = i - par * max_rows
-                bad = C.ld_u32(C.state_epoch(state, max_rows, r)) ^ Int32(-(2**31))
+                bad = P.ld_u32(C.state_epoch(state, max_rows, r)) ^ Int32(-(2**31))
                 off = C.ll_row_offset(par, rank, r, self.world, max_rows, self.ll_row_bytes)
-                C.st_ll_v4(base + off, Int32(0), bad, Int32(0))
+                P.st_ll_v4(base + off, Int32(0), bad, Int32(0))
 
     @cute.jit
     def empty_row(self, t: Int32, tid: Int32, kv_rows: Int64, counts: Int64, ids: Int64,
@@ -2272,13 +2233,13 @@ class Merge:
         """Outputs of a row the exchange refused: nothing selected."""
         base = Int64(t) * Int64(self.topk) * Int64(4)
         for i in cutlass.range(tid, self.topk, C.TB, unroll=1):
-            C.st_u32(kv_rows + base + Int64(i) * Int64(4), Int32(-1))
+            P.st_u32(kv_rows + base + Int64(i) * Int64(4), Int32(-1))
             if ids != Int64(0):
-                C.st_u32(ids + base + Int64(i) * Int64(4), Int32(-1))
+                P.st_u32(ids + base + Int64(i) * Int64(4), Int32(-1))
         if tid == Int32(0):
-            C.st_u32(counts + Int64(t) * Int64(4), Int32(0))
+            P.st_u32(counts + Int64(t) * Int64(4), Int32(0))
             if saturated != Int64(0):
-                C.st_u32(saturated + Int64(t) * Int64(4), Int32(0))
+                P.st_u32(saturated + Int64(t) * Int64(4), Int32(0))
 
     @cute.jit
     def rescue(self, mask: Int32, nsat: Int32, sm: MergeSmem, tid, lane, warp, peers: Int64,
@@ -2296,7 +2257,7 @@ class Merge:
         if ((mask >> rank) & Int32(1)) != Int32(0):
             # This rank is saturated: its local top-K from its logits (which
             # the kernel before the producer wrote: wait for the grid chain).
-            C.pdl_wait()
+            P.pdl_wait()
             klist = Int64(0)  # (rescue_list) the producer made this row's K-list: no select here
             if cutlass.const_expr(self.klist):
                 klist = C.state_klist(state, max_rows, t, self.rw_k)
@@ -2315,15 +2276,15 @@ class Merge:
                     # the producer's K-list (written by the grid pdl_wait waited for; .cg: not
                     # through this SM's L1, which may hold an earlier call's lines)
                     for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                        a, b, c, d = C.ld_cg_v4(klist + Int64(i) * Int64(16))
+                        a, b, c, d = P.ld_cg_v4(klist + Int64(i) * Int64(16))
                         for p in cutlass.range_constexpr(W):
-                            dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
-                            C.st_v4(dst + Int64(i) * Int64(16), a, b, c, d)
+                            dst = P.ld_u64(peers + Int64(p) * Int64(8)) + off
+                            P.st_v4(dst + Int64(i) * Int64(16), a, b, c, d)
                 else:
                     for p in cutlass.range(W, unroll=1):
-                        dst = C.ld_u64(peers + Int64(p) * Int64(8)) + off
+                        dst = P.ld_u64(peers + Int64(p) * Int64(8)) + off
                         for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                            C.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
+                            P.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
                                     sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
             cute.arch.sync_threads()
             self.mk(17)
@@ -2336,10 +2297,10 @@ class Merge:
                 # orders the CTA's stores before each lane's fence (cumulativity).  One
                 # MEMBAR for the warp, the W stores in one instruction.
                 if tid < Int32(W):
-                    pa = C.ld_u64(peers + Int64(tid) * Int64(8))
+                    pa = P.ld_u64(peers + Int64(tid) * Int64(8))
                     if cutlass.const_expr(not TUNE["rnofence"]):
-                        C.fence_sys()
-                    st_relaxed_sys(pa + foff, flag_val)
+                        P.fence_sys()
+                    P.st_relaxed_sys(pa + foff, flag_val)
         # Every rank: acquire the saturated ranks' flags (one lane per rank).
         if cutlass.const_expr(not (TUNE["rnoflag"] or TUNE["rnowait"])):
             if tid < Int32(W):

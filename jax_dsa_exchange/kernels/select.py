@@ -53,11 +53,10 @@ import os
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, Uint64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .. import layout
 from . import common as C
+from . import ptx as P
 
 TB = C.TB
 NWARPS = C.NWARPS
@@ -258,225 +257,6 @@ class SelectSmem:
 
 
 # --------------------------------------------------------------------------
-# Shared / distributed shared memory through 32-bit shared-window addresses.
-# --------------------------------------------------------------------------
-
-
-def _asm(res, args, text, cons, loc=None, ip=None):
-    return C._asm(res, args, text, cons, loc, ip)
-
-
-@dsl_user_op
-def mapa(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Int32:
-    """The same shared-memory offset in CTA ``rank`` of the cluster."""
-    return Int32(_asm(T.i32(), [Int32(addr), Int32(rank)], "mapa.shared::cluster.u32 $0, $1, $2;",
-                      "=r,r,r", loc, ip))  # fmt: skip
-
-
-@dsl_user_op
-def ld_dsmem_u32(addr: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [Int32(addr)], "ld.shared::cluster.u32 $0, [$1];", "=r,r", loc, ip))
-
-
-@dsl_user_op
-def ld_dsmem_v4(addr: Int32, *, loc=None, ip=None):
-    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
-    r = _asm(st, [Int32(addr)], "ld.shared::cluster.v4.u32 {$0, $1, $2, $3}, [$4];",
-             "=r,=r,=r,=r,r", loc, ip)  # fmt: skip
-    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
-
-
-@dsl_user_op
-def st_dsmem_u32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(addr), Int32(v)], "st.shared::cluster.u32 [$0], $1;", "r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def red_dsmem_or(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(addr), Int32(v)], "red.relaxed.cluster.shared::cluster.or.b32 [$0], $1;",
-         "r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def red_smem_add(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(addr), Int32(v)], "red.shared.add.u32 [$0], $1;", "r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def red_smem_inc_if(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
-    """shared[addr] += 1 when a == b: a predicated red (no branch per token)."""
-    _asm(None, [Int32(addr), Int32(a), Int32(b)],
-         "{\n\t.reg .pred p;\n\tsetp.eq.u32 p, $1, $2;\n\t@p red.shared.add.u32 [$0], 1;\n\t}",
-         "r,r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def st_smem_u32_if(addr: Int32, v: Int32, pred: Int32, *, loc=None, ip=None) -> None:
-    """shared[addr] = v when pred != 0 (no branch)."""
-    _asm(None, [Int32(addr), Int32(v), Int32(pred)],
-         "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\t@p st.shared.u32 [$0], $1;\n\t}",
-         "r,r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def ld_smem_u32(addr: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [Int32(addr)], "ld.shared.u32 $0, [$1];", "=r,r,~{memory}", loc, ip))
-
-
-@dsl_user_op
-def st_smem_u32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(addr), Int32(v)], "st.shared.u32 [$0], $1;", "r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def ld_smem_v2(addr: Int32, *, loc=None, ip=None):
-    st = llvm.StructType.get_literal([T.i32(), T.i32()])
-    r = _asm(st, [Int32(addr)], "ld.shared.v2.u32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", loc, ip)
-    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(2))
-
-
-@dsl_user_op
-def st_smem_v2(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(addr), Int32(a), Int32(b)], "st.shared.v2.u32 [$0], {$1, $2};", "r,r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def cp_async(dst: Int32, src: Int64, nbytes: int, *, loc=None, ip=None) -> None:
-    """cp.async.ca of ``nbytes`` (4 or 8) from global ``src`` to shared ``dst`` (no register
-    waits for the data: cp_async_wait_all)."""
-    _asm(None, [Int32(dst), Int64(src)], f"cp.async.ca.shared.global [$0], [$1], {int(nbytes)};",
-         "r,l,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def cp_async_wait_all(*, loc=None, ip=None) -> None:
-    _asm(None, [], "cp.async.wait_all;", "~{memory}", loc, ip)
-
-
-@dsl_user_op
-def red_smem_or(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(addr), Int32(v)], "red.shared.or.b32 [$0], $1;", "r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def bulk_start(mbar: Int32, dst: Int32, src: Int64, nbytes: Int32, *, loc=None, ip=None) -> None:
-    """Initialise the mbarrier (one arrival), make that visible to the async proxy, arrive
-    expecting ``nbytes`` and start one cp.async.bulk of them from global memory into shared
-    memory, completing on the mbarrier (nbytes, dst and src multiples of 16)."""
-    _asm(None, [Int32(mbar), Int32(dst), Int64(src), Int32(nbytes)],
-         "mbarrier.init.shared::cta.b64 [$0], 1;\n\t"
-         "fence.mbarrier_init.release.cluster;\n\t"
-         "fence.proxy.async.shared::cta;\n\t"
-         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $3;\n\t"
-         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$1], [$2], $3, [$0];",
-         "r,r,l,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def mbar_wait0(mbar: Int32, *, loc=None, ip=None) -> None:
-    """Until the mbarrier's phase 0 completes (its bulk copy landed)."""
-    _asm(None, [Int32(mbar)],
-         "{\n\t.reg .pred p;\n\tjdx_wait:\n\t"
-         "mbarrier.try_wait.parity.shared::cta.b64 p, [$0], 0;\n\t"
-         "@!p bra jdx_wait;\n\t}",
-         "r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def st_smem_u8(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(addr), Int32(v)], "st.shared.u8 [$0], $1;", "r,r,~{memory}", loc, ip)
-
-
-@dsl_user_op
-def ld_smem_u16(addr: Int32, *, loc=None, ip=None) -> Uint32:
-    return Uint32(_asm(T.i32(), [Int32(addr)], "ld.shared.u16 $0, [$1];", "=r,r", loc, ip))
-
-
-@dsl_user_op
-def low_bit(m: Int32, *, loc=None, ip=None) -> Int32:
-    """Index of the lowest set bit of m (m != 0)."""
-    return Int32(_asm(T.i32(), [Int32(m)],
-                      "{\n\t.reg .b32 t;\n\tneg.s32 t, $1;\n\tand.b32 t, t, $1;\n\tbfind.u32 $0, t;\n\t}",
-                      "=r,r", loc, ip))  # fmt: skip
-
-
-@dsl_user_op
-def ld_smem_u16_if(addr: Int32, pred: Int32, *, loc=None, ip=None) -> Uint32:
-    """The u16 at shared address addr where pred != 0, else 0 (a predicated load)."""
-    return Uint32(_asm(T.i32(), [Int32(addr), Int32(pred)],
-                       "{\n\t.reg .pred p;\n\tsetp.ne.u32 p, $2, 0;\n\tmov.u32 $0, 0;\n\t"
-                       "@p ld.shared.u16 $0, [$1];\n\t}", "=r,r,r", loc, ip))  # fmt: skip
-
-
-@dsl_user_op
-def popc64(m: Uint64, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [Uint64(m)], "popc.b64 $0, $1;", "=r,l", loc, ip))
-
-
-@dsl_user_op
-def ld_smem_v4(addr: Int32, *, loc=None, ip=None):
-    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
-    r = _asm(st, [Int32(addr)], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", loc, ip)
-    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
-
-
-@dsl_user_op
-def st_smem_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
-    _asm(None, [Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)],
-         "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def ld_nc_v4(addr: Int64, *, loc=None, ip=None):
-    """Eight bf16 in one 16-byte load (read-only while the kernel runs)."""
-    st = llvm.StructType.get_literal([T.i32(), T.i32(), T.i32(), T.i32()])
-    r = _asm(st, [Int64(addr)], "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-             loc, ip)  # fmt: skip
-    return tuple(Int32(llvm.extractvalue(T.i32(), r, [k], loc=loc, ip=ip)) for k in range(4))
-
-
-@dsl_user_op
-def cluster_sync(*, loc=None, ip=None) -> None:
-    """Every thread of every CTA of the cluster: release, then acquire (orders
-    shared and distributed-shared accesses across the cluster)."""
-    _asm(None, [], "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-         "~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def cluster_arrive(*, loc=None, ip=None) -> None:
-    """This thread's relaxed arrival at the cluster barrier (no memory ordering: it says
-    only that this thread reads no other CTA's shared memory any more); ``cluster_wait``
-    completes it."""
-    _asm(None, [], "barrier.cluster.arrive.relaxed.aligned;", "~{memory}", loc, ip)
-
-
-@dsl_user_op
-def cluster_wait(*, loc=None, ip=None) -> None:
-    """Until every thread of the cluster arrived (``cluster_arrive``): before a CTA exits,
-    no other CTA may still read its shared memory."""
-    _asm(None, [], "barrier.cluster.wait.aligned;", "~{memory}", loc, ip)
-
-
-@dsl_user_op
-def cluster_sync_local(*, loc=None, ip=None) -> None:
-    """A cluster barrier that releases only this CTA's own shared memory (what the other
-    CTAs read after it through DSMEM) at cluster scope: fence.release.sync_restrict::
-    shared::cta.cluster (MEMBAR.ALL.CTA in SASS, where arrive.release gives MEMBAR.ALL.GPU),
-    barrier.cluster.arrive.relaxed, barrier.cluster.wait (acquire).  Not enough where a CTA
-    wrote into ANOTHER CTA's shared memory before it (select.RELAX)."""
-    _asm(None, [], "fence.release.sync_restrict::shared::cta.cluster;\n\t"
-         "barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;",
-         "~{memory}", loc, ip)  # fmt: skip
-
-
-@dsl_user_op
-def smem_addr(t: cute.Tensor, *, loc=None, ip=None) -> Int32:
-    """32-bit shared-window address of a shared-memory tensor's first element."""
-    return Int32(t.iterator.toint(loc=loc, ip=ip))
-
-
-# --------------------------------------------------------------------------
 # Pieces of the select.
 # --------------------------------------------------------------------------
 
@@ -556,14 +336,14 @@ def load_vec(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32
     """ord16 pairs of slice tokens 8*vi .. 8*vi+7 into xs[off : off+4] (0 past s_len)."""
     l0 = vi * Int32(8)
     if aligned != Int32(0) and l0 + Int32(8) <= s_len:
-        a, b, c, d = ld_nc_v4(row_addr + Int64(s0 + l0) * Int64(2))
+        a, b, c, d = P.ld_nc_v4(row_addr + Int64(s0 + l0) * Int64(2))
         ord16_quad(a, b, c, d, xs, off)
     else:
         for k in cutlass.range_constexpr(4):
             xs[off + k] = Int32(0)
         for k in cutlass.range_constexpr(8):
             if l0 + Int32(k) < s_len:
-                o = C.ord16(C.ld_u16(row_addr + Int64(s0 + l0 + Int32(k)) * Int64(2)))
+                o = C.ord16(P.ld_u16(row_addr + Int64(s0 + l0 + Int32(k)) * Int64(2)))
                 xs[off + k // 2] = xs[off + k // 2] | Int32(o << Uint32(16 * (k % 2)))
 
 
@@ -579,7 +359,7 @@ def get_vecs(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, a
             xs[4 * u + k] = Int32(0)
         if vi < nvec:
             if from_cache != Int32(0):
-                a, b, c, d = ld_smem_v4(cache_a + vi * Int32(16))
+                a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
                 xs[4 * u] = a
                 xs[4 * u + 1] = b
                 xs[4 * u + 2] = c
@@ -593,9 +373,9 @@ def token_ord16(row_addr: Int64, s0: Int32, lt: Int32, cache_a: Int32, keep: Int
     """ord16 of slice token ``lt``: from the shared copy when ``keep`` (uniform), else global."""
     o = Uint32(0)
     if keep != Int32(0):
-        o = ld_smem_u16(cache_a + lt * Int32(2))
+        o = P.ld_smem_u16(cache_a + lt * Int32(2))
     else:
-        o = C.ord16(C.ld_u16(row_addr + Int64(s0 + lt) * Int64(2)))
+        o = C.ord16(P.ld_u16(row_addr + Int64(s0 + lt) * Int64(2)))
     return o
 
 
@@ -638,9 +418,9 @@ def csync(clustered: cutlass.Constexpr, own_only: cutlass.Constexpr = True):
     the cluster is one CTA (``csync_end``)."""
     if cutlass.const_expr(clustered):
         if cutlass.const_expr(RELAX and own_only):
-            cluster_sync_local()
+            P.cluster_sync_local()
         else:
-            cluster_sync()
+            P.cluster_sync()
     else:
         cute.arch.sync_threads()
 
@@ -670,9 +450,9 @@ def csync_end(clustered: cutlass.Constexpr, csize: Int32):
         if csize == Int32(1):
             # one CTA: every store went to its own shared memory (DSMEM stores there too, so
             # ONE keeps this fence + barrier: a bar.sync is not shown to order them)
-            cluster_sync_local()
+            P.cluster_sync_local()
         else:
-            cluster_sync()
+            P.cluster_sync()
     else:
         csync(clustered, False)
 
@@ -684,7 +464,7 @@ def sum_cluster_bins(h1_a: Int32, hb: Int32, csize: Int32, gc: cute.Tensor):
     load costs a round trip)."""
     for r in cutlass.range_constexpr(CLUSTER_MAX):
         if Int32(r) < csize:
-            a, b, c, d = ld_dsmem_v4(mapa(h1_a + hb * Int32(4), Int32(r)))
+            a, b, c, d = P.ld_dsmem_v4(P.mapa(h1_a + hb * Int32(4), Int32(r)))
             gc[0] = gc[0] + a
             gc[1] = gc[1] + b
             gc[2] = gc[2] + c
@@ -702,14 +482,14 @@ _K = 12
 def pop_bit(m: Uint32, u: Int32):
     """The walks' step over unit u's mask bits m: (the slice token of the lowest set bit, m
     without it)."""
-    return u * Int32(16) + low_bit(Int32(m)), m & (m - Uint32(1))
+    return u * Int32(16) + P.low_bit(Int32(m)), m & (m - Uint32(1))
 
 
 @cute.jit
 def unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
     """(FLAT) Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1)."""
-    lo = ld_smem_u16_if(mask_a + ua * Int32(2), Int32(ua < u1))
-    hi = ld_smem_u16_if(mask_a + ua * Int32(2) + Int32(2), Int32(ua + Int32(1) < u1))
+    lo = P.ld_smem_u16_if(mask_a + ua * Int32(2), Int32(ua < u1))
+    hi = P.ld_smem_u16_if(mask_a + ua * Int32(2) + Int32(2), Int32(ua + Int32(1) < u1))
     return lo | (hi << Uint32(16))
 
 
@@ -719,25 +499,25 @@ def bit_step(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32,
     slice token ``base``: the lowest one's token and ord16, and with FLAT == 2 the next one's
     (ord16 0 where there is none: 0 is no valid score, so every walk's rule skips it), both
     loads issued before either is used -> (lta, oa, ltb, ob, m without them)."""
-    lta = base + low_bit(Int32(m))
+    lta = base + P.low_bit(Int32(m))
     m = m & (m - Uint32(1))
     ltb = lta
     more = Int32(0)
     if cutlass.const_expr(FLAT == 2):
         if m != Uint32(0):
             more = Int32(1)
-            ltb = base + low_bit(Int32(m))
+            ltb = base + P.low_bit(Int32(m))
         m = m & (m - Uint32(1))  # (m = 0 stays 0)
     oa = Uint32(0)
     ob = Uint32(0)
     if keep != Int32(0):
-        oa = ld_smem_u16(cache_a + lta * Int32(2))
+        oa = P.ld_smem_u16(cache_a + lta * Int32(2))
         if cutlass.const_expr(FLAT == 2):
-            ob = ld_smem_u16(cache_a + ltb * Int32(2))
+            ob = P.ld_smem_u16(cache_a + ltb * Int32(2))
     else:
-        oa = C.ord16(C.ld_u16(row_addr + Int64(s0 + lta) * Int64(2)))
+        oa = C.ord16(P.ld_u16(row_addr + Int64(s0 + lta) * Int64(2)))
         if cutlass.const_expr(FLAT == 2):
-            ob = C.ord16(C.ld_u16(row_addr + Int64(s0 + ltb) * Int64(2)))
+            ob = C.ord16(P.ld_u16(row_addr + Int64(s0 + ltb) * Int64(2)))
     if more == Int32(0):
         ob = Uint32(0)
     return lta, oa, ltb, ob, m
@@ -747,7 +527,7 @@ def bit_step(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32,
 def h2_add(h2_a: Int32, o: Uint32, b: Int32):
     """The second histogram's count of ord16 o where its bin is b: an unconditional red of
     (bin == b), no branch (o = 0, no token, is in bin 0, never b)."""
-    red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(Int32(o >> Uint32(16 - B1)) == b))
+    P.red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(Int32(o >> Uint32(16 - B1)) == b))
 
 
 @cute.jit
@@ -772,7 +552,7 @@ def cnt2_counts(above: Int32, lowc: Uint64, lowv: Int32):
     (> v: above b1, or in b1 with a low value above lowv; == v)."""
     x = lowc >> Uint64(Int32(2) * lowv)
     hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
-    ngt = above + popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
+    ngt = above + P.popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
     return ngt, Int32(x & Uint64(3))
 
 
@@ -818,15 +598,15 @@ def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_
         maddr = dst_a + (Int32(n) + (pos >> Int32(5))) * Int32(4)
         mbit = Int32(1) << (pos & Int32(31))
         if remote != Int32(0):
-            st_dsmem_u32(dst_a + pos * Int32(4), word)
+            P.st_dsmem_u32(dst_a + pos * Int32(4), word)
             if hi:
-                red_dsmem_or(maddr, mbit)
+                P.red_dsmem_or(maddr, mbit)
         else:
             # own shared memory by plain shared accesses (a cluster of one CTA too): what
             # csync_end's relaxed barrier releases
             row[pos] = word
             if hi:
-                red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
+                P.red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
     return gt_b, eq_b
 
 
@@ -842,9 +622,9 @@ def emit_k(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: 
     if pos >= Int32(0):
         word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
         if cutlass.const_expr(staged):
-            st_smem_u32(st_a + pos * Int32(4), word)
+            P.st_smem_u32(st_a + pos * Int32(4), word)
         else:
-            C.st_u32(k_out + Int64(pos) * Int64(4), word)
+            P.st_u32(k_out + Int64(pos) * Int64(4), word)
         if (lu >> Uint32(16)) == Uint32(0):
             lo16 = lo16 + Int32(1)
     return gt_b, eq_b, lo16
@@ -904,16 +684,16 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
                     if j == Int32(0):
                         above = pub[pa]
                 else:
-                    x = ld_dsmem_u32(mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
+                    x = P.ld_dsmem_u32(P.mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
                     # (only CTAs up to this one count: no remote load whose value is dead, so
                     # every DSMEM load is used before own_part's relaxed arrival below)
                     if j == Int32(0) and r <= me:
-                        above = ld_dsmem_u32(mapa(pub_a + Int32(4 * pa), r))
+                        above = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4 * pa), r))
             else:
                 x = hist2[ho + j]
                 above = pub[pa]
             if x != Int32(0):
-                red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
+                P.red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
         cute.arch.sync_threads()
         need2 = Int32(nn) - scal[so + _ABOVE1]
         if warp == Int32(0):
@@ -941,14 +721,14 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
                 gt = gt + above
             if r < me:
                 if gt != Int32(0):
-                    red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), gt)
+                    P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), gt)
                 if eq != Int32(0):
-                    red_smem_add(scal_a + Int32((so + _EQ_BEFORE) * 4), eq)
+                    P.red_smem_add(scal_a + Int32((so + _EQ_BEFORE) * 4), eq)
             if r == me:
                 if gt != Int32(0):
-                    red_smem_add(scal_a + Int32((so + _GT_OWN) * 4), gt)
+                    P.red_smem_add(scal_a + Int32((so + _GT_OWN) * 4), gt)
                 if eq != Int32(0):
-                    red_smem_add(scal_a + Int32((so + _EQ_OWN) * 4), eq)
+                    P.red_smem_add(scal_a + Int32((so + _EQ_OWN) * 4), eq)
     else:
         # every valid token is kept (v = 0: every ord16 of a valid token is > 0)
         if tid < csize and tid < me:
@@ -957,8 +737,8 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
                 if cutlass.const_expr("dsmem" in SKIP):
                     y = pub[1]
                 else:
-                    y = ld_dsmem_u32(mapa(pub_a + Int32(4), tid))
-            red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), y)
+                    y = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4), tid))
+            P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), y)
         if tid == Int32(0):
             scal[so + _GT_OWN] = pub[1]
     if fast == Int32(0):  # (B1W's step ended with its barrier)
@@ -972,19 +752,19 @@ def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, p
     order: a unit's 16 tokens' ord16 in two 16-byte loads, then one predicated store per bit
     (no chain of dependent loads however dense the unit)."""
     for u in cutlass.range(u0, u1, unroll=1):
-        m = ld_smem_u16(mask_a + u * Int32(2))
+        m = P.ld_smem_u16(mask_a + u * Int32(2))
         if m != Uint32(0):
             xs = cute.make_rmem_tensor((8,), Int32)
             for k in cutlass.range_constexpr(8):
                 xs[k] = Int32(0)
             if (m & Uint32(0xFF)) != Uint32(0):
-                a, b, c, d = ld_smem_v4(cache_a + u * Int32(32))
+                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32))
                 xs[0] = a
                 xs[1] = b
                 xs[2] = c
                 xs[3] = d
             if (m >> Uint32(8)) != Uint32(0):  # (a set bit: that vector is inside the slice)
-                a, b, c, d = ld_smem_v4(cache_a + u * Int32(32) + Int32(16))
+                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32) + Int32(16))
                 xs[4] = a
                 xs[5] = b
                 xs[6] = c
@@ -992,7 +772,7 @@ def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, p
             for k in cutlass.range_constexpr(16):
                 o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                 bit = Int32((m >> Uint32(k)) & Uint32(1))
-                st_smem_u32_if(mask_a + (lw + pos) * Int32(4),
+                P.st_smem_u32_if(mask_a + (lw + pos) * Int32(4),
                                Int32((o << Uint32(16)) | Uint32(u * Int32(16) + Int32(k))), bit)
                 pos = pos + bit
 
@@ -1005,7 +785,7 @@ def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, la
     list does not fit (the walks then take the units).  Every thread of the CTA calls it."""
     cnt = Int32(0)
     for u in cutlass.range(u0, u1, unroll=1):
-        cnt = cnt + Int32(cute.arch.popc(ld_smem_u16(mask_a + u * Int32(2))))
+        cnt = cnt + Int32(cute.arch.popc(P.ld_smem_u16(mask_a + u * Int32(2))))
     icnt, _, nbits, _ = block_scan2(cnt, Int32(0), lane, warp, wt)
     ok = Int32(0)
     r0 = Int32(0)
@@ -1032,7 +812,7 @@ def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid)
             for j in cutlass.range_constexpr(4):
                 byte = (w >> Uint32(8 * j)) & Uint32(0xFF)
                 if byte != Uint32(0):
-                    a, b, c, d = ld_smem_v4(cache_a + (wi * Int32(4) + Int32(j)) * Int32(16))
+                    a, b, c, d = P.ld_smem_v4(cache_a + (wi * Int32(4) + Int32(j)) * Int32(16))
                     xs = (a, b, c, d)
                     ge = Uint32(0)  # (selects, not a branch per token)
                     for k in cutlass.range_constexpr(8):
@@ -1069,7 +849,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     can derive every mask word from the first of its own set bits.  It then ends with a
     block barrier, after a relaxed ARRIVAL at the cluster barrier placed once every DSMEM
     load's value has been used (so no CTA reads another's shared memory after it): the
-    caller must ``cluster_wait()`` before the CTA exits.  ``n2`` > n (the rescue list): also the row's
+    caller must ``P.cluster_wait()`` before the CTA exits.  ``n2`` > n (the rescue list): also the row's
     top-min(n2, valid), in the same passes, as a packed row of n2 candidates written to
     global memory at ``k_out`` (each CTA its own positions; the CTA that derives the mask
     words writes them and the empty words past the count)."""
@@ -1081,13 +861,13 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if cutlass.const_expr(mk is None):
         mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
-    cache_a = smem_addr(cache)
-    h1_a = smem_addr(hist1)
-    h2_a = smem_addr(hist2)
-    g2_a = smem_addr(gsum2)
-    pub_a = smem_addr(pub)
-    scal_a = smem_addr(scal)
-    row_a = smem_addr(row)
+    cache_a = P.smem_addr(cache)
+    h1_a = P.smem_addr(hist1)
+    h2_a = P.smem_addr(hist2)
+    g2_a = P.smem_addr(gsum2)
+    pub_a = P.smem_addr(pub)
+    scal_a = P.smem_addr(scal)
+    row_a = P.smem_addr(row)
     # The slices are cut from ``span`` (None: the row's end, what both callers use).  A span
     # longer than the end (the buffer's row length) lets the bulk copies start before the
     # end is loaded; measured no faster (7th session), and a short row then reads its whole
@@ -1121,7 +901,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             bulk = Int32(1)
             if tid < nch_c:
                 nb = cutlass.min(Int32(TB), nfull_c - tid * Int32(TB)) * Int32(16)
-                bulk_start(smem_addr(mbar) + tid * Int32(8), cache_a + tid * Int32(TB * 16),
+                P.bulk_start(P.smem_addr(mbar) + tid * Int32(8), cache_a + tid * Int32(TB * 16),
                            row_addr + Int64(sb + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
     if cutlass.const_expr(early is not None):
         early()  # the caller's work that waits on a load (after the copies are on their way)
@@ -1153,13 +933,13 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 for u in cutlass.range_constexpr(vpr):
                     c = base // Int32(TB) + Int32(u)
                     if c < nch_c:  # (every issued copy: one may cover the partial last vector)
-                        mbar_wait0(smem_addr(mbar) + c * Int32(8))
+                        P.mbar_wait0(P.smem_addr(mbar) + c * Int32(8))
                 for u in cutlass.range_constexpr(vpr):
                     vi = base + tid + Int32(u * TB)
                     for k in cutlass.range_constexpr(4):
                         xs[4 * u + k] = Int32(0)
                     if vi < nfull:
-                        a, b, c, d = ld_smem_v4(cache_a + vi * Int32(16))
+                        a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
                         ord16_quad(a, b, c, d, xs, 4 * u)
                     elif vi < nvec:
                         load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)  # the partial last
@@ -1171,7 +951,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             vi = base + tid + Int32(u * TB)
             if cutlass.const_expr(cached):
                 if vi < nvec and keep != Int32(0):
-                    st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
+                    P.st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
                                xs[4 * u + 3])  # fmt: skip
             for k in cutlass.range_constexpr(8):
                 o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
@@ -1183,17 +963,17 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     # every token, unconditionally (a predicated red compiles to a branch and a
                     # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
                     # which no valid score reaches and the boundary step drops
-                    red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
+                    P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
         if cutlass.const_expr("hist1" in SKIP):
             if h_cnt != Int32(0):
-                red_smem_add(h1_a + (h_last >> Int32(16 - B1)) * Int32(4), h_cnt)
+                P.red_smem_add(h1_a + (h_last >> Int32(16 - B1)) * Int32(4), h_cnt)
     if cutlass.const_expr(cached and BULK):
         if bulk != Int32(0):
             # the copies past the row's end (issued from span) are waited for too: none may
             # still be landing in the cache after this
             done_c = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
             for c in cutlass.range(done_c, nch_c, unroll=1):
-                mbar_wait0(smem_addr(mbar) + c * Int32(8))
+                P.mbar_wait0(P.smem_addr(mbar) + c * Int32(8))
     mk(2)
     # thread tid owns bins hb+3 .. hb of the first histogram, hb = NB1 - 4 (tid + 1): the
     # scans below rank the bins from the top
@@ -1263,7 +1043,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             ph = Int32(0)
             pz = Int32(0)
             if lane < csize:
-                pt, pl, ph, pz = ld_dsmem_v4(mapa(pub_a + Int32(16), lane))
+                pt, pl, ph, pz = P.ld_dsmem_v4(P.mapa(pub_a + Int32(16), lane))
             cl_total = cute.arch.warp_redux_sync(pt, "add")
             lo = cute.arch.warp_redux_sync(pl, "max")
             hi = cute.arch.warp_redux_sync(ph, "max")
@@ -1335,7 +1115,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             mthr = Uint32(b1k) << Uint32(16 - B1)
             b1kc = b1k
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
-    mask_a = smem_addr(mask)
+    mask_a = P.smem_addr(mask)
     # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
     listed = cutlass.const_expr(cached and LIST and CACHE_MAX <= 65536 and "pass2" not in SKIP)
     big = Int32(0)  # (LIST) a kept slice with a crowded boundary bin: see BIG_B1
@@ -1366,14 +1146,14 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                         for k in cutlass.range_constexpr(8):
                             o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                             # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
-                            red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                            P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                             Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
                             if cutlass.const_expr(dual):
-                                red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                                 Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
                     vi = base + tid + Int32(u * TB)
                     if vi < nvec4:
-                        st_smem_u8(mask_a + vi, mb)
+                        P.st_smem_u8(mask_a + vi, mb)
     # the mask in 16-token units, thread tid taking the contiguous units [u0, u1): all TB
     # threads share the slice, so each walk over the set bits stays short
     nu = nvec4 // Int32(2)
@@ -1423,14 +1203,14 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     cnt_ok = Int32(1) - c2_ovf
             else:
                 for u in cutlass.range(u0, u1, unroll=1):
-                    m = ld_smem_u16(mask_a + u * Int32(2))
+                    m = P.ld_smem_u16(mask_a + u * Int32(2))
                     while m != Uint32(0):
                         lt, m = pop_bit(m, u)
-                        o = ld_smem_u16(cache_a + lt * Int32(2))
-                        red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                        o = P.ld_smem_u16(cache_a + lt * Int32(2))
+                        P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                         Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
                         if cutlass.const_expr(dual):
-                            red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                            P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                             Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
     mk(6)
     csync_n(clustered, csize)
@@ -1447,7 +1227,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         # every DSMEM load of this CTA was used above (own_part); (ONE: a one-CTA cluster
         # neither arrives nor waits)
         if one_cta(csize) == Int32(0):
-            cluster_arrive()
+            P.cluster_arrive()
     if cutlass.const_expr(listed):
         if big != Int32(0):
             vlo = v  # (the rescue list: n2's boundary, the lower one, keeps both counts' tokens)
@@ -1469,7 +1249,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     p0 = cutlass.min(gt_run + cutlass.min(eq_run, need_eq), Int32(n))
     p1 = cutlass.min(gt_end + eq_end, Int32(n))
     if cutlass.const_expr(clustered and not own):
-        dst_a = mapa(row_a, Int32(0))
+        dst_a = P.mapa(row_a, Int32(0))
         if csize > Int32(1):
             remote = Int32(1)
     # (the rescue list) the same for n2
@@ -1527,7 +1307,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                             ngtk, neqk = count_token(ob, vk, ngtk, neqk)
         else:
             for u in cutlass.range(u0, u1, unroll=1):
-                m = ld_smem_u16(mask_a + u * Int32(2))
+                m = P.ld_smem_u16(mask_a + u * Int32(2))
                 while m != Uint32(0):
                     lt, m = pop_bit(m, u)
                     o = token_ord16(row_addr, s0, lt, cache_a, keep)
@@ -1575,7 +1355,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                                                             h1_a - p0k * Int32(4))  # fmt: skip
             else:
                 for u in cutlass.range(u0, u1, unroll=1):
-                    m = ld_smem_u16(mask_a + u * Int32(2))
+                    m = P.ld_smem_u16(mask_a + u * Int32(2))
                     while m != Uint32(0):
                         lt, m = pop_bit(m, u)
                         o = token_ord16(row_addr, s0, lt, cache_a, keep)
@@ -1586,7 +1366,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                                                         n2, k_out, lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
     if cutlass.const_expr(dual):
         if lo16 != Int32(0):
-            red_smem_add(scal_a + Int32((_K + _TOTAL) * 4), lo16)
+            P.red_smem_add(scal_a + Int32((_K + _TOTAL) * 4), lo16)
     mk(11)
     if cutlass.const_expr(own):
         cute.arch.sync_threads()  # this CTA's part of the row is complete
@@ -1597,7 +1377,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     wc = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
     if cutlass.const_expr(kst):
         for i in cutlass.range(tid, p1k - p0k, TB, unroll=1):
-            C.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])
+            P.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])
     if cutlass.const_expr(dual):
         # (the rescue list) the CTA whose slice holds token 2**16 (else the last) writes the K-list's
         # mask words: positions ascend with l, so bit 16 is set at [p16, count), p16 = its
@@ -1608,7 +1388,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             p16 = p0k + scal[_K + _TOTAL]
             nmw = n2 // 32
             for i in cutlass.range(tid, layout.row_words(n2) - n2, TB, unroll=1):
-                C.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, nmw))
+                P.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, nmw))
             for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
-                C.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
+                P.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
     return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)

@@ -20,11 +20,12 @@ import functools
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, Uint32, Uint64
+from cutlass import Int32, Int64, Uint32
 
 from .. import layout
 from . import abi
 from . import common as C
+from . import ptx as P
 from . import lean as LS
 from . import select as S
 
@@ -57,7 +58,7 @@ def store_peers(psm: cute.Tensor, pv: Int64, tid: Int32, world: cutlass.Constexp
 @cute.jit
 def row_end(row_ends: Int64, t: Int32, cols: Int32) -> Int32:
     """clamp(row_ends[t], 0, min(cols, 2**17))."""
-    return S.clamp_end(C.ld_u32(row_ends + Int64(t) * Int64(4)), cols)
+    return S.clamp_end(P.ld_u32(row_ends + Int64(t) * Int64(4)), cols)
 
 
 def select_row_at(row_addr, end_raw, cols, *args, **kw):
@@ -125,12 +126,12 @@ class SelectPush:
             sm = S.SelectSmem(smem, self.rw, True, self.n2 > 0)  # (its slice cache last: see smem_bytes)
         row = sm.row
         # The logits and epochs come from earlier kernels (PDL-safe).
-        C.pdl_wait()
+        P.pdl_wait()
         if cutlass.const_expr(S.EARLY_TRIGGER):
             # The merge may launch once every CTA of this grid has started (so it can
             # never hold an SM a producer CTA still needs); it waits for this grid's
             # completion (griddepcontrol.wait) before it bumps an epoch or reads logits.
-            C.pdl_launch_dependents()
+            P.pdl_launch_dependents()
         t = Int32(0)
         if cutlass.const_expr(S.CID):
             t = cute.arch.cluster_idx()[0]  # (= bid // csize: clusters of (csize, 1, 1))
@@ -143,13 +144,13 @@ class SelectPush:
         # + 1 is taken at the push for the same reason)
         pv = Int64(0)
         if tid < Int32(self.world):
-            pv = Int64(C.ld_u64(peers + Int64(tid) * Int64(8)))
-        status = C.ld_volatile_u32(C.state_status(epoch, max_rows))
-        e0 = C.ld_u32(C.state_epoch(epoch, max_rows, t))
+            pv = Int64(P.ld_u64(peers + Int64(tid) * Int64(8)))
+        status = P.ld_volatile_u32(C.state_status(epoch, max_rows))
+        e0 = P.ld_u32(C.state_epoch(epoch, max_rows, t))
         # (slices cut from the buffer's row length, so that the bulk copies need not wait for
         # this load, measured no faster and made short rows read their whole buffer row:
         # the slices stay cut from the row's end)
-        end_raw = C.ld_u32(row_ends + Int64(t) * Int64(4))
+        end_raw = P.ld_u32(row_ends + Int64(t) * Int64(4))
         # (the own-part push derives the mask records in warp 0: at most 32 of them, n <=
         # 2048; a longer row keeps CTA 0's push)
         own = cutlass.const_expr(S.OWN and "select" not in S.SKIP and own_part_ok(self.n))
@@ -168,13 +169,13 @@ class SelectPush:
                 select()
                 if cutlass.const_expr(own):
                     if S.one_cta(csize) == Int32(0):
-                        S.cluster_wait()
-                S.cluster_sync()  # (no CTA still in the first select when another starts the next)
+                        P.cluster_wait()
+                P.cluster_sync()  # (no CTA still in the first select when another starts the next)
                 mk(0)
         if cutlass.const_expr(self.lean):
             # (the launcher runs this image only where every slice fits: layout.producer_uses_lean)
             if LS.fits(cols, csize) == Int32(0):
-                LS.trap()
+                P.trap()
             p0, p1, p_end, writer = LS.select_row_lean(
                 logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, rows, self.n, self.rw, sm.parts(),
                 tid, lane, warp, csize, me, mk=mk, early=functools.partial(store_peers, psm, pv, tid, self.world))
@@ -196,7 +197,7 @@ class SelectPush:
                         for p in cutlass.range_constexpr(self.world):
                             dst = psm[p] + off
                             for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
-                                C.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e,
+                                P.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e,
                                            row[2 * i + 1])  # fmt: skip
                 else:
                     # every CTA pushes its own positions [p0, p1) (the last one up to n: the
@@ -210,9 +211,9 @@ class SelectPush:
                                        lane, warp)  # fmt: skip
         if cutlass.const_expr(own):
             if S.one_cta(csize) == Int32(0):  # (ONE: a one-CTA cluster did not arrive)
-                S.cluster_wait()  # (select_row's arrival: no CTA still reads this one's DSMEM)
+                P.cluster_wait()  # (select_row's arrival: no CTA still reads this one's DSMEM)
         if cutlass.const_expr(not S.EARLY_TRIGGER):
-            C.pdl_launch_dependents()
+            P.pdl_launch_dependents()
         if cutlass.const_expr(S.PROF):
             mk(13)
             # over the rescue sequence words of rows max_rows - 128 .. (the profiling tool
@@ -244,7 +245,7 @@ class SelectPush:
                 if lane + Int32(k) < Int32(nmw):
                     w = row[n + k + lane]
                 if w != Int32(0):
-                    f = cutlass.min(f, (lane + Int32(k)) * Int32(32) + S.low_bit(w))
+                    f = cutlass.min(f, (lane + Int32(k)) * Int32(32) + P.low_bit(w))
             p_hi = cutlass.min(cute.arch.warp_redux_sync(f, "min"), hi)
             if lane < Int32(mrec):
                 m0 = S.mask_bits(p_hi, p_end, Int32(2) * lane, nmw)
@@ -285,9 +286,9 @@ class SelectPush:
         for p in cutlass.range_constexpr(self.world):
             dst = psm[p]
             for j in cutlass.range_constexpr(nr):
-                C.st_ll_v4_if(dst + base + Int64(j * C.TB) * rb, wa[j], e, wb[j], ok[j])
-            C.st_ll_half_if(dst + off + eo, ew, e, ee)
-            C.st_ll_v4_if(dst + mo, m0, e, m1, wm)
+                P.st_ll_v4_if(dst + base + Int64(j * C.TB) * rb, wa[j], e, wb[j], ok[j])
+            P.st_ll_half_if(dst + off + eo, ew, e, ee)
+            P.st_ll_v4_if(dst + mo, m0, e, m1, wm)
 
     @cute.jit
     def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,

@@ -4,12 +4,17 @@ One module, no JAX and no CUDA import, so the NumPy reference, the CuTe DSL
 kernels, the FFI launcher's Python side and the exchange allocator all agree on
 the same numbers.  Nothing here allocates.
 
-Packed candidate row (docs/DESIGN.md §5): a list of ``n`` candidates is ``n`` words
-``ord16 << 16 | (0xFFFF - (l & 0xFFFF))`` (0 = empty) followed by ``n // 32``
+Packed candidate row (docs/DESIGN.md §5), bfloat16 scores: a list of ``n`` candidates is
+``n`` words ``ord16 << 16 | (0xFFFF - (l & 0xFFFF))`` (0 = empty) followed by ``n // 32``
 mask words holding bit 16 of ``l`` (candidate ``j``: word ``n + j // 32``, bit
-``j % 32``), padded with zero words to a multiple of 4 words.  Lists are stored
-in ascending local index ``l`` with their empty (zero) words last, so an
-order-preserving compaction of a list gives its tokens in ``l`` order.
+``j % 32``), padded with zero words to a multiple of 4 words.  float32 scores: candidate
+``j`` is the word pair ``(ord32, l)`` at words ``2 j, 2 j + 1`` (``ord32`` 0 = empty), one
+LL record per candidate.  Lists are stored in ascending local index ``l`` with their empty
+candidates last, so an order-preserving compaction of a list gives its tokens in ``l`` order.
+
+Global positions (docs/DESIGN.md §4): with KV caches interleaved over the W ranks in chunks
+of ``I`` consecutive tokens, local index ``l`` of rank ``q`` is global position
+``g = (l div I) * W * I + q * I + l mod I`` (:func:`global_position`; ``I = 1``: ``l * W + q``).
 
 Symmetric buffer of one rank (one cudaMalloc, shared over CUDA IPC), byte
 offsets from :class:`BufferLayout`:
@@ -252,14 +257,31 @@ def check_config(world: int, topk: int, local_topk: int) -> None:
         raise ValueError(f"local_topk={local_topk} must be a multiple of 32 in [32, topk={topk}]")
 
 
-def row_words(n: int) -> int:
+# Score dtypes the exchange takes (docs/DESIGN.md §3) and the bits of their order-preserving
+# key (ord16 / ord32, docs/DESIGN.md §5).
+SCORE_DTYPES = ("bfloat16", "float32")
+SCORE_BITS = {"bfloat16": 16, "float32": 32}
+
+
+def score_dtype_name(dtype) -> str:
+    """The canonical name ("bfloat16" / "float32") of a score dtype given as a name, a NumPy /
+    ml_dtypes / JAX dtype or scalar type; TypeError for any other dtype."""
+    name = getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype)
+    if name not in SCORE_DTYPES:
+        raise TypeError(f"score dtype must be bfloat16 or float32, got {dtype!r}")
+    return name
+
+
+def row_words(n: int, score_dtype: str = "bfloat16") -> int:
     """Words of a packed row of ``n`` candidates (docs/DESIGN.md §5)."""
+    if score_dtype_name(score_dtype) == "float32":
+        return _round_up(2 * n, 4)
     return _round_up(n + n // 32, 4)
 
 
-def ll_row_bytes(n: int) -> int:
+def ll_row_bytes(n: int, score_dtype: str = "bfloat16") -> int:
     """Bytes of one LL row: every word travels with its epoch."""
-    return row_words(n) * LL_HALF_BYTES
+    return row_words(n, score_dtype) * LL_HALF_BYTES
 
 
 LL_RECORD_BYTES = 16  # one LL record: (w0, e, w1, e), one 16-byte store
@@ -271,9 +293,9 @@ def ll_offset(j: int) -> int:
     return (j >> 1) * LL_RECORD_BYTES + (j & 1) * LL_HALF_BYTES
 
 
-def rescue_row_bytes(topk: int) -> int:
+def rescue_row_bytes(topk: int, score_dtype: str = "bfloat16") -> int:
     """Bytes of one rescue row: a plain packed row of K candidates."""
-    return row_words(topk) * 4
+    return row_words(topk, score_dtype) * 4
 
 
 # Offsets inside the buffer's regions, each one expression for Python ints (i64=int)
@@ -302,9 +324,51 @@ def rescue_slots(topk: int, local_topk: int, world: int | None = None) -> int:
     return bound if world is None else min(world, bound)
 
 
-def gid_bits(world: int) -> int:
-    """G: bits of a global position g = l * W + q < 2**17 * W."""
-    return LOCAL_INDEX_BITS + (world - 1).bit_length()
+# ids are int32 (docs/DESIGN.md §3): every global position must fit.
+MAX_GLOBAL_POSITION = 2**31 - 1
+
+
+def global_position(l, q, world: int, interleave: int = 1):
+    """Global position of local index ``l`` of rank ``q`` (docs/DESIGN.md §4) with the KV cache
+    interleaved over the ranks in chunks of ``interleave`` tokens:
+    ``(l div I) * W * I + q * I + l mod I``.  Works on Python ints and NumPy integer arrays
+    (the kernels compute the same expression on device integers)."""
+    if interleave == 1:
+        return l * world + q
+    return (l // interleave) * (world * interleave) + q * interleave + l % interleave
+
+
+def owner_and_local(g, world: int, interleave: int = 1):
+    """The inverse of :func:`global_position`: ``(q, l)`` of global position ``g``."""
+    if interleave == 1:
+        return g % world, g // world
+    chunk = g // interleave
+    return chunk % world, (chunk // world) * interleave + g % interleave
+
+
+def max_global_position(world: int, interleave: int = 1) -> int:
+    """The largest global position a configuration can produce: the last local index
+    (2**17 - 1) of the last rank (global_position grows with l and with q)."""
+    return global_position(MAX_LOCAL_LEN - 1, world - 1, world, interleave)
+
+
+def check_interleave(interleave, world: int) -> None:
+    """The interleave size I (docs/DESIGN.md §2): an int >= 1 whose global positions fit int32
+    ids for W ranks of up to 2**17 tokens each; TypeError / ValueError naming the value."""
+    if not isinstance(interleave, int) or isinstance(interleave, bool):
+        raise TypeError(f"interleave must be an int, got {type(interleave).__name__} {interleave!r}")
+    if interleave < 1:
+        raise ValueError(f"interleave={interleave} must be >= 1")
+    if max_global_position(world, interleave) > MAX_GLOBAL_POSITION:
+        raise ValueError(f"interleave={interleave} with world={world}: global positions up to "
+                         f"{max_global_position(world, interleave)} do not fit int32 ids "
+                         f"(local rows of up to {MAX_LOCAL_LEN} tokens)")
+
+
+def gid_bits(world: int, interleave: int = 1) -> int:
+    """G: bits of a global position (docs/DESIGN.md §5), enough for max_global_position; with
+    ``interleave`` 1 that is 17 + bits(W - 1)."""
+    return max_global_position(world, interleave).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)

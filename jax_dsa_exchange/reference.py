@@ -6,10 +6,10 @@ Two independent computations of the same answer:
   tokens, sorts them by (score as a float, descending; global position g,
   ascending) and keeps K.  It does not use the bit encodings at all, so it can
   judge them.
-* :func:`protocol_merge` is the protocol as the GPU kernels run it: ``ord16``
-  keys, local top-N packed into words (layout.py), decoding into 64-bit global
+* :func:`protocol_merge` is the protocol as the GPU kernels run it: ``ord16`` /
+  ``ord32`` keys, local top-N packed into words (layout.py), decoding into 64-bit global
   keys, round 1, the exact saturation rule, the rescue lists and round 2.  Its
-  pieces (:func:`ord16`, :func:`pack_local_topk`, :func:`decode_keys`,
+  pieces (:func:`ord16`, :func:`ord32`, :func:`pack_local_topk`, :func:`decode_keys`,
   :func:`kth_key`, :func:`saturated_mask`, ...) are public so GPU tests can check
   kernel outputs bit-exactly.
 
@@ -17,7 +17,8 @@ Both return one :class:`~jax_dsa_exchange.output.MergeOutput` (NumPy arrays) per
 
 Input checks (both functions): ``logits``, ``row_ends``, ``req_id`` and
 ``block_tables`` must be sequences of the same length W >= 1; each ``logits[q]``
-is a 2-D ``ml_dtypes.bfloat16`` array [R, L_q] with the same R on every rank;
+is a 2-D ``ml_dtypes.bfloat16`` or ``float32`` array [R, L_q] with the same R and the same
+dtype on every rank;
 ``row_ends[q]`` and ``req_id[q]`` are 1-D integer arrays [R] (int32 per docs/DESIGN.md §3;
 any integer dtype whose values fit int32 is accepted); ``block_tables[q]`` is a
 2-D integer array.  Wrong types raise TypeError, wrong shapes or values
@@ -41,6 +42,8 @@ from . import layout
 from .output import MergeOutput
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+SCORE_NP_DTYPES = (BF16, F32)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -66,11 +69,11 @@ def _as_int_array(name: str, q: int, a, ndim: int) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def _check_inputs(logits, row_ends, req_id, block_tables, topk, block_size):
+def _check_inputs(logits, row_ends, req_id, block_tables, topk, block_size, interleave=1):
     """Validate and normalize; returns (W, R, logits, row_ends, req_id, block_tables).
 
     Integer arrays come back as int64 (no overflow in the slot arithmetic);
-    logits stay bfloat16.
+    logits keep their dtype (bfloat16 or float32).
     """
     _check_positive_int("topk", topk)
     _check_positive_int("block_size", block_size)
@@ -90,8 +93,11 @@ def _check_inputs(logits, row_ends, req_id, block_tables, topk, block_size):
     for q, x in enumerate(logits):
         if not isinstance(x, np.ndarray):
             raise TypeError(f"logits[{q}] must be a NumPy array, got {type(x).__name__}")
-        if x.dtype != BF16:
-            raise TypeError(f"logits[{q}] must have dtype bfloat16, got {x.dtype}")
+        if x.dtype not in SCORE_NP_DTYPES:
+            raise TypeError(f"logits[{q}] must have dtype bfloat16 or float32, got {x.dtype}")
+        if x.dtype != logits[0].dtype:
+            raise TypeError(f"logits[{q}] has dtype {x.dtype}, logits[0] has {logits[0].dtype}: "
+                            "every rank's scores must have the same dtype")
         if x.ndim != 2:
             raise ValueError(f"logits[{q}] must be 2-D [R, L], got shape {x.shape}")
         if x.shape[0] != logits[0].shape[0]:
@@ -100,6 +106,7 @@ def _check_inputs(logits, row_ends, req_id, block_tables, topk, block_size):
     rows = lg[0].shape[0]
     if rows < 1:
         raise ValueError("logits have R=0 rows; need R >= 1")
+    layout.check_interleave(interleave, world)
 
     ends, reqs, tables = [], [], []
     for q in range(world):
@@ -132,15 +139,15 @@ def _kv_slot(table: np.ndarray, req: int, l: np.ndarray, block_size: int, rank: 
     return slots
 
 
-def _build_results(selected, world, rows, topk, reqs, tables, block_size, saturated=None):
+def _build_results(selected, world, rows, topk, reqs, tables, block_size, saturated=None, interleave=1):
     """``selected[i]``: int64 array of the global positions picked for row i (any order)."""
     ids = np.full((rows, topk), -1, np.int32)
     kv = [np.full((rows, topk), -1, np.int32) for _ in range(world)]
     counts = [np.zeros(rows, np.int32) for _ in range(world)]
     for i, g in enumerate(selected):
         g = np.asarray(g, np.int64)
-        owner, l = g % world, g // world
-        order = np.lexsort((l, owner))  # owner-major: ascending (g mod W, g div W)
+        owner, l = layout.owner_and_local(g, world, interleave)
+        order = np.lexsort((l, owner))  # owner-major: ascending (owner rank, local index)
         g, owner, l = g[order], owner[order], l[order]
         ids[i, : g.size] = g
         for q in range(world):
@@ -157,36 +164,37 @@ def _build_results(selected, world, rows, topk, reqs, tables, block_size, satura
 # The oracle (docs/DESIGN.md §4)
 
 
-def topk_merge(logits, row_ends, req_id, block_tables, *, topk, block_size):
+def topk_merge(logits, row_ends, req_id, block_tables, *, topk, block_size, interleave=1):
     """Exact global top-K of every row over all W ranks (docs/DESIGN.md §4), the oracle.
 
     Per row i: every rank q contributes its tokens l < clamp(row_ends[q][i], 0, L_q)
-    whose score is not NaN, with global position g = l * W + q.  They are sorted
-    by (score descending, compared as floats so -0.0 == +0.0; g ascending) and the
-    first min(K, count) are kept.  Returns one :class:`MergeOutput` per rank
-    (``saturated`` is all zeros here).  See the module docstring for the input
-    checks and the IndexError on bad block-table lookups.
+    whose score is not NaN, with global position g = layout.global_position(l, q, W,
+    interleave) (``l * W + q`` for interleave 1).  They are sorted by (score descending,
+    compared as floats of the logits' dtype so -0.0 == +0.0; g ascending) and the first
+    min(K, count) are kept.  Returns one :class:`MergeOutput` per rank (``saturated`` is
+    all zeros here).  See the module docstring for the input checks and the -1 ``kv_rows``
+    of bad block-table lookups.
     """
     world, rows, lg, ends, reqs, tables = _check_inputs(
-        logits, row_ends, req_id, block_tables, topk, block_size)
+        logits, row_ends, req_id, block_tables, topk, block_size, interleave)
     selected = []
     for i in range(rows):
         scores, gids = [], []
         for q in range(world):
-            row = lg[q][i].astype(np.float32)
+            row = lg[q][i].astype(np.float32)  # exact for both dtypes
             n = int(np.clip(ends[q][i], 0, row.size))
             l = np.arange(n, dtype=np.int64)
             s = row[:n]
             keep = ~np.isnan(s)
             scores.append(s[keep])
-            gids.append(l[keep] * world + q)
+            gids.append(layout.global_position(l[keep], q, world, interleave))
         s = np.concatenate(scores)
         g = np.concatenate(gids)
         # -s + 0.0 turns -0.0 into +0.0 (belt and braces: sorting compares with <
         # anyway, where -0.0 == +0.0).  lexsort: last key is the primary one.
         order = np.lexsort((g, -s + np.float32(0.0)))
         selected.append(g[order[:topk]])
-    return _build_results(selected, world, rows, topk, reqs, tables, block_size)
+    return _build_results(selected, world, rows, topk, reqs, tables, block_size, interleave=interleave)
 
 
 # ---------------------------------------------------------------------------
@@ -201,6 +209,19 @@ def bf16_bits(x) -> np.ndarray:
     return x.view(np.uint16)
 
 
+def score_bits(x) -> np.ndarray:
+    """The raw bit patterns of scores: bfloat16 values -> uint16, float32 values -> uint32;
+    uint16 / uint32 bits are returned as they are (a view, no copy)."""
+    x = np.asarray(x)
+    if x.dtype == BF16:
+        return x.view(np.uint16)
+    if x.dtype == F32:
+        return x.view(np.uint32)
+    if x.dtype in (np.uint16, np.uint32):
+        return x
+    raise TypeError(f"expected bfloat16 / float32 values or uint16 / uint32 bits, got dtype {x.dtype}")
+
+
 def _bits(x) -> np.ndarray:
     """Accept bf16 values or their uint16 bits; return the uint16 bits."""
     x = np.asarray(x)
@@ -213,10 +234,28 @@ def _bits(x) -> np.ndarray:
     return x
 
 
+def _bits32(x) -> np.ndarray:
+    """Accept float32 values or their uint32 bits; return the uint32 bits."""
+    x = np.asarray(x)
+    if x.dtype == F32:
+        return x.view(np.uint32)
+    if x.dtype != np.uint32:
+        if not np.issubdtype(x.dtype, np.integer) or (x.size and (x.min() < 0 or x.max() > 0xFFFFFFFF)):
+            raise TypeError(f"expected float32 values or uint32 bits, got dtype {x.dtype}")
+        x = x.astype(np.uint32)
+    return x
+
+
 def is_nan_bits(bits) -> np.ndarray:
     """NaN test on bf16 bits (docs/DESIGN.md §5): exponent all ones and a nonzero mantissa."""
     b = _bits(bits).astype(np.uint32)
     return (b & 0x7FFF) > 0x7F80
+
+
+def is_nan_bits32(bits) -> np.ndarray:
+    """NaN test on float32 bits: exponent all ones and a nonzero mantissa."""
+    b = _bits32(bits).astype(np.uint64)
+    return (b & 0x7FFFFFFF) > 0x7F800000
 
 
 def ord16(bits) -> np.ndarray:
@@ -234,14 +273,38 @@ def ord16(bits) -> np.ndarray:
     return np.where(is_nan_bits(b), 0, code).astype(np.uint32)
 
 
+def ord32(bits) -> np.ndarray:
+    """Order-preserving map of float32 bits into 1..0xFFFFFFFF (docs/DESIGN.md §5), as uint64.
+
+    The rule of :func:`ord16` on 32 bits: -0 -> +0 (0x80000000), a clear sign bit set, a set
+    one inverted; -inf -> 0x007FFFFF, +inf -> 0xFF800000; NaN -> 0 ("no candidate").
+    Accepts float32 values or uint32 bits.
+    """
+    b = _bits32(bits).astype(np.uint64)
+    b = np.where(b == 0x80000000, 0, b)  # -0 -> +0
+    code = np.where(b & 0x80000000, ~b & 0xFFFFFFFF, b | 0x80000000)
+    return np.where(is_nan_bits32(b), 0, code).astype(np.uint64)
+
+
+def score_code(x) -> np.ndarray:
+    """ord16 of bfloat16 scores (values or uint16 bits), ord32 of float32 ones (values or
+    uint32 bits), as uint64: the score part of every key (docs/DESIGN.md §5)."""
+    b = score_bits(x)
+    return ord32(b) if b.dtype == np.uint32 else ord16(b).astype(np.uint64)
+
+
+def _score_dtype_of(bits) -> str:
+    return "float32" if bits.dtype == np.uint32 else "bfloat16"
+
+
 def local_topk_indices(logits_row, row_end, n) -> np.ndarray:
     """Local indices l of a rank's top-n of one row (docs/DESIGN.md §6.1), ascending l.
 
     Valid tokens are l < clamp(row_end, 0, L) with a non-NaN score; order is
-    ord16 descending, then l ascending (= g ascending within one rank).  Fewer
-    than n if fewer are valid.  ``logits_row``: bf16 values or uint16 bits [L].
+    the score code descending, then l ascending (= g ascending within one rank).  Fewer
+    than n if fewer are valid.  ``logits_row``: bf16 / float32 values or their bits [L].
     """
-    code = ord16(logits_row).astype(np.int64)
+    code = score_code(logits_row).astype(np.int64)
     end = int(np.clip(int(row_end), 0, code.size))
     l = np.arange(end, dtype=np.int64)
     code = code[:end]
@@ -254,19 +317,27 @@ def local_topk_indices(logits_row, row_end, n) -> np.ndarray:
 def pack_local_topk(logits_row_bits, row_end, n) -> np.ndarray:
     """Packed words of a rank's local top-n of one row (docs/DESIGN.md §5, layout.py).
 
-    Returns uint32 [layout.row_words(n)]: candidate j (ascending local index l,
-    empty zero words last) is ``ord16 << 16 | (0xFFFF - (l & 0xFFFF))``; bit 16
-    of l is bit ``j % 32`` of word ``n + j // 32``; the rest is zero padding.
+    Returns uint32 [layout.row_words(n, dtype)], candidates by ascending local index l, empty
+    ones (zero) last.  bfloat16 scores (values or uint16 bits): candidate j is
+    ``ord16 << 16 | (0xFFFF - (l & 0xFFFF))``, bit 16 of l is bit ``j % 32`` of word
+    ``n + j // 32``, the rest zero padding.  float32 scores (values or uint32 bits): candidate
+    j is the word pair ``(ord32, l)`` at words ``2 j, 2 j + 1``.
     """
     if not isinstance(n, (int, np.integer)) or n < 1 or n % 32:
         raise ValueError(f"n={n!r} must be a positive multiple of 32")
-    bits = _bits(logits_row_bits)
+    bits = score_bits(logits_row_bits) if np.asarray(logits_row_bits).dtype in (F32, np.uint32) \
+        else _bits(logits_row_bits)
     if bits.ndim != 1:
         raise ValueError(f"logits_row_bits must be 1-D, got shape {bits.shape}")
     if bits.size > layout.MAX_LOCAL_LEN:
         raise ValueError(f"L={bits.size} exceeds {layout.MAX_LOCAL_LEN} (17-bit local index)")
+    dtype = _score_dtype_of(bits)
     l = local_topk_indices(bits, row_end, n).astype(np.uint32)
-    words = np.zeros(layout.row_words(n), np.uint32)
+    words = np.zeros(layout.row_words(n, dtype), np.uint32)
+    if dtype == "float32":
+        words[0 : 2 * l.size : 2] = ord32(bits[l]).astype(np.uint32)
+        words[1 : 2 * l.size : 2] = l
+        return words
     j = np.arange(l.size)
     words[: l.size] = (ord16(bits[l]) << 16) | (0xFFFF - (l & 0xFFFF))
     # np.bitwise_or.at: several candidates share one mask word.
@@ -274,30 +345,41 @@ def pack_local_topk(logits_row_bits, row_end, n) -> np.ndarray:
     return words
 
 
-def decode_keys(words, n, rank, world) -> np.ndarray:
-    """Global 64-bit keys of a packed row from ``rank`` (docs/DESIGN.md §5); 0 = empty.
-
-    ``ord16 << G | (2**G - 1 - g)`` with g = l * world + rank and
-    G = layout.gid_bits(world).  Returns uint64 [n], in the list's order.
-    """
+def unpack_candidates(words, n, score_dtype="bfloat16") -> tuple:
+    """(score code uint64 [n], local index int64 [n]) of a packed row; code 0 = empty."""
+    dtype = layout.score_dtype_name(score_dtype)
     words = np.asarray(words, np.uint32)
-    if words.shape != (layout.row_words(n),):
-        raise ValueError(f"words has shape {words.shape}, expected ({layout.row_words(n)},) for n={n}")
-    if not 0 <= rank < world:
-        raise ValueError(f"rank={rank} must be in [0, world={world})")
-    G = layout.gid_bits(world)
+    if words.shape != (layout.row_words(n, dtype),):
+        raise ValueError(f"words has shape {words.shape}, expected ({layout.row_words(n, dtype)},) "
+                         f"for n={n}, {dtype}")
+    if dtype == "float32":
+        return words[0 : 2 * n : 2].astype(np.uint64), words[1 : 2 * n : 2].astype(np.int64)
     w = words[:n].astype(np.uint64)
     j = np.arange(n)
     hi = (words[n + j // 32].astype(np.uint64) >> (j % 32).astype(np.uint64)) & 1
     l = (np.uint64(0xFFFF) - (w & np.uint64(0xFFFF))) | (hi << np.uint64(16))
-    g = l * np.uint64(world) + np.uint64(rank)
-    keys = ((w >> np.uint64(16)) << np.uint64(G)) | (np.uint64((1 << G) - 1) - g)
-    return np.where(w == 0, np.uint64(0), keys)
+    return w >> np.uint64(16), l.astype(np.int64)
 
 
-def key_to_gid(keys, world) -> np.ndarray:
+def decode_keys(words, n, rank, world, *, interleave=1, score_dtype="bfloat16") -> np.ndarray:
+    """Global 64-bit keys of a packed row from ``rank`` (docs/DESIGN.md §5); 0 = empty.
+
+    ``code << G | (2**G - 1 - g)`` with code the ord16 / ord32 of the score,
+    g = layout.global_position(l, rank, world, interleave) and G = layout.gid_bits(world,
+    interleave).  Returns uint64 [n], in the list's order.
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} must be in [0, world={world})")
+    code, l = unpack_candidates(words, n, score_dtype)
+    G = layout.gid_bits(world, interleave)
+    g = layout.global_position(l, rank, world, interleave).astype(np.uint64)
+    keys = (code << np.uint64(G)) | (np.uint64((1 << G) - 1) - g)
+    return np.where(code == 0, np.uint64(0), keys)
+
+
+def key_to_gid(keys, world, interleave=1) -> np.ndarray:
     """Global positions g of (nonzero) 64-bit keys, int64."""
-    G = layout.gid_bits(world)
+    G = layout.gid_bits(world, interleave)
     mask = np.uint64((1 << G) - 1)
     return (mask - (np.asarray(keys, np.uint64) & mask)).astype(np.int64)
 
@@ -334,17 +416,20 @@ def saturated_mask(lists, topk, local_topk) -> tuple[int, int]:
     return mask, T
 
 
-def saturated_masks(logits, row_ends, *, topk, local_topk) -> np.ndarray:
+def _round1_lists(bits, ends, i, n, world, interleave):
+    """The W decoded round-1 lists of row i (what every rank receives)."""
+    dtype = _score_dtype_of(bits[0])
+    return [decode_keys(pack_local_topk(bits[q][i], ends[q][i], n), n, q, world,
+                        interleave=interleave, score_dtype=dtype) for q in range(world)]
+
+
+def saturated_masks(logits, row_ends, *, topk, local_topk, interleave=1) -> np.ndarray:
     """Saturated bitmask of every row (int32 [R]), from per-rank logits and row_ends."""
     world = len(logits)
-    per_rank = []
-    for q in range(world):
-        bits = bf16_bits(logits[q])
-        per_rank.append([decode_keys(pack_local_topk(bits[i], row_ends[q][i], local_topk),
-                                    local_topk, q, world) for i in range(bits.shape[0])])
-    rows = np.asarray(logits[0]).shape[0]
-    return np.array([saturated_mask([per_rank[q][i] for q in range(world)], topk, local_topk)[0]
-                     for i in range(rows)], np.int32)
+    bits = [score_bits(x) for x in logits]
+    rows = bits[0].shape[0]
+    return np.array([saturated_mask(_round1_lists(bits, row_ends, i, local_topk, world, interleave),
+                                    topk, local_topk)[0] for i in range(rows)], np.int32)
 
 
 def round2_keys(lists, rescue, mask, T, topk) -> np.ndarray:
@@ -366,7 +451,7 @@ def round2_keys(lists, rescue, mask, T, topk) -> np.ndarray:
     return top_keys(np.concatenate(parts), topk)
 
 
-def protocol_merge(logits, row_ends, req_id, block_tables, *, topk, local_topk, block_size):
+def protocol_merge(logits, row_ends, req_id, block_tables, *, topk, local_topk, block_size, interleave=1):
     """CPU model of the two-round protocol (docs/DESIGN.md §5-§6); equals :func:`topk_merge`.
 
     Per row: every rank packs its local top-N (:func:`pack_local_topk`), every
@@ -376,29 +461,31 @@ def protocol_merge(logits, row_ends, req_id, block_tables, *, topk, local_topk, 
     the final keys.  Returns one :class:`MergeOutput` per rank with
     ``saturated`` = the bitmask of saturated ranks of each row.  Configuration
     limits are docs/DESIGN.md §2 (layout.check_config, L <= 2**17); input checks and the
-    IndexError on bad block-table lookups are as in :func:`topk_merge`.
+    -1 ``kv_rows`` of bad block-table lookups are as in :func:`topk_merge`.
     """
     if not isinstance(logits, Sequence) or isinstance(logits, np.ndarray):
         raise TypeError(f"logits must be a sequence of W per-rank arrays, got {type(logits).__name__}")
     layout.check_config(len(logits), topk, local_topk)
     world, rows, lg, ends, reqs, tables = _check_inputs(
-        logits, row_ends, req_id, block_tables, topk, block_size)
+        logits, row_ends, req_id, block_tables, topk, block_size, interleave)
     for q, x in enumerate(lg):
         if not 1 <= x.shape[1] <= layout.MAX_LOCAL_LEN:
             raise ValueError(f"logits[{q}] has L={x.shape[1]}, must be in [1, {layout.MAX_LOCAL_LEN}]")
-    bits = [x.view(np.uint16) for x in lg]
+    bits = [score_bits(x) for x in lg]
+    dtype = _score_dtype_of(bits[0])
     n = local_topk
 
     selected, sat = [], np.zeros(rows, np.int32)
     for i in range(rows):
         # Round 1: what every rank receives from every rank (its own included).
-        words = [pack_local_topk(bits[q][i], ends[q][i], n) for q in range(world)]
-        lists = [decode_keys(words[q], n, q, world) for q in range(world)]
+        lists = _round1_lists(bits, ends, i, n, world, interleave)
         mask, T = saturated_mask(lists, topk, n)
         # Rescue: saturated ranks push their local top-K lists.
-        rescue = {q: decode_keys(pack_local_topk(bits[q][i], ends[q][i], topk), topk, q, world)
+        rescue = {q: decode_keys(pack_local_topk(bits[q][i], ends[q][i], topk), topk, q, world,
+                                 interleave=interleave, score_dtype=dtype)
                   for q in range(world) if mask >> q & 1}
         final = round2_keys(lists, rescue, mask, T, topk)
-        selected.append(key_to_gid(final, world))
+        selected.append(key_to_gid(final, world, interleave))
         sat[i] = mask
-    return _build_results(selected, world, rows, topk, reqs, tables, block_size, saturated=sat)
+    return _build_results(selected, world, rows, topk, reqs, tables, block_size, saturated=sat,
+                          interleave=interleave)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -288,9 +290,8 @@ def _rows(world, topk):
 
 
 def check_case(case: cases.Case):
-    want = ref.topk_merge(*case.args, topk=case.topk, block_size=case.block_size)
-    got = ref.protocol_merge(*case.args, topk=case.topk, local_topk=case.local_topk,
-                             block_size=case.block_size)
+    want = case.oracle()
+    got = case.model()
     assert_same(want, got, repr(case))
     # Invariants of docs/DESIGN.md §3-§4 on the oracle itself.
     K, W = case.topk, case.world
@@ -421,8 +422,14 @@ def test_input_validation(fn):
         call(row_ends=a["row_ends"][:1])
     with pytest.raises(ValueError, match="len\\(block_tables\\)=3"):
         call(block_tables=one_table(3))
-    with pytest.raises(TypeError, match="logits\\[1\\].*bfloat16.*float32"):
+    with pytest.raises(TypeError, match="logits\\[1\\] has dtype float32, logits\\[0\\] has bfloat16"):
         call(logits=[a["logits"][0], np.zeros((3, 10), np.float32)])
+    with pytest.raises(TypeError, match="logits\\[0\\].*bfloat16 or float32.*float16"):
+        call(logits=[np.zeros((3, 10), np.float16)] * 2)
+    for bad, err in ((0, ValueError), (-2, ValueError), (1.0, TypeError), (True, TypeError),
+                     (2**31, ValueError)):
+        with pytest.raises(err, match="interleave"):
+            call(interleave=bad)
     with pytest.raises(ValueError, match="logits\\[1\\].*R=2"):
         call(logits=[a["logits"][0], np.zeros((2, 10), BF16)])
     with pytest.raises(ValueError, match="logits\\[0\\].*2-D"):
@@ -487,3 +494,162 @@ def test_bad_lookups_same_rule_in_the_xla_path(rng):
                                  block_size=c.block_size, with_ids=True)
     for k in ("kv_rows", "counts", "ids"):
         np.testing.assert_array_equal(np.asarray(getattr(got, k))[0], getattr(want, k), err_msg=k)
+
+
+# ---------------------------------------------------------------------------
+# float32 scores (docs/DESIGN.md §4-§5)
+
+
+def f32(rows) -> np.ndarray:
+    return np.array(rows, np.float32)
+
+
+def test_float32_scores_equal_in_bf16_rank_by_float32():
+    # 1 + 2**-20 and 1 + 2**-21 both round to 1.0 in bfloat16; in float32 they differ.
+    a, b = np.float32(1 + 2**-20), np.float32(1 + 2**-21)
+    assert BF16(a) == BF16(b)
+    res = oracle([f32([[1.0, b, a]]), f32([[b, 1.0, 0.5]])], topk=2)
+    # g = l * 2 + q: a (rank 0, l 2: g 4), then the first b by position (rank 1, l 0: g 1; rank
+    # 0's b is g 2); bfloat16 ranking would take the lowest positions of the tied 1.0s instead
+    assert res[0].ids.tolist() == [[4, 1]]  # owner-major
+
+
+def test_float32_special_values():
+    x = f32([[NAN, -0.0, 0.0, INF, -INF, -NAN, 3.0e38, 1e-45]])
+    res = oracle([x], topk=6)
+    # +inf (l 3), 3e38 (l 6), 1e-45 (l 7), then -0 (l 1) == +0 (l 2) by position, then -inf (l 4)
+    assert sorted(res[0].ids[0].tolist()) == [1, 2, 3, 4, 6, 7]
+    res = oracle([x], topk=5)
+    assert sorted(res[0].ids[0].tolist()) == [1, 2, 3, 6, 7]
+
+
+def test_ord32_is_monotone_and_canonical(rng):
+    bits = np.concatenate([rng.integers(0, 2**32, 200000, dtype=np.uint64).astype(np.uint32),
+                           np.array(cases.SPECIAL_BITS32, np.uint32)])
+    vals = bits.view(np.float32)
+    code = ref.ord32(bits)
+    nan = np.isnan(vals)
+    assert (code[nan] == 0).all() and (code[~nan] > 0).all() and code.max() <= 0xFFFFFFFF
+    v, c = vals[~nan].astype(np.float64), code[~nan].astype(np.int64)
+    order = np.argsort(v, kind="stable")
+    v, c = v[order], c[order]
+    assert (np.diff(c)[np.diff(v) > 0] > 0).all()  # larger value: larger code
+    assert (np.diff(c)[np.diff(v) == 0] == 0).all()  # equal values (-0 == +0): equal codes
+    assert ref.ord32(np.array([0x80000000, 0], np.uint32)).tolist() == [0x80000000] * 2
+    assert ref.ord32(np.float32(-np.inf)) == 0x007FFFFF and ref.ord32(np.float32(np.inf)) == 0xFF800000
+
+
+def test_float32_pack_decode_round_trip(rng):
+    for world, interleave in ((1, 1), (3, 1), (8, 16), (16, 64)):
+        for n in (32, 96):
+            L = int(rng.choice([1, 31, 200, 70000]))
+            rank = int(rng.integers(0, world))
+            x = cases.random_logits(rng, 1, L, distinct_values=int(rng.integers(1, 5)), dtype="float32")[0]
+            x[rng.random(L) < 0.1] = np.float32("nan")
+            end = int(rng.integers(-2, L + 3))
+            w = ref.pack_local_topk(x, end, n)
+            assert w.shape == (layout.row_words(n, "float32"),) == (2 * n,)
+            l = ref.local_topk_indices(x, end, n)
+            keys = ref.decode_keys(w, n, rank, world, interleave=interleave, score_dtype="float32")
+            valid = keys[keys != 0]
+            assert valid.size == l.size
+            assert (w[2 * l.size:] == 0).all()
+            assert ref.key_to_gid(valid, world, interleave).tolist() == \
+                layout.global_position(l, rank, world, interleave).tolist()
+            G = layout.gid_bits(world, interleave)
+            assert ((valid >> np.uint64(G)) == ref.ord32(x[l])).all()
+
+
+F32_CONFIGS = [(64, 32), (256, 96), (2048, 256)]
+
+
+@pytest.mark.parametrize("topk,local_topk", F32_CONFIGS, ids=[f"K{k}-N{n}" for k, n in F32_CONFIGS])
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+def test_protocol_equals_oracle_float32(world, topk, local_topk, seed):
+    rng = np.random.default_rng([seed, world, topk, local_topk, 32])
+    cs = cases.adversarial_cases(rng, world=world, topk=topk, local_topk=local_topk, dtype="float32",
+                                 rows=_rows(world, topk), uneven_cols=True, block_size=int(rng.choice([1, 16])))
+    assert all(c.dtype == "float32" for c in cs) and "bf16_collapse" in {c.name for c in cs}
+    for case in cs:
+        check_case(case)
+
+
+def test_float32_collapse_differs_from_bfloat16(rng):
+    """The float32 answer is not the bfloat16 one: rounding first changes the selection."""
+    case = [c for c in cases.adversarial_cases(rng, world=2, topk=64, local_topk=32, rows=4, dtype="float32")
+            if c.name == "bf16_collapse"][0]
+    f = case.oracle()
+    b = ref.topk_merge([x.astype(BF16) for x in case.logits], *case.args[1:], topk=64,
+                       block_size=case.block_size)
+    assert any(not np.array_equal(f[0].ids[i], b[0].ids[i]) for i in range(case.rows))
+
+
+def test_float32_rows_of_2_to_the_17(rng):
+    L = layout.MAX_LOCAL_LEN
+    case = cases.random_case(rng, world=2, topk=2048, local_topk=512, rows=1, cols=L, row_ends="full",
+                             distinct_values=3000, dtype="float32")
+    check_case(case)
+    sat = cases.saturating_case(rng, 2, 2048, 512, 1, rows=1, cols=L, dtype="float32")
+    got = check_case(sat)
+    assert got[0].saturated.tolist() != [0]
+
+
+# ---------------------------------------------------------------------------
+# KV caches interleaved in chunks of I tokens (docs/DESIGN.md §4)
+
+
+def test_interleaved_global_positions_by_hand():
+    # W = 2, I = 2: rank 0 holds tokens 0 1 4 5 8 ..., rank 1 holds 2 3 6 7 ...
+    assert [layout.global_position(l, 0, 2, 2) for l in range(5)] == [0, 1, 4, 5, 8]
+    assert [layout.global_position(l, 1, 2, 2) for l in range(5)] == [2, 3, 6, 7, 10]
+    x = [bf([[5, 5, 5, 5]]), bf([[5, 5, 5, 5]])]
+    res = ref.topk_merge(x, [i32([4])] * 2, [i32([0])] * 2, one_table(2), topk=5, block_size=1, interleave=2)
+    # the five lowest g: 0 1 (r0 l0 l1), 2 3 (r1 l0 l1), 4 (r0 l2); owner-major in ids
+    assert res[0].ids.tolist() == [[0, 1, 4, 2, 3]]
+    assert res[0].counts.tolist() == [3] and res[1].counts.tolist() == [2]
+    assert res[0].kv_rows[0, :3].tolist() == [0, 1, 2] and res[1].kv_rows[0, :2].tolist() == [0, 1]
+    # I = 1 is the token-by-token layout
+    one = ref.topk_merge(x, [i32([4])] * 2, [i32([0])] * 2, one_table(2), topk=5, block_size=1)
+    assert one[0].ids.tolist() == [[0, 2, 4, 1, 3]]
+
+
+def test_gid_bits_and_limits():
+    for w in range(1, 17):
+        assert layout.gid_bits(w) == layout.gid_bits(w, 1) == 17 + (w - 1).bit_length()
+        for interleave in (2, 16, 64, 3, 1000):
+            assert layout.max_global_position(w, interleave) < 2**layout.gid_bits(w, interleave)
+    layout.check_interleave(2**27, 16)
+    with pytest.raises(ValueError, match="interleave=268435456 with world=16"):
+        layout.check_interleave(2**28, 16)
+
+
+INTERLEAVES = [2, 16, 64]
+
+
+@pytest.mark.parametrize("interleave", INTERLEAVES, ids=[f"I{i}" for i in INTERLEAVES])
+@pytest.mark.parametrize("world", [1, 2, 3, 8, 16], ids=lambda w: f"W{w}")
+def test_protocol_equals_oracle_interleaved(world, interleave, seed):
+    rng = np.random.default_rng([seed, world, interleave, 49])
+    topk, local_topk = (256, 64) if world < 8 else (2048, 256)
+    cs = cases.adversarial_cases(rng, world=world, topk=topk, local_topk=local_topk, interleave=interleave,
+                                 rows=_rows(world, topk), uneven_cols=True, block_size=int(rng.choice([1, 16])),
+                                 dtype="float32" if seed % 2 else "bfloat16")
+    assert "chunk_ties" in {c.name for c in cs} and all(c.interleave == interleave for c in cs)
+    for case in cs:
+        check_case(case)
+        # every selected g names a valid token: a local index below its owner's row end
+        ids = case.oracle()[0].ids.astype(np.int64)
+        owner, lidx = layout.owner_and_local(ids, world, interleave)
+        for i in range(case.rows):
+            sel = ids[i] >= 0
+            ends = np.array([np.clip(case.row_ends[q][i], 0, case.cols[q]) for q in range(world)])
+            assert (lidx[i][sel] < ends[owner[i][sel]]).all(), case
+
+
+def test_interleave_changes_the_tie_order(rng):
+    c = cases.random_case(rng, world=3, topk=64, local_topk=32, rows=3, cols=100, distinct_values=1,
+                          row_ends="full")
+    one = c.oracle()
+    four = dataclasses.replace(c, interleave=4).oracle()
+    assert not np.array_equal(one[0].ids, four[0].ids)
+    assert all(set(one[0].ids[i]) != set(four[0].ids[i]) for i in range(c.rows))

@@ -63,7 +63,7 @@ def tracked_files() -> list[str]:
     for base, dirs, names in os.walk(ROOT):
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
         for n in names:
-            if not n.endswith(".pyc"):
+            if n not in SKIP_DIRS and not n.endswith(".pyc"):
                 files.append(os.path.relpath(os.path.join(base, n), ROOT).replace(os.sep, "/"))
     return files
 
@@ -136,17 +136,29 @@ def _doc_pages() -> list[pathlib.Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
+def _anchors(page: pathlib.Path) -> set[str]:
+    """The heading anchors GitHub gives a markdown page."""
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
+
+
 def test_relative_links_of_the_docs_resolve():
+    """Every relative link of README.md and docs/ names an existing file, and a heading of it
+    where the link has an anchor."""
     broken = []
     for page in _doc_pages():
         text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL)
         for m in _LINK.finditer(text):
             target = m.group(1) or m.group(2)
-            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-                continue  # an URL or an anchor of the page itself
-            path = target.split("#", 1)[0]
-            if not (page.parent / path).exists():
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):
+                continue  # an URL
+            path, _, anchor = target.partition("#")
+            dest = page.parent / path if path else page
+            if not dest.exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, broken
 
 
@@ -160,8 +172,9 @@ def _make_tables():
 def test_perf_data_is_stamped_csv():
     """docs/perf/ keeps one stamped CSV per table (plus plots and the generator), no raw logs."""
     mt = _make_tables()
-    perf = ROOT / "docs" / "perf"
-    for f in sorted(perf.iterdir()):
+    files = [ROOT / p for p in tracked_files() if p.startswith("docs/perf/")]
+    assert files
+    for f in sorted(files):
         assert f.suffix in {".csv", ".png", ".svg", ".py"}, f"not current data: {f.name}"
         if f.suffix == ".csv":
             stamp, header, rows = mt.read_csv(f)

@@ -609,7 +609,7 @@ ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32
   v[kMgFlagsOff].i64 = rec.flags_off;
   v[kMgTimeoutUs].i32 = rec.timeout_us;
   // The kernel itself fills the pinned copy when the status is set (no copy node after
-  // every merge: in a CUDA graph it cost ~8 us of stream time per call, issue #13).
+  // every merge: in a CUDA graph it cost ~8 us of stream time per call, H200).
   v[kMgHostStatus].i64 = rec.host_status;
   // merge_grid: rows at once (CTAs, or with a clustered merge its clusters of c CTAs); the
   // wide image instead when every row has its own cluster of it (then grid = rows)
@@ -630,7 +630,7 @@ ffi::Error MergeImpl(CUstream stream, int32_t device, int64_t exchange_id, int32
 // (exchange, buffer addresses), so XLA may record them into CUDA graphs
 // (command buffers) and replay them without calling the handler again.  The
 // *NoGraph variants are the same handlers without that trait, for when a
-// handler must run on every call (see ffi/README.md: exchange lifetime).
+// handler must run on every call (see docs/ffi.md: exchange lifetime).
 #define DSA_SELECT_PUSH_BINDING                    \
   ffi::Ffi::Bind()                                 \
       .Ctx<ffi::PlatformStream<CUstream>>()        \

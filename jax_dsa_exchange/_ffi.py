@@ -244,7 +244,7 @@ def cuda_graph_mode() -> str:
     * ``checked``: the merge may be recorded, select_push never is, so its handler (and its
       status check: a failed exchange raises on the next call, whatever jit compiled it)
       runs on every call; XLA splits its graphs around it, which costs 4.5-5.8 us per call
-      in issue #13's serving loop (H200).
+      in the serving loop of ``python -m jax_dsa_exchange.bench --serving`` (H200).
     * ``off`` (also ``0``): neither; XLA calls both handlers on every execution.
     """
     v = os.environ.get("JAX_DSA_EXCHANGE_CUDA_GRAPHS", "on").strip().lower()

@@ -71,18 +71,18 @@ STATE_EPOCH_ROWS, STATE_SEQ_ROWS, STATE_STATUS_ROWS = 0, 1, 2
 # tokens); a slice stays in shared memory after its one read when it has at most
 # producer_cache_tokens() tokens (16K to 64K), a longer one is re-read in each pass.  C is chosen per call by
 # producer_cluster(); the C++ launcher computes the same from the kernel metadata
-# ("split"), and a CI test compares the two.  Measured on an H200 (NOTES.md): the
+# ("split"), and a CI test compares the two.  Measured on an H200 (docs/kernels.md): the
 # fixed cost of a CTA dominates below ~8K tokens (R = 16, L = 32K: 16.9 us with C = 8,
 # 12.2 with C = 4), and one CTA per SM beats more, smaller slices once R fills the SMs,
 # unless the slices are then too long to keep on chip (producer_cluster).
 PRODUCER_SLICE_MAX = 16384  # tokens (their ord16) always kept in shared memory: 32 KB per CTA
 PRODUCER_CLUSTER_MAX = 8  # the portable cluster size limit
-PRODUCER_MIN_SLICE = 8192  # no slice shorter than this (unless the row is); 4096 until session 6
+PRODUCER_MIN_SLICE = 8192  # no slice shorter than this (unless the row is)
 PRODUCER_FILL_CTAS = 132  # split only while the grid keeps within this many CTAs
 # Without the launcher's count of co-resident clusters (producer_cluster_fit): clusters of
 # more than this many CTAs only while the grid keeps within fill_ctas / 2 CTAs (H200, N =
 # 512, L = 64K / 128K: R = 16 16.8 / 18.6 us with C = 8, 13.4 / 16.5 with C = 4; R = 8 12.8 /
-# 14.2 with C = 8, 13.0 / 15.6 with C = 4; sixth session: the GPC limit, not yet known then)
+# 14.2 with C = 8, 13.0 / 15.6 with C = 4)
 PRODUCER_WIDE_CLUSTER = 4
 # Longer slices kept on chip too (the launch's dynamic shared memory sized for them,
 # producer_cache_tokens): up to PRODUCER_CACHE_WIDE tokens at any grid size (64 KB: two
@@ -99,7 +99,7 @@ PRODUCER_LEAN_SLICE_MAX = 16384
 # Where a launch runs the lean image, its rows are cut finer than select_push's policy cuts
 # them: one CTA per PRODUCER_LEAN_MIN_SLICE tokens while the launch keeps within
 # PRODUCER_LEAN_FILL_CTAS CTAs (producer_lean_cluster; the lean image's split carries both as
-# its min_slice and fill_ctas).  H200, W = 8, K = 2048, CUPTI (twenty-fifth session): N = 512
+# its min_slice and fill_ctas).  H200, W = 8, K = 2048, CUPTI: N = 512
 # (1, 8K) C = 1 / 2 / 4 / 8 5.47 / 5.18 / 5.06 / 5.14 us, (16, 8K) C = 1 / 4 5.79 / 5.49,
 # (1, 32K) C = 4 / 8 5.95 / 5.41; N = 1024 (1, 8K) 6.59 -> 5.41 (C = 4), (16, 8K) 6.96 -> 5.82,
 # (1, 32K) 6.13 -> 5.54 (C = 8); but past 64 CTAs more CTAs lose: (16, 32K) C = 8 7.25 against
@@ -149,7 +149,7 @@ def producer_cluster_fit(split: dict | None = None) -> tuple:
     CTAs (the rule before the count).  Why the count: a cluster's CTAs share one GPC, and
     an H200's 132 SMs hold at most 120 CTAs in clusters of 4 or 8 at one CTA per SM (a
     larger grid puts two CTAs on some SMs: R = 16, L = 128K with C = 8 17.2 us, C = 6 15.2,
-    C = 4 16.3; R = 32, L = 128K with C = 4 22.0, C = 3 19.3; tenth session, NOTES.md)."""
+    C = 4 16.3; R = 32, L = 128K with C = 4 22.0, C = 3 19.3; N = 512, docs/kernels.md)."""
     sp = split or producer_split()
     fill = max(0, int(sp["fill_ctas"]))
     out = []
@@ -195,8 +195,8 @@ def producer_cluster(rows: int, cols: int, split: dict | None = None) -> int:
     c = max(1, c)
     # A slice kept on chip is read from HBM once; a longer one is re-read in every pass
     # (the mask walk too).  Smaller, cached slices in more waves of CTAs cost less (H200,
-    # N = 512: R = 256 L = 128K 85.5 -> 80.0 us with C = 4, R = 128 59.5 -> 47.9; sixth
-    # session's sweep, NOTES.md).
+    # N = 512: R = 256 L = 128K 85.5 -> 80.0 us with C = 4, R = 128 59.5 -> 47.9;
+    # docs/kernels.md).
     cache = dict(s, cache_max=s.get("cache_max", 0), cache_wide=s.get("cache_wide", 0))
     while c < cmax and producer_cache_tokens(rows, cols, c, cache) < _round_up(-(-length // c), 8):
         c += 1
@@ -208,7 +208,7 @@ def producer_uses_lean(cols: int, c: int, lean_slice_max: int) -> bool:
     lean image (kernels/cache.py OPTIONAL, kernels/lean.py) instead of select_push: when it has
     one (``lean_slice_max`` > 0: that image's split's slice_max, else 0) and every slice of the
     launch, cut from the buffer's row length min(cols, 2**17), has at most that many tokens.
-    H200, W = 8, K = 2048, N = 512 (twenty-fourth session): 7.0 -> 5.6 us at R = 1, L = 8K;
+    H200, W = 8, K = 2048, N = 512: 7.0 -> 5.6 us at R = 1, L = 8K;
     9.3 -> 7.5 at R = 1, L = 128K (C = 8).  The C++ launcher's rule is this one
     (dsa_producer_uses_lean, tests/test_ffi.py)."""
     length = max(1, min(int(cols), MAX_LOCAL_LEN))
@@ -235,7 +235,7 @@ def merge_uses_wide(rows: int, wide_grid: int) -> bool:
     (``wide_grid`` > 0: the clusters of its size each rank's launch may hold at once) and every
     row then has its own cluster.  Past that a row's cluster does several rows one after
     another, which the narrower clusters of the merge do faster (H200, W = 16, N = 1024: 4 CTAs
-    per row 12.6 us at R = 1, 31.3 at R = 64; 2 CTAs 19.5 and 20.5; twentieth session).  The C++
+    per row 12.6 us at R = 1, 31.3 at R = 64; 2 CTAs 19.5 and 20.5).  The C++
     launcher's rule is this one (dsa_merge_uses_wide, tests/test_ffi.py)."""
     return int(wide_grid) > 0 and 0 < int(rows) <= int(wide_grid)
 

@@ -18,12 +18,9 @@ import pytest
 from jax_dsa_exchange import layout, reference
 from jax_dsa_exchange.testing import cases
 
-from gpu import gpu_stack_missing
+from gpu import requires_gpu_stack
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_stack_missing() is not None, reason=str(gpu_stack_missing())),
-]
+pytestmark = [pytest.mark.gpu, requires_gpu_stack]
 
 SMALL_K, SMALL_N = 256, 64
 WORLDS = [1, 2, 4, 8, 16]

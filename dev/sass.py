@@ -4,7 +4,7 @@ instructions and barriers.  A static check of a kernel change made without a GPU
 is what the DSL asked for, the SASS is what runs (e.g. whether ptxas if-converted a branch,
 or where it issues a load relative to the first barrier).
 
-Needs nvdisasm and cuobjdump, which CUDA's pip wheels carry (no GPU, no toolkit):
+Needs nvdisasm and cuobjdump, which CUDA's pip wheels ship (no GPU, no toolkit):
   pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump      (or NVDISASM= / CUOBJDUMP=)
 
   python dev/sass.py .cubins/sm_90a-w8-k2048-n512-<tag> [--image merge] [--diff OTHER_DIR]

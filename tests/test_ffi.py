@@ -264,13 +264,13 @@ def test_launcher_splits_rows_like_layout():
                     sp = dict(split, cache_max=split.get("cache_max", 0), cache_wide=split.get("cache_wide", 0))
                     longer = -(-(-(-min(c, layout.MAX_LOCAL_LEN) // (want - 1))) // 8) * 8
                     assert layout.producer_cache_tokens(rows, c, want - 1, sp) < longer, (rows, c, split)
-    # what the policy gives at the benchmark's shapes (sixth session's H200 sweep, docs/notes_history.md)
+    # what the policy gives at the benchmark's shapes (the sizes an H200 sweep of every cluster size chose)
     # without the device's cluster counts
     for (rows, cols), want in {(1, 8192): 1, (1, 32768): 4, (1, 131072): 8, (8, 131072): 8, (16, 32768): 4, (16, 131072): 4,
                                (64, 32768): 2, (64, 131072): 2, (128, 131072): 4, (256, 32768): 1,
                                (256, 131072): 4}.items():  # fmt: skip
         assert layout.producer_cluster(rows, cols) == want, (rows, cols)
-    # and with an H200's (tenth session's sweep, docs/notes_history.md): the widest cluster whose rows all
+    # and with an H200's cluster counts: the widest cluster whose rows all
     # run at once at one CTA per SM
     h200 = dict(base, cluster_fit=H200_FIT)
     for (rows, cols), want in {(1, 131072): 8, (12, 131072): 8, (15, 131072): 8, (16, 131072): 6,
@@ -314,7 +314,7 @@ def test_launcher_caches_slices_like_layout():
 
 
 def _old_cluster(rows, cols, sp):
-    """The ninth session's rule (before the device's cluster counts), for the test below."""
+    """The policy's rule without the device's cluster counts, for the test below."""
     length = max(1, min(cols, layout.MAX_LOCAL_LEN))
     c = min(sp["cluster_max"], -(-length // max(1, sp["min_slice"])))
     while c > 1 and rows * c > sp["fill_ctas"]:
@@ -341,7 +341,7 @@ def _old_cache(rows, cols, c, sp):
 @needs_lib
 def test_policy_without_cluster_counts_is_the_old_rule():
     """No count of co-resident clusters (CI, a driver without cuOccupancyMaxActiveClusters,
-    or every entry -1): the cluster size and the slice cache are the ninth session's rule,
+    or every entry -1): the cluster size and the slice cache follow the rule of _old_cluster,
     for every shape and the splits that differ from the default in each parameter."""
     base = layout.producer_split()
     splits = [base, dict(base, cache_max=32768, cache_wide=16384), dict(base, cache_max=24576, cache_wide=16384),

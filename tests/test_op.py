@@ -678,7 +678,7 @@ SERIALIZE_SCRIPT = textwrap.dedent(
 
 
 def test_default_mode_does_not_serialize_the_host_with_the_device():
-    """Issue #13: with the op in the step (a CPU stand-in lowering with the same effects),
+    """Serving: with the op in the step (a CPU stand-in lowering with the same effects),
     dispatching 30 steps back to back returns long before they finish in the default mode,
     like a step without the op; the ordered effect (ordered="effect") makes each dispatch
     wait for the previous step."""

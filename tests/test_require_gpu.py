@@ -43,7 +43,7 @@ def _pytest(args, cwd, tmp_path, hide=(), show=(), env=None):
 
 
 def test_the_suite_stops_without_a_gpu_backend_in_jax(tmp_path):
-    """The issue's command on a machine without a GPU backend in jax: non-zero, one message
+    """`pytest -m gpu --require-gpu` on a machine without a GPU backend in jax: non-zero, one message
     naming it and its fix, no test run."""
     rc, out = _pytest(["-q", "-m", "gpu", "--require-gpu"], REPO, tmp_path, env={"JAX_PLATFORMS": "cpu"})
     assert rc == 4, out

@@ -130,7 +130,7 @@ def _load_function(img, tmpdir, name=None):
     after the image (``name``): merge and merge_wide are both kernel "merge", and CuPy caches a
     RawModule loaded from a path (or loads it lazily), so with one file name for both, merge_wide's
     launches ran the merge's code on clusters of 4: its cluster-size check trapped
-    (unspecified launch failure; twenty-first session)."""
+    (unspecified launch failure)."""
     import cupy as cp
 
     errors = []

@@ -1,361 +1,392 @@
 """Raw-kernel benchmark on ONE GPU: W ranks simulated in one process (CuPy).
 
-    JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins PYTHONPATH=. python3 benchmarks/bench_kernels.py
+    JAX_DSA_EXCHANGE_CUBIN_DIR=.cubins python benchmarks/bench_kernels.py [--csv docs/perf/kernels.csv]
 
-For K = 2048, W = 8, N in {256, 512, 1024}, R in {1, 16, 64, 256}, L in {8K,
-32K, 128K}: median device time (CUDA events; the stream is kept busy by a
-spacer memset before the first event so host launch gaps are not timed;
-warm-up; inputs rotate over several sets) of
+Tables (``--tables``; default ``producer merge``), rank 0's kernels of W = 8, K = 2048:
 
-* select+push of rank 0 (grid = R CTAs): local top-N of R x L bf16 + LL push
-  of the rows to the 8 ranks' buffers;
-* merge of rank 0 alone (grid = min(R, 132)), data already pushed: without
-  rescue (random logits) and with a forced rescue (rank 0's scores + 100, so
-  rank 0 is saturated on every row and also computes its local top-K of L);
+* producer: N in {256, 512, 1024}, R in {1, 16, 64, 256}, L in {8K, 32K, 128K}: rank 0's
+  select+push (its local top-N of R x L bf16 and the push of its rows to the W ranks) and its
+  merge, next to the baselines measured in the same run on the same shapes: torch.topk and
+  jax.lax.top_k of the top-N of [R, L] bf16 (what select+push replaces), and one read of
+  R x L bf16 at the device's measured copy bandwidth;
+* merge: rank 0's merge alone (every rank's rows already pushed), R in {1, 16, 64, 256}, without
+  and with a forced rescue (rank 0's scores + 100: it is saturated on every row), next to the
+  top-K of random 64-bit keys [R, W N] (the merge's round 1) by torch.topk and jax.lax.top_k,
+  and to the local top-K of the rescued rows (select+push of a build with N = K);
+* pair: rank 0's producer and merge back to back on one stream, the merge under programmatic
+  dependent launch (as the C++ launcher launches it) and in plain stream order.
 
-(``--pair``: rank 0's producer and merge back to back on one stream, the merge under PDL as
-the C++ launcher launches it and in plain stream order, next to each alone: what the merge
-adds to a decode step) next to a device copy bandwidth and jax.lax.top_k baselines measured in the
-same run on [R, L] (what select+push replaces) and on [R, W*N] (the merge's
-round 1), each as device time of 16 dependent calls in one jitted loop.  Ends with a table; "read" = one read of R x L bf16 at the
-measured copy bandwidth (bytes / (read + write rate of a copy)).
+Times are medians in microseconds of CUDA events around the launch, after a memset that keeps
+the stream busy (host launch gaps are not timed) and leaves the L2 cold; inputs are drawn on the
+device and rotate over several sets.  "kernel" columns are the kernel's own duration (CUPTI,
+through torch.profiler); torch's columns are left out where PyTorch is not importable.
+
+``--baseline-cubins DIR`` times the same configurations of another build next to this one, in
+the same run and on the same inputs: DIR is a folder of ``python -m jax_dsa_exchange.build --out
+DIR`` from another source tree (the source hash in its folder names is ignored); the tables then
+show both times and their ratio (this build / baseline: below 1 is faster).  ``--csv FILE``
+writes each table as CSV (FILE with the table's name before its suffix: kernels.csv ->
+kernels_producer.csv), stamped in comment lines (``# gpu:``, ``# driver:``, ``# jax:``,
+``# commit:``, ``# date:``, ``# command:``) before its header row.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import math
 import os
-import statistics
+import pathlib
+import shlex
+import subprocess
 import sys
 import time
 
-import numpy as np
-
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # (JAX beside CuPy on one GPU)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from jax_dsa_exchange import layout  # noqa: E402
 from jax_dsa_exchange.baselines import jax_topk_time, topk64_times, torch_topk_time  # noqa: E402
-from jax_dsa_exchange.kernels.timing import KernelClock, KernelTimer as Bench, _events, copy_bandwidth, firsts_of_groups  # noqa: E402,E501
+from jax_dsa_exchange.testing.timing import KernelTimer, copy_bandwidth, prebuilt_images  # noqa: E402
+
+TABLES = ("producer", "merge", "pair")
+STAMP_KEYS = ("gpu", "driver", "jax", "commit", "date", "command")
 
 
-def time_merge(b, R, L, rescue, iters=12, warm=3, seed=0):
-    """Median device time (CUDA events) of rank 0's merge ALONE on the GPU, data
-    already pushed: every producer first, then rank 0's merge (grid min(R, 64)), then
-    the other ranks' merges after it (so they do not take SMs from it; with the forced
-    rescue only rank 0 is saturated, so its merge waits for no other rank).  R = 0
-    times an empty launch of the merge (the launch and event floor).  Also sets
-    ``b.last_kernel_us``: the median of the merge kernel's own duration (CUPTI, KernelClock;
-    nan without PyTorch)."""
-    cp, sim, W = b.cp, b.sim, b.world
-    clock = KernelClock()
-    Rd = max(R, 1)
-    nsets = 2 if Rd * L * W * 2 > (1 << 29) else 4
-    sets = b.inputs(Rd, L, nsets, rescue, seed)
-    s0 = sim.streams[0]
-    tm = []
-    for it in range(warm + iters):
-        d = sets[it % nsets]
-        if it == warm:
-            clock.__enter__()
-        if R:
-            for q in range(W):
-                sim.launch_rank(q, d[q], R, L, 64, merge=False)
-        cp.cuda.Device().synchronize()
-        e0, e1 = _events(cp)
-        with s0:
-            b.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
-            e0.record(s0)
-            sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=max(1, min(R, 64)))
-            e1.record(s0)
-        s0.synchronize()
-        if R:
-            for q in range(1, W):
-                sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
-        cp.cuda.Device().synchronize()
-        if it >= warm:
-            tm.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
-    clock.__exit__(None, None, None)
-    # rank 0's merge ran (and was waited for) before the other ranks' merges of its iteration
-    ks = firsts_of_groups(clock.starts_and_durations("kernelsmerge"), W if R else 1)
-    b.last_kernel_us = statistics.median(ks) if len(ks) == iters else float("nan")
-    for q in range(W):
-        st = sim.status(q)
-        assert st[0] == 0, f"rank {q} status {st}"
-    b.last_sat_rows = float((sets[0][0]["sat"].get()[:Rd] != 0).mean()) if R else 0.0
-    del sets
-    return statistics.median(tm)
+# ------------------------------------------------------------------ arguments
 
 
-def merge_only(cp, a):
-    """Merge alone (data already pushed) against top-k of 64-bit keys [R, W*N], and the
-    forced rescue against the producer's local top-K of the same rows (select+push built
-    with N = K: local top-K of each row + its push, on rank 0's rows of the forced rescue:
-    logits + 100, which in bf16 puts its top 2048 of 8192 into about a dozen codes)."""
-    L = a.cols[0]
-    res = []
+def _positive(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a positive integer")
+    return v
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python benchmarks/bench_kernels.py",
+        description="Device time of the raw kernels (W ranks simulated on one GPU) next to torch.topk, "
+                    "jax.lax.top_k and one read of the logits; see the module docstring.")  # fmt: skip
+    ap.add_argument("--tables", nargs="+", choices=TABLES, default=["producer", "merge"],
+                    help="which tables to measure (default: producer merge)")
+    ap.add_argument("--world", type=_positive, default=8, help="W, the ranks simulated (default 8)")
+    ap.add_argument("--topk", type=_positive, default=2048, help="K, the merged top-k (default 2048)")
+    ap.add_argument("--n", type=_positive, nargs="+", default=[256, 512, 1024],
+                    help="N, each rank's local top-N (default 256 512 1024)")
+    ap.add_argument("--rows", type=_positive, nargs="+", default=[1, 16, 64, 256],
+                    help="R, the rows of a call (default 1 16 64 256)")
+    ap.add_argument("--cols", type=_positive, nargs="+", default=[8192, 32768, 131072],
+                    help="L, each rank's tokens per row, of the producer and pair tables (default 8192 32768 131072)")
+    ap.add_argument("--merge-cols", type=_positive, default=8192,
+                    help="L of the merge table (the merge reads L only in a rescue; default 8192)")
+    ap.add_argument("--iters", type=_positive, default=12, help="timed iterations per measurement (default 12)")
+    ap.add_argument("--no-rescue", action="store_true", help="leave out the forced-rescue measurements")
+    ap.add_argument("--no-jax", action="store_true", help="leave out the jax.lax.top_k baselines")
+    ap.add_argument("--no-torch", action="store_true",
+                    help="leave out torch.topk and the CUPTI kernel durations (also without PyTorch)")
+    ap.add_argument("--pattern", default="random", choices=("random", "recent"),
+                    help="input scores: random, or recent (rising along the row: the top-N are the last tokens)")
+    ap.add_argument("--spacer-mb", type=_positive, default=256,
+                    help="the memset before each timed launch, MB: 256 leaves the L2 cold, 1 keeps it warm")
+    ap.add_argument("--baseline-cubins", metavar="DIR", type=pathlib.Path,
+                    help="also time the same configurations of the build in DIR (another source tree), with ratios")
+    ap.add_argument("--csv", metavar="FILE", type=pathlib.Path,
+                    help="write each table as stamped CSV to FILE with the table's name before the suffix")
+    a = ap.parse_args(argv)
     for n in a.n:
-        if a.world * n <= a.topk:
-            # every row then needs a rescue, and rank 0's merge runs alone first here: it would
-            # wait for its peers' rescue flags until the timeout (the full bench times such rows)
-            print(f"N={n}: skipped (W*N = {a.world * n} <= K = {a.topk}: every row is rescued; "
-                  f"the merge alone is timed only without a rescue)", flush=True)
-            continue
-        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern, spacer_mb=a.spacer_mb)
-        print(f"N={n} (inputs: {a.pattern}): loaded {b.sim.loaded_from}", flush=True)
-        t0 = time.perf_counter()  # warm-up: the GPU busy for ~0.5 s before timing (clocks ramp)
-        while time.perf_counter() - t0 < 0.5:
-            for i in range(8):
-                b.spacer.fill(i)
-            cp.cuda.Device().synchronize()
-        floor = time_merge(b, 0, L, False, iters=a.iters)
-        kfloor = b.last_kernel_us
-        print(f"merge launch floor (R=0, empty launch): {floor:.2f}us (kernel {kfloor:.2f}us)", flush=True)
-        for R in a.rows:
-            tm = time_merge(b, R, L, False, iters=a.iters)
-            km = b.last_kernel_us
-            tr = kr = float("nan")
-            sat = float("nan")
-            if not a.no_rescue:
-                tr = time_merge(b, R, L, True, iters=6, warm=2)
-                kr = b.last_kernel_us
-                sat = b.last_sat_rows
-            tk = {"jax": None, "torch": None} if a.no_jax else topk64_times(R, a.world * n, a.topk)
-            res.append([n, R, tm, tr, sat, tk["jax"], tk["torch"], None, floor, kfloor, km, kr])
-            print(f"merge W={a.world} N={n} R={R} L={L}: {tm:.2f}us (kernel {km:.2f}us), forced rescue "
-                  f"{tr:.2f}us (kernel {kr:.2f}us, rescued rows {sat}), top-k int64 [R,W*N] jax {tk['jax']} "
-                  f"torch {tk['torch']}", flush=True)  # fmt: skip
-        del b
-    if not a.no_rescue:
         try:
-            bk = Bench(cp, a.world, a.topk, a.topk, max(a.rows), spacer_mb=a.spacer_mb)
-            for r in res:
-                # the local top-K of the same rows the forced rescue selects from (rank 0's
-                # logits + 100, as in time_merge): issue #12 compares the rescue with it
-                tp, _ = bk.run(r[1], L, rescue=True, iters=6, warm=2, merge=False)
-                r[7] = tp
-            del bk
-        except FileNotFoundError as e:
-            print(f"no N=K build for the local top-K time: {e}", flush=True)
-    f = lambda v: "-" if v is None or v != v else f"{v:8.2f}"  # noqa: E731
-    print(f"\nmerge alone, W={a.world} K={a.topk} L={L}; us, median (CUDA events / graph replay; "
-          f"'kernel' = the kernel's own duration, CUPTI); localK = select+push with N=K (the rescue's "
-          f"local top-K + push)")
-    print(f"{'N':>5} {'R':>4} | {'floor':>8} {'merge':>8} {'kernel':>8} | {'+rescue':>8} {'kernel':>8} "
-          f"{'localK':>8} {'resc-lK':>8} | {'jax tk64':>8} {'torch tk64':>10}")  # fmt: skip
-    for n, R, tm, tr, sat, tj, tt, tk, fl, kfl, km, kr in res:
-        d = None if tk is None or tr != tr else tr - tk
-        print(f"{n:>5} {R:>4} | {f(fl)} {f(tm)} {f(km)} | {f(tr)} {f(kr)} {f(tk)} {f(d)} | {f(tj)} "
-              f"{f(tt):>10}")
-    return res
+            layout.check_config(a.world, a.topk, n)
+        except ValueError as e:
+            ap.error(f"--world {a.world} --topk {a.topk} --n {n}: {e}")
+    if a.baseline_cubins is not None and not a.baseline_cubins.is_dir():
+        ap.error(f"--baseline-cubins {a.baseline_cubins}: not a folder")
+    a.torch = not a.no_torch and importlib.util.find_spec("torch") is not None
+    return a
 
 
-def pair_times(cp, a):
-    """The decode step's pair on rank 0 (producer then merge on one stream, the other ranks'
-    rows already pushed), with the merge under PDL (as the C++ launcher launches it) and in
-    plain stream order, next to the producer and the merge each timed alone in the same
-    run: what the merge adds to a step is the pair minus the producer alone."""
-    res = []
-    for n in a.n:
-        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern, spacer_mb=a.spacer_mb)
-        print(f"N={n}: loaded {b.sim.loaded_from}", flush=True)
-        for R in a.rows:
-            for L in a.cols:
-                tp, _ = b.run(R, L, rescue=False, iters=a.iters, warm=3, merge=False)
-                kp = b.last_producer_kernel_us
-                tm = time_merge(b, R, L, False, iters=a.iters)
-                km = b.last_kernel_us
-                t_pdl = b.pair(R, L, True, iters=a.iters)
-                s_pdl, ov = b.last_pair_span_us, b.last_pair_overlap_us
-                t_seq = b.pair(R, L, False, iters=a.iters)
-                s_seq = b.last_pair_span_us
-                res.append((n, R, L, tp, kp, tm, km, t_seq, s_seq, t_pdl, s_pdl, ov))
-                print(f"pair N={n} R={R} L={L}: producer {tp:.2f} (kernel {kp:.2f}) merge {tm:.2f} (kernel "
-                      f"{km:.2f}) pair plain {t_seq:.2f} (span {s_seq:.2f}) pair PDL {t_pdl:.2f} (span "
-                      f"{s_pdl:.2f}, merge started {ov:.2f} us before the producer ended)", flush=True)  # fmt: skip
-        del b
-    print(f"\nthe pair on rank 0, W={a.world} K={a.topk}; us, median; events = CUDA events around the "
-          f"launches (after a busy stream), span = CUPTI from the producer's start to the merge's end; "
-          f"'+merge' = pair (PDL) - producer alone, events and span - producer kernel")  # fmt: skip
-    print(f"{'N':>5} {'R':>4} {'L':>7} | {'prod':>6} {'kern':>6} | {'merge':>6} {'kern':>6} | {'plain':>6} "
-          f"{'span':>6} | {'PDL':>6} {'span':>6} | {'+merge':>6} {'+span':>6}")  # fmt: skip
-    for n, R, L, tp, kp, tm, km, t_seq, s_seq, t_pdl, s_pdl, ov in res:
-        print(f"{n:>5} {R:>4} {L:>7} | {tp:6.2f} {kp:6.2f} | {tm:6.2f} {km:6.2f} | {t_seq:6.2f} {s_seq:6.2f} | "
-              f"{t_pdl:6.2f} {s_pdl:6.2f} | {t_pdl - tp:6.2f} {s_pdl - kp:6.2f}")  # fmt: skip
-    return res
+# ------------------------------------------------------------------ CSV
 
 
-def probe(cp, world, topk, n, reps=20):
-    """select_push per launch when launched back to back (a CUDA graph of reps
-    launches, median of 5 replays; no other kernel in between) at R = 1: empty rows (the fixed
-    cost), then growing rows, per cluster size."""
-    b = Bench(cp, world, topk, n, 8)
-    sim = b.sim
-    s0 = sim.streams[0]
-    for L in (8192, 131072):
-        d = b.inputs(1, L, 1, False, seed=1)[0][0]
-        for end in (0, 1024, L):
-            d["row_ends"].fill(end)
-            for c in (1, 2, 4, 8):
-                for _ in range(3):
-                    sim.launch_rank(0, d, 1, L, 64, merge=False, cluster=c)
-                s0.synchronize()
-                s0.begin_capture()  # a CUDA graph of reps launches: no host gaps
-                for _ in range(reps):
-                    sim.launch_rank(0, d, 1, L, 64, merge=False, cluster=c)
-                g = s0.end_capture()
-                ts = []
-                clock = KernelClock()
-                with clock:
-                    for _ in range(5):
-                        e0, e1 = _events(cp)
-                        e0.record(s0)
-                        g.launch(s0)
-                        e1.record(s0)
-                        s0.synchronize()
-                        ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / reps)
-                t = statistics.median(ts)
-                ks = [d for _, d in clock.starts_and_durations("kernelsselect_push")]
-                k = statistics.median(ks) if ks else float("nan")
-                print(f"probe N={n} R=1 L={L} end={end} C={c}: {t:.2f}us per launch (back to back), "
-                      f"kernel {k:.2f}us (CUPTI)", flush=True)  # fmt: skip
-    del b
+def stamp(command: list, gpu: str, driver: str) -> dict:
+    """What a CSV says about the run that made it: ``STAMP_KEYS``, in that order."""
+    try:
+        jax_version = importlib.metadata.version("jax")
+    except importlib.metadata.PackageNotFoundError:
+        jax_version = "not installed"
+    commit = "unknown"
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=30)  # fmt: skip
+        if head.returncode == 0 and head.stdout.strip():
+            commit = head.stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=30).stdout.strip()  # fmt: skip
+            if dirty:
+                commit += " (with uncommitted changes)"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return dict(gpu=gpu, driver=driver, jax=jax_version, commit=commit, date=date, command=shlex.join(command))
 
 
-def cluster_sweep(cp, world, topk, n, rows, cols, clusters, iters):
-    """select_push time per forced cluster size (the policy's choice on this device marked)."""
-    b = Bench(cp, world, topk, n, max(rows))
+def _cell(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def csv_text(stamp_: dict, header: list, rows: list) -> str:
+    """The stamp as ``# key: value`` lines, then the header row and the rows (dicts)."""
+    import csv
+    import io
+
+    out = io.StringIO()
+    for k in STAMP_KEYS:
+        out.write(f"# {k}: {stamp_[k]}\n")
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(header)
+    for r in rows:
+        w.writerow([_cell(r.get(h)) for h in header])
+    return out.getvalue()
+
+
+def csv_path(base: pathlib.Path, table: str) -> pathlib.Path:
+    """kernels.csv + producer -> kernels_producer.csv"""
+    return base.with_name(f"{base.stem}_{table}{base.suffix or '.csv'}")
+
+
+def print_table(title: str, header: list, rows: list) -> None:
+    cells = [[_cell(r.get(h)) or "-" for h in header] for r in rows]
+    width = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(header, width)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, width)), flush=True)
+
+
+def columns(a, names: list) -> list:
+    """``names`` without the columns this run does not measure."""
     out = []
-    for R in rows:
-        for L in cols:
-            for c in clusters:
-                tp, _ = b.run(R, L, rescue=False, iters=iters, warm=2, cluster=c, merge=False)
-                pol = b.sim.producer_launch(R, L)[1]
-                out.append((n, R, L, c, tp, c == pol))
-                print(f"sweep N={n} R={R} L={L} C={c}{' (policy)' if c == pol else ''}: "
-                      f"select+push {tp:.1f}us", flush=True)  # fmt: skip
-    del b
+    for h in names:
+        if not a.torch and ("torch" in h or "kernel" in h or "span" in h):
+            continue
+        if a.no_jax and "jax" in h:
+            continue
+        if a.no_rescue and ("rescue" in h or h == "local_topk_us"):
+            continue
+        if a.baseline_cubins is None and ("base_" in h or h.endswith("_ratio")):
+            continue
+        out.append(h)
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=8)
-    ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--n", type=int, nargs="+", default=[256, 512, 1024])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--cols", type=int, nargs="+", default=[8192, 32768, 131072])
-    ap.add_argument("--no-jax", action="store_true")
-    ap.add_argument("--iters", type=int, default=12)
-    ap.add_argument("--clusters", type=int, nargs="*", default=None,
-                    help="also time select_push with each forced cluster size (CTAs per row)")
-    ap.add_argument("--only-sweep", action="store_true", help="only the cluster sweep")
-    ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--probe", action="store_true", help="back-to-back select_push launches at R=1")
-    ap.add_argument("--no-rescue", action="store_true")
-    ap.add_argument("--diag", action="store_true", help="producer/merge time vs R, kernel attributes")
-    ap.add_argument("--pattern", default="random", help="input scores: random | recent (kernels.timing.PATTERNS)")
-    ap.add_argument("--merge-only", action="store_true",
-                    help="merge alone vs top-k of 64-bit keys (torch, jax); rescue vs local top-K")
-    ap.add_argument("--pair", action="store_true",
-                    help="rank 0's producer + merge on one stream, merge under PDL and not, vs each alone")
-    ap.add_argument("--spacer-mb", type=int, default=256,
-                    help="the memset before each timed launch (MB): 256 leaves the L2 cold; 1 keeps it warm")
-    a = ap.parse_args(argv)
-    import cupy as cp
+def _ratio(x, y):
+    return None if x is None or y is None or y != y or x != x or y == 0 else x / y
 
-    if a.probe:
-        probe(cp, a.world, a.topk, a.n[0])
-    sweep = []
-    if a.clusters:
-        for n in a.n:
-            sweep += cluster_sweep(cp, a.world, a.topk, n, a.rows, a.cols, a.clusters, a.iters)
-        print("\nselect_push by cluster size (us):")
-        for n, R, L, c, tp, pol in sweep:
-            print(f"  N={n:>5} R={R:>4} L={L:>7} C={c} {tp:8.1f}{'  <- policy' if pol else ''}")
-        if a.only_sweep:
-            return
 
-    if a.merge_only:
-        merge_only(cp, a)
-        return
-    if a.pair:
-        pair_times(cp, a)
-        return
-    bw = copy_bandwidth(cp)
-    print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+# ------------------------------------------------------------------ measurements
+
+
+def _warm_up(timer, cp, seconds=0.5):
+    """Keep the GPU busy before timing, so that its clocks have ramped up."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for i in range(8):
+            timer.spacer.fill(i)
+        cp.cuda.Device().synchronize()
+
+
+def _timers(cp, a, n, max_rows, baseline=True):
+    """This build's timer for N, and the baseline build's (None without --baseline-cubins)."""
+    kw = dict(pattern=a.pattern, spacer_mb=a.spacer_mb)
+    cur = KernelTimer(cp, a.world, a.topk, n, max_rows, **kw)
+    print(f"N={n}: this build, loaded {cur.sim.loaded_from}", flush=True)
+    base = None
+    if baseline and a.baseline_cubins is not None:
+        imgs = prebuilt_images(a.baseline_cubins, a.world, a.topk, n)
+        base = KernelTimer(cp, a.world, a.topk, n, max_rows, images=imgs, **kw)
+        print(f"N={n}: baseline {next(iter(imgs.values())).source_hash[:16]} from {a.baseline_cubins}", flush=True)
+    return cur, base
+
+
+def producer_table(cp, a, bw):
+    cache = {}
+
+    def topk_us(kind, R, L, n):
+        key = (kind, R, L, n)
+        if key not in cache:
+            t = jax_topk_time((R, L), n) if kind == "jax" else torch_topk_time((R, L), n, "bfloat16")
+            cache[key] = None if t is None else t * 1e6
+        return cache[key]
+
     rows = []
-    jax_cache = {}
-    if a.diag:
-        b = Bench(cp, a.world, a.topk, 512, 256)
-        for name, fn in b.sim.fns.items():
-            attrs = {k: getattr(fn, k, None) for k in ("num_regs", "local_size_bytes",
-                     "shared_size_bytes", "max_threads_per_block")}  # fmt: skip
-            print(f"{name}: {attrs}", flush=True)
-        for R in (1, 8, 16, 32, 64, 128, 132, 256):
-            tp, tm = b.run(R, 32768, rescue=False, iters=6, warm=2)
-            print(f"diag N=512 L=32768 R={R}: select+push {tp:.1f}us merge {tm:.1f}us", flush=True)
-        del b
-    from jax_dsa_exchange import layout
-
-    base_cache = {}
-
-    def baseline(kind, shape, k, dtype):
-        key = (kind, shape, k, dtype)
-        if key not in base_cache:
-            if kind == "jax":
-                t = None if a.no_jax else jax_topk_time(shape, k)
-            else:
-                t = None if a.no_torch else torch_topk_time(shape, k, dtype)
-            base_cache[key] = None if t is None else t * 1e6
-        return base_cache[key]
-
     for n in a.n:
-        b = Bench(cp, a.world, a.topk, n, max(a.rows), pattern=a.pattern, spacer_mb=a.spacer_mb)
-        print(f"N={n} (inputs: {a.pattern}): loaded {b.sim.loaded_from}, smem {[i.smem for i in b.sim.images.values()]}",
-              flush=True)  # fmt: skip
+        cur, base = _timers(cp, a, n, max(a.rows))
+        _warm_up(cur, cp)
         for R in a.rows:
             for L in a.cols:
-                tp, tm = b.run(R, L, rescue=False, iters=a.iters, warm=min(3, a.iters))
-                kp = b.last_producer_kernel_us
-                sat0 = b.last_sat_rows
-                tr, sat1 = float("nan"), float("nan")
+                image, c = cur.sim.producer_launch(R, L)
+                r = dict(W=a.world, K=a.topk, N=n, R=R, L=L, image=image, C=c)
+                r["select_push_us"], r["merge_us"] = cur.run(R, L, rescue=False, iters=a.iters, warm=3)
+                r["select_push_kernel_us"] = cur.last_producer_kernel_us
+                if base is not None:
+                    r["base_select_push_us"], r["base_merge_us"] = base.run(R, L, rescue=False, iters=a.iters, warm=3)
+                    r["select_push_ratio"] = _ratio(r["select_push_us"], r["base_select_push_us"])
+                    r["merge_ratio"] = _ratio(r["merge_us"], r["base_merge_us"])
                 if not a.no_rescue:
-                    _, tr = b.run(R, L, rescue=True, iters=6, warm=2)
-                    sat1 = b.last_sat_rows
-                # memory floor of select_push: one read of the logits or one write of the
-                # LL rows it pushes to the W ranks, at the copy bandwidth (read + write)
-                read_us = R * L * 2 / bw * 1e6
-                push_us = R * a.world * layout.ll_row_bytes(n) / bw * 1e6
-                floor = max(read_us, push_us)
-                goal = max(6.0, 3 * floor)
-                jl = baseline("jax", (R, L), n, "bfloat16")
-                tl = baseline("torch", (R, L), n, "bfloat16")
-                key64 = ("k64", R, a.world * n)
-                if key64 not in base_cache:
-                    base_cache[key64] = ({"jax": None, "torch": None} if a.no_jax and a.no_torch
-                                         else topk64_times(R, a.world * n, a.topk))  # fmt: skip
-                jm, tmk = base_cache[key64]["jax"], base_cache[key64]["torch"]
-                rows.append((n, R, L, tp, floor, goal, tl, jl, tm, tr, tmk, jm, sat0, sat1,
-                             b.sim.producer_launch(R, L)[1], kp))  # fmt: skip
-                print(f"N={n} R={R} L={L}: select+push {tp:.1f}us (kernel {kp:.1f}us) (floor {floor:.2f}us, goal "
-                      f"{goal:.1f}us, C={b.sim.producer_launch(R, L)[1]}) torch.topk[R,L] {tl} "
-                      f"jax top_k[R,L] {jl}; merge {tm:.1f}us (rescued rows {sat0:.2f}) "
-                      f"rescue-merge {tr:.1f}us torch.topk[R,W*N] {tmk} jax [R,W*N] {jm}",
-                      flush=True)  # fmt: skip
-        del b
-    f = lambda v: "-" if v is None else f"{v:8.1f}"  # noqa: E731
-    print(f"\nW={a.world} K={a.topk}; times in us (median, CUDA events / graph replay); copy bw "
-          f"{bw / 1e12:.2f} TB/s; floor = max(one read of [R,L] bf16, one write of the pushed LL "
-          f"rows); goal = max(6, 3 x floor); baselines: top-N of [R,L] bf16, top-K of random "
-          f"int64 keys [R,W*N]")  # fmt: skip
-    print(f"{'N':>5} {'R':>4} {'L':>7} {'C':>2} | {'sel+push':>8} {'kernel':>7} {'floor':>6} {'goal':>6} {'met':>3} "
-          f"{'torch':>8} {'jax':>8} | {'merge':>8} {'+rescue':>8} {'torch':>8} {'jax':>8} {'sat':>4}")  # fmt: skip
-    for n, R, L, tp, fl, goal, tl, jl, tm, tr, tmk, jm, s0, s1, c, kp in rows:
-        print(f"{n:>5} {R:>4} {L:>7} {c:>2} | {tp:8.1f} {kp:7.1f} {fl:6.2f} {goal:6.1f} {'yes' if tp <= goal else 'no':>3} "
-              f"{f(tl)} {f(jl)} | {tm:8.1f} {tr:8.1f} {f(tmk)} {f(jm)} {s1:4.2f}")  # fmt: skip
+                    _, r["merge_rescue_us"] = cur.run(R, L, rescue=True, iters=max(2, a.iters // 2), warm=2)
+                    r["rescued_rows"] = cur.last_sat_rows
+                r["read_us"] = R * L * 2 / bw * 1e6  # one read of the logits at the copy bandwidth
+                r["torch_topk_us"] = topk_us("torch", R, L, n) if a.torch else None
+                r["jax_top_k_us"] = None if a.no_jax else topk_us("jax", R, L, n)
+                rows.append(r)
+                print(" ".join(f"{k}={_cell(v)}" for k, v in r.items()), flush=True)
+        del cur, base
+    header = columns(a, ["W", "K", "N", "R", "L", "image", "C", "select_push_us", "select_push_kernel_us",
+                         "base_select_push_us", "select_push_ratio", "read_us", "torch_topk_us", "jax_top_k_us",
+                         "merge_us", "base_merge_us", "merge_ratio", "merge_rescue_us", "rescued_rows"])  # fmt: skip
+    title = (f"producer: rank 0's select+push and merge, W={a.world} K={a.topk}; us, median of CUDA events; "
+             f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); baselines: top-N of [R, L] bf16, one read "
+             f"of [R, L] bf16")  # fmt: skip
+    return title, header, rows
+
+
+def merge_table(cp, a):
+    L = a.merge_cols
+    rows = []
+    for n in a.n:
+        if a.world * n <= a.topk:
+            # every row then needs a rescue, and rank 0's merge, run alone first here, would wait
+            # for its peers' rescue flags until the timeout (the producer table times such rows)
+            print(f"merge table: N={n} left out (W*N = {a.world * n} <= K = {a.topk}: every row is rescued)")
+            continue
+        cur, base = _timers(cp, a, n, max(a.rows))
+        _warm_up(cur, cp)
+        r = dict(W=a.world, K=a.topk, N=n, R=0, L=L)
+        r["merge_us"] = cur.merge_alone(0, L, False, iters=a.iters)
+        r["merge_kernel_us"] = cur.last_kernel_us
+        print(f"merge launch floor (R=0, an empty launch): {_cell(r['merge_us'])} us", flush=True)
+        rows.append(r)
+        for R in a.rows:
+            r = dict(W=a.world, K=a.topk, N=n, R=R, L=L)
+            r["merge_us"] = cur.merge_alone(R, L, False, iters=a.iters)
+            r["merge_kernel_us"] = cur.last_kernel_us
+            if base is not None:
+                r["base_merge_us"] = base.merge_alone(R, L, False, iters=a.iters)
+                r["merge_ratio"] = _ratio(r["merge_us"], r["base_merge_us"])
+            if not a.no_rescue:
+                it = max(2, a.iters // 2)
+                r["merge_rescue_us"] = cur.merge_alone(R, L, True, iters=it, warm=2)
+                r["merge_rescue_kernel_us"] = cur.last_kernel_us
+                r["rescued_rows"] = cur.last_sat_rows
+                if base is not None:
+                    r["base_merge_rescue_us"] = base.merge_alone(R, L, True, iters=it, warm=2)
+                    r["merge_rescue_ratio"] = _ratio(r["merge_rescue_us"], r["base_merge_rescue_us"])
+            if a.torch or not a.no_jax:
+                t = topk64_times(R, a.world * n, a.topk)
+                r["torch_topk64_us"] = t["torch"] if a.torch else None
+                r["jax_top_k64_us"] = None if a.no_jax else t["jax"]
+            rows.append(r)
+            print(" ".join(f"{k}={_cell(v)}" for k, v in r.items()), flush=True)
+        del cur, base
+    if not a.no_rescue and rows:
+        # the local top-K of the rows the forced rescue selects from (rank 0's scores + 100):
+        # select+push of the build with N = K
+        try:
+            local = KernelTimer(cp, a.world, a.topk, a.topk, max(a.rows), spacer_mb=a.spacer_mb)
+            for r in rows:
+                if r["R"]:
+                    r["local_topk_us"], _ = local.run(r["R"], L, rescue=True, iters=max(2, a.iters // 2), warm=2,
+                                                      merge=False)  # fmt: skip
+            del local
+        except FileNotFoundError as e:
+            print(f"merge table: no N = K build for the local top-K: {e}", flush=True)
+    header = columns(a, ["W", "K", "N", "R", "L", "merge_us", "merge_kernel_us", "base_merge_us", "merge_ratio",
+                         "merge_rescue_us", "merge_rescue_kernel_us", "base_merge_rescue_us", "merge_rescue_ratio",
+                         "rescued_rows", "local_topk_us", "torch_topk64_us", "jax_top_k64_us"])  # fmt: skip
+    title = (f"merge: rank 0's merge alone (R=0: an empty launch), W={a.world} K={a.topk} L={L}; us, median of "
+             f"CUDA events; baselines: top-K of random int64 keys [R, W*N], the local top-K of the rescued rows")
+    return title, header, rows
+
+
+def pair_table(cp, a):
+    rows = []
+    for n in a.n:
+        if a.world * n <= a.topk:  # (rank 0's merge would wait for its peers' rescues: see merge_table)
+            print(f"pair table: N={n} left out (W*N = {a.world * n} <= K = {a.topk}: every row is rescued)")
+            continue
+        cur, _ = _timers(cp, a, n, max(a.rows), baseline=False)
+        _warm_up(cur, cp)
+        for R in a.rows:
+            for L in a.cols:
+                r = dict(W=a.world, K=a.topk, N=n, R=R, L=L)
+                r["producer_us"], _ = cur.run(R, L, rescue=False, iters=a.iters, warm=3, merge=False)
+                r["producer_kernel_us"] = cur.last_producer_kernel_us
+                r["merge_us"] = cur.merge_alone(R, L, False, iters=a.iters)
+                r["merge_kernel_us"] = cur.last_kernel_us
+                r["pair_pdl_us"] = cur.pair(R, L, True, iters=a.iters)
+                r["pair_pdl_span_us"] = cur.last_pair_span_us
+                r["pair_plain_us"] = cur.pair(R, L, False, iters=a.iters)
+                r["pair_plain_span_us"] = cur.last_pair_span_us
+                r["merge_adds_us"] = r["pair_pdl_us"] - r["producer_us"]
+                rows.append(r)
+                print(" ".join(f"{k}={_cell(v)}" for k, v in r.items()), flush=True)
+        del cur
+    header = columns(a, ["W", "K", "N", "R", "L", "producer_us", "producer_kernel_us", "merge_us", "merge_kernel_us",
+                         "pair_plain_us", "pair_plain_span_us", "pair_pdl_us", "pair_pdl_span_us",
+                         "merge_adds_us"])  # fmt: skip
+    title = (f"pair: rank 0's producer then merge on one stream, W={a.world} K={a.topk}; us, median; span = "
+             f"CUPTI from the producer's start to the merge's end; merge_adds = pair (PDL) - producer alone")
+    return title, header, rows
+
+
+def _device(cp):
+    dev = cp.cuda.Device()
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    driver = None
+    try:
+        out = subprocess.run(["nvidia-smi", "-i", str(dev.id), "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        driver = out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if driver is None:
+        v = cp.cuda.runtime.driverGetVersion()
+        driver = f"CUDA {v // 1000}.{v % 1000 // 10}"
+    return name, driver
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    command = ["python", *(sys.argv if argv is None else [os.path.relpath(__file__), *argv])]
+    import cupy as cp
+
+    gpu, driver = _device(cp)
+    print(f"{gpu}, driver {driver}", flush=True)
+    tables = []
+    if "producer" in a.tables:
+        bw = copy_bandwidth(cp)
+        print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)", flush=True)
+        tables.append(("producer", *producer_table(cp, a, bw)))
+    if "merge" in a.tables:
+        tables.append(("merge", *merge_table(cp, a)))
+    if "pair" in a.tables:
+        tables.append(("pair", *pair_table(cp, a)))
+    st = stamp(command, gpu, driver)
+    for name, title, header, rows in tables:
+        print_table(title, header, rows)
+        if a.csv is not None:
+            path = csv_path(a.csv, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(csv_text(st, header, rows))
+            print(f"wrote {path}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

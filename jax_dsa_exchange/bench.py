@@ -272,7 +272,7 @@ def _kernel_rows(a, world, K) -> dict:
         import cupy as cp
 
         from .baselines import jax_topk_time, topk64_times, torch_topk_time
-        from .kernels.timing import KernelTimer, copy_bandwidth
+        from .testing.timing import KernelTimer, copy_bandwidth
     except ImportError as e:
         print(f"bench: kernels alone not measured: {e}", flush=True)
         return {}

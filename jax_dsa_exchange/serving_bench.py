@@ -229,7 +229,7 @@ def _kernels_alone(a, K, N, R, L):
     try:
         import cupy as cp
 
-        from .kernels.timing import KernelTimer
+        from .testing.timing import KernelTimer
 
         timer = KernelTimer(cp, 1, K, N, R)
         return timer.run(R, L, rescue=False, iters=a.reps, warm=3)

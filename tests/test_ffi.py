@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from gpu import requires, requires_launcher_stack
 from jax_dsa_exchange import _ffi, layout
 from jax_dsa_exchange.kernels import abi
 from jax_dsa_exchange.kernels.abi import MERGE as MG
@@ -32,7 +33,7 @@ SYMBOLS = [
 # clusters of 4 or 8 on 120 SMs, two on some: docs/kernels.md)
 H200_FIT = (132, 66, 39, 30, 22, 17, 15, 15)
 
-needs_lib = pytest.mark.skipif(not _ffi.available(), reason=f"FFI library not built: {_ffi.load_error()}")
+needs_lib = requires("ffi")
 
 
 def _cmake() -> str | None:
@@ -364,15 +365,7 @@ def test_policy_without_cluster_counts_is_the_old_rule():
 # ----------------------------------------------------------------------------- GPU
 
 
-def _gpu_ready() -> bool:
-    if not (_ffi.available() and _ffi.driver_available() and shutil.which("nvcc")):
-        return False
-    import jax
-
-    return jax.default_backend() == "gpu"
-
-
-gpu = pytest.mark.skipif(not _gpu_ready(), reason="needs an NVIDIA GPU, its driver, nvcc and the FFI library")
+gpu = requires_launcher_stack
 
 
 def compile_fake(tmp: pathlib.Path) -> tuple[bytes, str]:

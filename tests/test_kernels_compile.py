@@ -162,11 +162,11 @@ def test_metadata_matches_abi(images, tmp_path):
         assert (d / meta["cubin"]).read_bytes() == img.cubin
     back = cache.read_images(d)
     assert {k: v.entry for k, v in back.items()} == {k: v[0].entry for k, v in images.items()}
-    # a folder whose PTX and cubins are gzipped (tools/pack_cubins.sh) reads back the same images
+    # a folder whose PTX and cubins are gzipped (dev/pack_cubins.sh) reads back the same images
     import subprocess
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    subprocess.run(["bash", str(root / "tools" / "pack_cubins.sh"), str(d)], check=True, capture_output=True)
+    subprocess.run(["bash", str(root / "dev" / "pack_cubins.sh"), str(d)], check=True, capture_output=True)
     assert not list(d.glob("*.ptx")) and not list(d.glob("*.cubin")) and list(d.glob("*.cubin.gz"))
     packed = cache.read_images(d)
     assert {k: (v.ptx, v.cubin) for k, v in packed.items()} == {k: (v.ptx, v.cubin) for k, v in back.items()}

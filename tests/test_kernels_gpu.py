@@ -18,16 +18,13 @@ import pytest
 from jax_dsa_exchange import layout, reference
 from jax_dsa_exchange.testing import cases
 
-from gpu import gpu_stack_missing
+from gpu import requires_gpu_stack
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_stack_missing() is not None, reason=str(gpu_stack_missing())),
-]
+pytestmark = [pytest.mark.gpu, requires_gpu_stack]
 
 SMALL_K, SMALL_N = 256, 64
 WORLDS = [1, 2, 4, 8, 16]
-# (W, K, N) configurations these tests use (tools/gpu_kernels_run.sh builds them).
+# (W, K, N) configurations these tests use (dev/build_cubins.sh builds them).
 CONFIGS = ([(w, SMALL_K, SMALL_N) for w in WORLDS] + [(w, SMALL_K, SMALL_K) for w in WORLDS]
            + [(8, 2048, 512), (16, 2048, 1024), (2, 2048, 512), (16, 4096, 2048), (8, 2048, 1024),
               (16, 2048, 512)])  # fmt: skip
@@ -41,11 +38,10 @@ MAYBE_CLUSTERED = [(8, 2048, 512)]
 # W = 16, N = 1024 over 4 CTAs of 8 words, W = 8, N = 1024 and W = 16, N = 512 over 4 of 4
 WIDE = [(16, 2048, 1024), (8, 2048, 1024), (16, 2048, 512)]
 # which merge image the sims launch: "auto" (the launcher's choice by rows), "merge" or
-# "merge_wide" (every call on it where the configuration has one: tools/gpu_clus_run.sh runs
-# the tests again so)
+# "merge_wide" (every call on it where the configuration has one)
 TEST_MERGE = os.environ.get("JAX_DSA_EXCHANGE_TEST_MERGE", "auto")
 # ... and which producer image: "auto" (the launcher's choice: the lean image where a launch's
-# slices fit it), "select_push" (every call on it: tools/gpu_lean_run.sh runs the tests again so)
+# slices fit it), "select_push" (every call on it)
 # or "select_push_lean"
 TEST_PRODUCER = os.environ.get("JAX_DSA_EXCHANGE_TEST_PRODUCER", "auto")
 
@@ -54,7 +50,7 @@ _SIMS: dict = {}
 
 def sim_for(world, topk, n, max_rows=64, rescue_list=None):
     """A cached Sim; ``rescue_list`` None: $JAX_DSA_EXCHANGE_TEST_RESCUE_LIST (1: every test
-    on the rescue-list kernels, tools/gpu_candidates_run.sh)."""
+    on the rescue-list kernels: dev/gpu_check.py's tests step runs them once per kind)."""
     from jax_dsa_exchange.kernels import cache
     from jax_dsa_exchange.testing.sim import Sim
 

@@ -8,7 +8,6 @@ import dataclasses
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from gpu import requires
 from jax_dsa_exchange import _ffi
 from jax_dsa_exchange.kernels.abi import MERGE as MG
 from jax_dsa_exchange.kernels.abi import SELECT_PUSH as SP
@@ -440,17 +440,12 @@ FAKE_CU = REPO / "ffi" / "testing" / "fake_kernels.cu"
 FAKE_TOPK = 64  # compiled into the stand-in kernels
 
 
-def _gpu_ready() -> bool:
-    return (_ffi.available() and _ffi.driver_available() and shutil.which("nvcc") is not None
-            and jax.default_backend() == "gpu")
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_ready(), reason="needs an NVIDIA GPU, its driver, nvcc and the FFI library")
+@requires("gpu", "jax", "cupy", "driver", "nvcc")
 def test_ffi_path_end_to_end_with_stand_in_kernels(tmp_path):
     """Stand-in kernels with the real ABI: results, device-side epochs advancing once per call
     (jit, eager, scan, fori_loop, shard_map, unused results), scalar params, PDL launch, errors."""
-    cp = pytest.importorskip("cupy")
+    import cupy as cp
     subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-o", str(tmp_path / "f.cubin"), str(FAKE_CU)], check=True)
     subprocess.run(["nvcc", "-ptx", "-arch=sm_90a", "-o", str(tmp_path / "f.ptx"), str(FAKE_CU)], check=True)
     cubin, ptx = (tmp_path / "f.cubin").read_bytes(), (tmp_path / "f.ptx").read_text()
@@ -683,7 +678,7 @@ SERIALIZE_SCRIPT = textwrap.dedent(
 
 
 def test_default_mode_does_not_serialize_the_host_with_the_device():
-    """Issue #13: with the op in the step (a CPU stand-in lowering with the same effects),
+    """Serving: with the op in the step (a CPU stand-in lowering with the same effects),
     dispatching 30 steps back to back returns long before they finish in the default mode,
     like a step without the op; the ordered effect (ordered="effect") makes each dispatch
     wait for the previous step."""

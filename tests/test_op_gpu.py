@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from gpu import requires_gpu_stack
+from gpu import requires_op_stack as requires_gpu_stack
 
 def _launch(world, script, *args, timeout=300, graphs=None, grace=None):
     env = dict(os.environ, PYTHONPATH=os.getcwd(), XLA_PYTHON_CLIENT_PREALLOCATE="false")
@@ -70,7 +70,8 @@ def _dsf_needed():
     (2, 256, 64, "checked", True), (4, 512, 128, "off", True),
     pytest.param(2, 256, 64, "checked", False, marks=pytest.mark.xfail(
         _dsf_needed(), reason="jax 0.11.2: XLA's dynamic-slice fusion matches the calls and the "
-                              "compiler aborts (op.DSF_SAFE_FROM); XPASS = the gate can move", strict=False)),
+                              "compiler aborts (op.DSF_SAFE_FROM); XPASS = the gate can move", raises=AssertionError,
+        strict=False)),
 ], ids=["w2-workaround", "w4-workaround", "w2-no-workaround"])
 def test_decode_loop_with_dynamic_slice_fusion_forced_on(world, topk, local_topk, graphs, workaround):
     """XLA's GPU dynamic-slice fusion forced on in XLA_FLAGS (set by the worker itself).

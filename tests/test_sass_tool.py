@@ -1,10 +1,10 @@
-"""tools/sass.py's parsing of an nvdisasm listing (the tool itself needs nvdisasm, from CUDA's
+"""dev/sass.py's parsing of an nvdisasm listing (the tool itself needs nvdisasm, from CUDA's
 pip wheels; these checks do not)."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dev"))
 
 import sass  # noqa: E402
 
@@ -48,7 +48,7 @@ def test_missing_tool_names_the_wheel(monkeypatch):
 
 
 def test_packed_cubins(tmp_path):
-    """A folder packed by tools/pack_cubins.sh (cubins gzipped) is read too: the image names and
+    """A folder packed by dev/pack_cubins.sh (cubins gzipped) is read too: the image names and
     an unpacked copy for nvdisasm / cuobjdump."""
     import gzip
 

@@ -16,13 +16,10 @@ import pytest
 from jax_dsa_exchange import layout, reference
 from jax_dsa_exchange.testing import cases
 
-from gpu import gpu_stack_missing
+from gpu import requires, requires_gpu_stack
 from test_kernels_gpu import check, sim_for
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(gpu_stack_missing() is not None, reason=str(gpu_stack_missing())),
-]
+pytestmark = [pytest.mark.gpu, requires_gpu_stack]
 
 CLUSTERS = list(range(1, layout.PRODUCER_CLUSTER_MAX + 1))
 L_MAX = layout.MAX_LOCAL_LEN
@@ -193,6 +190,7 @@ def test_policy_split_and_mixed_lengths_in_one_call():
         check(case, sim.call(case), what=f"R={rows} L={L} C={c} {image}")
 
 
+@requires("driver")
 def test_cluster_fit_is_the_launchers():
     """The device's count of co-resident clusters (which caps the split policy): the sim
     measures it as the C++ launcher does when the split is set, and both agree; up to 32
@@ -207,8 +205,6 @@ def test_cluster_fit_is_the_launchers():
         for L in (8192, 65536, L_MAX):
             c = sim.producer_cluster(rows, L)
             assert rows <= layout.producer_cluster_fit(sim.split)[c - 1], (rows, L, c, fit)
-    if not _ffi.available():
-        pytest.skip(f"FFI library not loadable: {_ffi.load_error()}")
     img = sim.images["select_push"]
     key = f"fit_probe/{img.source_hash}"
     _ffi.load_kernel(key, img.kernel, img.params, img.cubin, img.ptx, img.entry, 0, img.block, img.smem)

@@ -151,12 +151,13 @@ def _load_function(img, tmpdir, name=None):
 
 class Sim:
     def __init__(self, world, topk, local_topk, max_rows, *, arch="sm_90a", cta_budget=96,
-                 rescue_list=False, merge="auto", producer="auto"):
+                 rescue_list=False, merge="auto", producer="auto", images=None):
         """``merge``: which merge image every call launches: "auto" the launcher's choice
         (layout.merge_uses_wide), "merge" or "merge_wide" (the configuration's, where it has
         one: else "merge").  ``producer``: likewise "auto" (layout.producer_uses_lean),
         "select_push" or "select_push_lean" (where the configuration has it and the launch's
-        slices fit it: else select_push)."""
+        slices fit it: else select_push).  ``images``: the kernel images to launch (another
+        build of this configuration, testing.timing.prebuilt_images); None: this tree's."""
         import cupy as cp
 
         if merge not in ("auto", "merge", "merge_wide"):
@@ -170,7 +171,8 @@ class Sim:
         self.lay = layout.BufferLayout(world, topk, local_topk, max_rows)
         self.rescue_list = bool(rescue_list)  # (the kernels' option: Exchange.create)
         self.st = layout.StateLayout(max_rows, topk if rescue_list else 0)
-        self.images = load_kernels(arch, world, topk, local_topk, rescue_list=self.rescue_list)
+        self.images = images if images is not None else load_kernels(arch, world, topk, local_topk,
+                                                                     rescue_list=self.rescue_list)
         self._tmp = tempfile.TemporaryDirectory()
         self.fns, self.loaded_from = {}, {}
         self._mods = []

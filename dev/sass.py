@@ -1,14 +1,13 @@
 """What ptxas made of a kernel image: its SASS (nvdisasm), registers / stack / local memory
 (cuobjdump), instruction counts by kind, and the launch prologue's order of memory
-instructions and barriers.  A static check for candidates built without a GPU: the PTX is
-what the DSL asked for, the SASS what runs (twenty-seventh session: the merge's request-id
-branch, seen in the PTX before round 1's loads, is already if-converted by ptxas, its load
-issued with the records).
+instructions and barriers.  A static check of a kernel change made without a GPU: the PTX
+is what the DSL asked for, the SASS is what runs (e.g. whether ptxas if-converted a branch,
+or where it issues a load relative to the first barrier).
 
-Needs nvdisasm and cuobjdump, which CUDA's pip wheels carry (no GPU, no toolkit):
+Needs nvdisasm and cuobjdump, which CUDA's pip wheels ship (no GPU, no toolkit):
   pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump      (or NVDISASM= / CUOBJDUMP=)
 
-  python tools/sass.py .cubins/sm_90a-w8-k2048-n512-<tag> [--image merge] [--diff OTHER_DIR]
+  python dev/sass.py .cubins/sm_90a-w8-k2048-n512-<tag> [--image merge] [--diff OTHER_DIR]
       [--prologue 40] [--dump FILE]
 """
 
@@ -58,7 +57,7 @@ def parse(text: str) -> list:
 
 
 def plain(cubin: str) -> str:
-    """A path the tools can read: the cubin itself, or its gzip copy (tools/pack_cubins.sh)
+    """A path the tools can read: the cubin itself, or its gzip copy (dev/pack_cubins.sh)
     unpacked into a temporary file."""
     if not cubin.endswith(".gz"):
         return cubin
@@ -154,7 +153,8 @@ def main() -> None:
                 print("   ", line)
         if a.dump:
             with open(a.dump, "w") as f:
-                f.write(subprocess.run([tool("nvdisasm"), "-c", path], capture_output=True, text=True).stdout)
+                f.write(subprocess.run([tool("nvdisasm"), "-c", plain(path)], capture_output=True, text=True,
+                                       check=True).stdout)  # fmt: skip
             a.dump = None
 
 

@@ -2,7 +2,10 @@
 built with line info (CUTE_DSL_LINEINFO=1; the same SASS as the profiled build, checked by
 instruction count):
 
-    python3 tools/ncu_lines.py rep_sass.csv lineinfo.cubin [--top 40]
+    python3 dev/ncu_lines.py rep_sass.csv lineinfo.cubin [--top 40]
+
+The CSV: ``ncu --section SourceCounters -o REP python3 ...`` on the GPU, then
+``ncu -i REP.ncu-rep --page source --csv --print-source sass > rep_sass.csv``.
 
 Needs nvdisasm (NVDISASM or on PATH); ``--src /path/of/the/build /checkout/of/that/revision``
 when the sources changed since the line-info build.  Prints, per Python line (innermost location),

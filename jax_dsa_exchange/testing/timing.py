@@ -5,11 +5,14 @@ kernels' own durations from CUPTI through ``torch.profiler`` where PyTorch is im
 Used by ``benchmarks/bench_kernels.py`` and by ``python -m jax_dsa_exchange.bench``
 (the kernels-alone rows next to the op).  The stream is kept busy by a spacer memset
 before the first event so host launch gaps are not timed; inputs are drawn on the
-device and rotate over several sets.
+device and rotate over several sets.  :func:`prebuilt_images` reads the images of
+another build (an older source tree) of the same configuration, so that both builds
+are timed in one run (``KernelTimer(..., images=...)``).
 """
 
 from __future__ import annotations
 
+import pathlib
 import statistics
 
 
@@ -52,20 +55,48 @@ def pattern_scores(cp, R, L, pattern):
     return x
 
 
+def prebuilt_images(folder, world, topk, n, arch="sm_90a", rescue_list=False) -> dict:
+    """The images of configuration (arch, W, K, N, rescue_list) in a folder of prebuilt
+    kernels (``python -m jax_dsa_exchange.build --out FOLDER``) whatever their source hash:
+    the build of another source tree, timed next to this one.  Exactly one build of the
+    configuration must be there.  The images must take the parameters this tree's launcher
+    passes (kernels/abi.py); the buffer layout is not checked: compare builds of one layout."""
+    from ..kernels import abi, cache
+
+    folder = pathlib.Path(folder)
+    prefix = cache.config_tag(arch, world, topk, n, "0" * 16, rescue_list)[:-16]
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: not a folder of prebuilt kernels")
+    found = sorted(d for d in folder.iterdir()
+                   if d.is_dir() and d.name.startswith(prefix) and len(d.name) == len(prefix) + 16
+                   and all((d / f"{k}.json").is_file() for k in cache.KERNELS))  # fmt: skip
+    if len(found) != 1:
+        what = "no build" if not found else f"{len(found)} builds ({', '.join(d.name for d in found)})"
+        raise FileNotFoundError(f"{folder}: {what} of {prefix}<source hash>; expected exactly one")
+    images = cache.read_images(found[0])
+    for name, img in images.items():
+        want = abi.KERNELS[cache.KIND[name]].pairs()
+        if tuple(img.params) != tuple(want):
+            raise ValueError(f"{found[0]}/{name}: its parameters {img.params} are not this launcher's {want}: "
+                             f"a build of another kernel ABI cannot be timed here")  # fmt: skip
+    return images
+
+
 class KernelTimer:
     """Device time of rank 0's select+push and merge, W ranks simulated in one process
-    (testing.sim), CUDA events, inputs rotating over several sets."""
+    (testing.sim), CUDA events, inputs rotating over several sets.  ``images``: the kernel
+    images to time (:func:`prebuilt_images`); None: this source tree's."""
 
     def __init__(self, cp, world, topk, n, max_rows, pattern="random", spacer_mb=256, rescue_list=False,
-                 merge="auto", producer="auto"):
-        from ..testing.sim import Sim
+                 merge="auto", producer="auto", images=None):
+        from .sim import Sim
 
         if pattern not in PATTERNS:
             raise ValueError(f"pattern {pattern!r}: one of {sorted(PATTERNS)}")
         self.pattern = pattern
         self.cp = cp
         self.sim = Sim(world, topk, n, max_rows, cta_budget=8 * world, rescue_list=rescue_list, merge=merge,
-                       producer=producer)  # fmt: skip
+                       producer=producer, images=images)  # fmt: skip
         # the memset before each timed launch: keeps the stream busy while the host enqueues,
         # and at 256 MB (> the 50 MB L2) leaves the L2 cold, code included (spacer_mb=1:
         # L2 warm, the events then include some enqueue time; the CUPTI durations do not)
@@ -100,18 +131,13 @@ class KernelTimer:
         cp.cuda.Device().synchronize()
         return sets
 
-    def run(self, R, L, rescue, iters=12, warm=3, seed=0, cluster=None, merge=True, code_warm=False):
-        """Median select+push and merge times (us) of rank 0; ``cluster`` forces
-        select_push's CTAs per row (None: the launcher's policy); ``merge=False``
-        times the producer only (the merge time is then nan).  ``code_warm`` (with
-        ``merge=False``): after the spacer, rank 1's producer runs once more on its own
-        stream (its inputs, not rank 0's), so rank 0's launch finds its code in L2 but its
-        logits cold (read its CUPTI duration: the events then include enqueue time).  Also sets
-        ``last_producer_kernel_us``: the median of rank 0's select_push kernel's own duration
-        (CUPTI, :class:`KernelClock`; nan without PyTorch)."""
+    def run(self, R, L, rescue, iters=12, warm=3, seed=0, merge=True):
+        """Median select+push and merge times (us) of rank 0, the producer in the launcher's
+        split; ``merge=False`` times the producer only (the merge time is then nan).  Also
+        sets ``last_producer_kernel_us``: the median of rank 0's select_push kernel's own
+        duration (CUPTI, :class:`KernelClock`; nan without PyTorch), and ``last_sat_rows``:
+        the share of rank 0's rows that were rescued (with the merge)."""
         cp, sim, W = self.cp, self.sim, self.world
-        if code_warm and (merge or W < 2):
-            raise ValueError(f"code_warm times the producer alone (merge=False) of W >= 2 ranks: merge={merge}, W={W}")
         clock = KernelClock()
         nsets = 2 if R * L * W * 2 > (1 << 29) else 4
         sets = self.inputs(R, L, nsets, rescue, seed)
@@ -122,20 +148,13 @@ class KernelTimer:
             if it == warm:
                 clock.__enter__()
             for q in range(1, W):  # the other producers first: rank 0's runs alone
-                sim.launch_rank(q, d[q], R, L, 64, merge=False, cluster=cluster)
+                sim.launch_rank(q, d[q], R, L, 64, merge=False)
             cp.cuda.Device().synchronize()
             e0, e1 = _events(cp)
-            if code_warm:
-                with s0:
-                    self.spacer.fill(it & 0xFF)
-                cp.cuda.Device().synchronize()
-                sim.launch_rank(1, d[1], R, L, 64, merge=False, cluster=cluster)
-                cp.cuda.Device().synchronize()
             with s0:
-                if not code_warm:
-                    self.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
+                self.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
                 e0.record(s0)
-                sim.launch_rank(0, d[0], R, L, 64, merge=False, cluster=cluster)
+                sim.launch_rank(0, d[0], R, L, 64, merge=False)
                 e1.record(s0)
             cp.cuda.Device().synchronize()
             if not merge:
@@ -145,8 +164,8 @@ class KernelTimer:
             e2, e3 = _events(cp)
             # Without a rescue (and W * N > K: no row rescued) rank 0's merge runs alone on the
             # GPU, as on its own GPU (its data is pushed: it waits for no peer), min(R, 64) rows
-            # at once as time_merge; beside it, the others' merges took SMs from a clustered one
-            # (twenty-fifth session: W = 8, N = 1024, R = 64 58.9 us against 12.7 alone).  With a
+            # at once as merge_alone; beside it, the others' merges take SMs from a clustered one
+            # (H200, W = 8, K = 2048, N = 1024, R = 64: 58.9 us against 12.7 alone).  With a
             # rescue the others' merges run beside it (a rescue may wait on them): rank 0 64 CTAs'
             # worth of rows, the others 8 (clusters of c CTAs: 64 / c and 8 / c), 120 CTAs
             # co-resident on 132 SMs.
@@ -167,8 +186,7 @@ class KernelTimer:
                 tm.append(cp.cuda.get_elapsed_time(e2, e3) * 1e3)
         clock.__exit__(None, None, None)
         # per iteration the other ranks' producers ran first, then rank 0's alone
-        per = W + 1 if code_warm else W  # (code_warm: rank 1's extra launch before rank 0's)
-        ks = [d for i, (_, d) in enumerate(clock.starts_and_durations("kernelsselect_push")) if i % per == per - 1]
+        ks = [d for i, (_, d) in enumerate(clock.starts_and_durations("kernelsselect_push")) if i % W == W - 1]
         self.last_producer_kernel_us = statistics.median(ks) if len(ks) == iters else float("nan")
         if not merge:
             del sets
@@ -180,6 +198,52 @@ class KernelTimer:
         del sets
         return statistics.median(tp), statistics.median(tm)
 
+    def merge_alone(self, R, L, rescue, iters=12, warm=3, seed=0):
+        """Median device time (us, CUDA events) of rank 0's merge ALONE on the GPU, data
+        already pushed: every producer first, then rank 0's merge (grid min(R, 64)), then
+        the other ranks' merges after it (so they do not take SMs from it; with the forced
+        rescue only rank 0 is saturated, so its merge waits for no other rank).  R = 0
+        times an empty launch of the merge (the launch and event floor).  Also sets
+        ``last_kernel_us``, the median of the merge kernel's own duration (CUPTI; nan without
+        PyTorch), and ``last_sat_rows``."""
+        cp, sim, W = self.cp, self.sim, self.world
+        clock = KernelClock()
+        Rd = max(R, 1)
+        nsets = 2 if Rd * L * W * 2 > (1 << 29) else 4
+        sets = self.inputs(Rd, L, nsets, rescue, seed)
+        s0 = sim.streams[0]
+        tm = []
+        for it in range(warm + iters):
+            d = sets[it % nsets]
+            if it == warm:
+                clock.__enter__()
+            if R:
+                for q in range(W):
+                    sim.launch_rank(q, d[q], R, L, 64, merge=False)
+            cp.cuda.Device().synchronize()
+            e0, e1 = _events(cp)
+            with s0:
+                self.spacer.fill(it & 0xFF)  # keeps s0 busy while we enqueue
+                e0.record(s0)
+                sim.launch_rank(0, d[0], R, L, 64, producer=False, grid=max(1, min(R, 64)))
+                e1.record(s0)
+            s0.synchronize()
+            if R:
+                for q in range(1, W):
+                    sim.launch_rank(q, d[q], R, L, 64, producer=False, grid=min(R, 8))
+            cp.cuda.Device().synchronize()
+            if it >= warm:
+                tm.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
+        clock.__exit__(None, None, None)
+        # rank 0's merge ran (and was waited for) before the other ranks' merges of its iteration
+        ks = firsts_of_groups(clock.starts_and_durations("kernelsmerge"), W if R else 1)
+        self.last_kernel_us = statistics.median(ks) if len(ks) == iters else float("nan")
+        for q in range(W):
+            st = sim.status(q)
+            assert st[0] == 0, f"rank {q} status {st}"
+        self.last_sat_rows = float((sets[0][0]["sat"].get()[:Rd] != 0).mean()) if R else 0.0
+        del sets
+        return statistics.median(tm)
 
     def pair(self, R, L, pdl, iters=12, warm=3, seed=0):
         """Rank 0's producer and merge back to back on its stream (the decode step's order),

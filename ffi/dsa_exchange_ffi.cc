@@ -40,6 +40,7 @@ struct Driver {
   CUresult (*GetErrorName)(CUresult, const char**);
   CUresult (*GetErrorString)(CUresult, const char**);
   CUresult (*DeviceGet)(CUdevice*, int);
+  CUresult (*DeviceGetAttribute)(int*, CUdevice_attribute, CUdevice);
   CUresult (*DevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*DevicePrimaryCtxRelease)(CUdevice);
   CUresult (*CtxPushCurrent)(CUcontext);
@@ -74,6 +75,7 @@ const Driver* GetDriverLocked() {
       {(void**)&d.GetErrorName, "cuGetErrorName"},
       {(void**)&d.GetErrorString, "cuGetErrorString"},
       {(void**)&d.DeviceGet, "cuDeviceGet"},
+      {(void**)&d.DeviceGetAttribute, "cuDeviceGetAttribute"},
       {(void**)&d.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"},
       {(void**)&d.DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2"},
       {(void**)&d.CtxPushCurrent, "cuCtxPushCurrent_v2"},
@@ -694,13 +696,31 @@ int64_t dsa_layout_constant(const char* name) {
   return -1;
 }
 
+// The arch-specific target ("sm_90a", "sm_100a", ...) of `device`'s compute capability, or ""
+// with `*err` set.  Kernels built for one such target run on that compute capability only: its
+// PTX cannot be JIT-compiled for another one.  Caller holds g_mu.
+std::string DeviceArchLocked(const Driver* d, int device, std::string* err) {
+  CUdevice dev;
+  int major = 0, minor = 0;
+  CUresult rc = d->DeviceGet(&dev, device);
+  if (rc == CUDA_SUCCESS) rc = d->DeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+  if (rc == CUDA_SUCCESS) rc = d->DeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+  if (rc != CUDA_SUCCESS) {
+    *err = CuError(d, "cuDeviceGetAttribute(COMPUTE_CAPABILITY)", rc);
+    return "";
+  }
+  return "sm_" + std::to_string(major) + std::to_string(minor) + "a";
+}
+
 // Loads `entry` from a cubin (preferred) or PTX (JIT fallback) into the primary
 // context of `device`, once per (key, device).  `kernel` ("select_push" | "merge")
 // and `params` (the metadata's "name:type,..." in launch order) say how the
 // handlers pack its parameters; other names than the launcher's are refused.
+// `arch` (the metadata's, e.g. "sm_90a"; empty: not checked) must be the device's own target.
 // Returns 1 if the cubin was used, 2 if the PTX was, -1 on error.
 int dsa_load_kernel(const char* key, const char* kernel, const char* params, const void* cubin,
-                    int64_t cubin_size, const char* ptx, const char* entry, int device, int block, int smem) {
+                    int64_t cubin_size, const char* ptx, const char* entry, int device, int block, int smem,
+                    const char* arch) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::string where = std::string("kernel '") + key + "' on device " + std::to_string(device);
   int slots[kMaxParams];
@@ -718,6 +738,14 @@ int dsa_load_kernel(const char* key, const char* kernel, const char* params, con
   if ((!cubin || cubin_size <= 0) && (!ptx || !*ptx)) return Fail(where + ": neither cubin nor PTX given");
   const Driver* d = GetDriverLocked();
   if (!d) return Fail(where + ": " + g_driver_error);
+  if (arch && *arch) {
+    std::string why;
+    std::string have = DeviceArchLocked(d, device, &why);
+    if (have.empty()) return Fail(where + ": " + why);
+    if (have != arch)
+      return Fail(where + " was built for " + arch + ", but the device is " + have +
+                  ": build the kernels for it with python -m jax_dsa_exchange.build --arch " + have);
+  }
 
   CUdevice dev;
   CUcontext ctx;

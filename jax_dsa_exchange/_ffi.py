@@ -80,7 +80,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dsa_driver_available.restype = i32
     lib.dsa_driver_available.argtypes = []
     lib.dsa_load_kernel.restype = i32
-    lib.dsa_load_kernel.argtypes = [cp, cp, cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32]
+    lib.dsa_load_kernel.argtypes = [cp, cp, cp, ctypes.c_void_p, i64, cp, cp, i32, i32, i32, cp]
     lib.dsa_launcher_params.restype = cp
     lib.dsa_launcher_params.argtypes = [cp]
     lib.dsa_layout_constant.restype = i64
@@ -286,14 +286,17 @@ def register_targets() -> bool:
 
 
 def load_kernel(key: str, kernel: str, params, cubin: bytes | None, ptx: str | None, entry: str, device: int,
-                block: int, smem: int) -> str:
+                block: int, smem: int, arch: str | None = None) -> str:
     """Loads kernel ``entry`` into the primary context of CUDA device ``device``, once per (key, device).
 
     ``kernel``: ``"select_push"`` or ``"merge"``; ``params``: its metadata's
     ``((name, type), ...)`` in launch order (kernels/abi.py): the launcher packs its
     values by these names and refuses names other than its own.
     Tries ``cubin`` first and JIT-compiles ``ptx`` when the driver refuses it.
-    ``block``: threads per block; ``smem``: dynamic shared memory bytes.
+    ``block``: threads per block; ``smem``: dynamic shared memory bytes.  ``arch``: the
+    target the image was built for (its metadata's, e.g. ``"sm_90a"``); the launcher refuses
+    it, naming the device's own target and the build command, on a device of another compute
+    capability (None: not checked).
     Returns ``"cubin"`` or ``"ptx"``: which image was used.
     """
     lib = _require()
@@ -303,7 +306,7 @@ def load_kernel(key: str, kernel: str, params, cubin: bytes | None, ptx: str | N
     spec = ",".join(f"{n}:{t}" for n, t in params)
     rc = lib.dsa_load_kernel(
         key.encode(), kernel.encode(), spec.encode(), buf, len(cubin), ptx_b, entry.encode(), int(device),
-        int(block), int(smem)
+        int(block), int(smem), arch.encode() if arch else None
     )
     return {1: "cubin", 2: "ptx"}[_check(lib, rc)]
 

@@ -390,6 +390,16 @@ def test_load_kernel_cubin_ptx_fallback_and_register(tmp_path):
         _ffi.load_kernel("t_bad", MG.kernel, MG.pairs(), b"garbage", None, "fake_merge", 0, 128, 0)
     with pytest.raises(RuntimeError, match=r"cuModuleGetFunction\('no_such_entry'\) failed: CUDA_ERROR_NOT_FOUND"):
         _ffi.load_kernel("t_noentry", MG.kernel, MG.pairs(), cubin, None, "no_such_entry", 0, 128, 0)
+    # An image of another target is refused before any load, naming both targets and the build
+    import cupy
+
+    major, minor = cupy.cuda.Device(0).compute_capability[:-1], cupy.cuda.Device(0).compute_capability[-1]
+    mine = f"sm_{major}{minor}a"
+    other = "sm_100a" if mine != "sm_100a" else "sm_90a"
+    assert _ffi.load_kernel("t_arch_ok", *sp, cubin, ptx, "fake_select_push", 0, 128, 0, arch="sm_90a") == "cubin"
+    with pytest.raises(RuntimeError, match=f"built for {other}, but the device is {mine}: build the kernels "
+                                           f"for it with python -m jax_dsa_exchange.build --arch {mine}"):
+        _ffi.load_kernel("t_arch", *sp, cubin, ptx, "fake_select_push", 0, 128, 0, arch=other)
     _ffi.register_exchange(
         4242, 0, **_reg_kwargs(select_key="t_sel", merge_key="t_merge_ptx")
     )

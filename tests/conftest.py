@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 import pytest
+from compile_progress import pytest_sessionstart  # noqa: F401  (kernel-compile progress lines)
 
 FRESH = "fresh"
 SEEDS = [0, 1, 12345, FRESH]

@@ -488,6 +488,10 @@ def topk_exchange_merge(
     bodies, but blocks the host before every dispatch); False = no chain.
     Returns :class:`MergeOutput`; ``ids``/``saturated`` are None unless asked
     for.
+
+    Arguments are checked at trace time, the same way on every path (``checks.py``):
+    TypeError / ValueError naming the argument.  No path differentiates or batches the
+    merge: ``jax.grad`` through it and ``jax.vmap`` of it raise NotImplementedError.
     """
     if isinstance(ordered, np.bool_):
         ordered = bool(ordered)

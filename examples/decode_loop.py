@@ -1,30 +1,40 @@
 """A user's jitted DCP decode step with the pure-XLA merge inside shard_map.
 
-    python examples/decode_loop.py
+    python examples/decode_loop.py                                            # one process
+    python -m jax_dsa_exchange.launch -n 2 -- python examples/decode_loop.py  # a process per rank
 
 The KV cache of every sequence is split over W ranks (token t on rank t % W, at
 local index t // W).  Each layer, every rank scores its own tokens (the DSA
 indexer), the merge picks the global top-K, and every rank attends to the KV
-rows it owns among them.  Here W CPU devices in one process stand in for the
-W GPUs; with one process per rank (``python -m jax_dsa_exchange.launch``) the
-same step runs unchanged on a mesh built by ``distributed.dcp_mesh``.
+rows it owns among them.
+
+Run directly, W = 4 CPU devices of one process stand in for the W GPUs.  Started by
+the launcher (or srun / mpirun), the script joins the job (``distributed.initialize``)
+and W is the number of processes, one rank each (gloo carries the collectives on CPU);
+the decode step is the same code either way, on the mesh ``distributed.dcp_mesh``
+builds.  Every process checks the ranks it holds against the NumPy oracle.
 """
 
 import os
 
-W = 4
-# W CPU devices; must be set before jax creates its CPU client.
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={W}")
+from jax_dsa_exchange import distributed
+
+if not distributed.launched():
+    # 4 CPU devices for a one-process run; must be set before jax creates its CPU client.
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+RANK, NPROC = distributed.initialize()  # (0, 1) when run directly
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_dsa_exchange import distributed, reference  # noqa: E402
+from jax_dsa_exchange import reference  # noqa: E402
 from jax_dsa_exchange.xla_path import shard_map, xla_topk_merge  # noqa: E402
 
+W = NPROC if NPROC > 1 else 4  # ranks: one per process, or 4 devices of this process
 LAYERS, R, L, D = 3, 8, 1024, 32  # layers, query rows, local tokens per rank, head dim
 K, B = 256, 16  # top-K, KV page size
 PAGES = L // B
@@ -63,6 +73,8 @@ decode_step = jax.jit(shard_map(
     out_specs=(P(), P("dcp"), P("dcp"), P("dcp"), P("dcp"))))
 
 if __name__ == "__main__":
+    # Every process generates all W ranks' data from one seed and hands jax the rows of
+    # the ranks it holds (distributed.shard_ranks), as a job would load its own shard.
     rng = np.random.default_rng(0)
     num_req = R
     seq_len = rng.integers(K // 2, W * L, R)  # tokens of each row's sequence
@@ -74,16 +86,24 @@ if __name__ == "__main__":
     idx_keys = rng.standard_normal((W, LAYERS, L, D)).astype(np.float32)
     kv = rng.standard_normal((W, LAYERS, num_req * PAGES * B, D)).astype(np.float32)
 
-    h, logits, kv_rows, counts, ids = decode_step(q, idx_keys, kv, row_ends, req_id, block_table)
-    print("hidden state after", LAYERS, "layers:", h.shape, "| tokens selected per row (layer 0):", np.asarray(counts).sum(0)[0])
+    put = lambda x: distributed.shard_ranks(mesh, "dcp", list(x))  # noqa: E731
+    g_q = jax.make_array_from_callback(q.shape, NamedSharding(mesh, P()), lambda idx: q[idx])
+    h, logits, kv_rows, counts, ids = decode_step(g_q, put(idx_keys), put(kv), put(row_ends), put(req_id),
+                                                  put(block_table))
+    where = f"{NPROC} processes" if NPROC > 1 else f"{W} devices of one process"
+    print(f"W={W} ranks ({where}); hidden state after {LAYERS} layers: {h.shape}", flush=True)
 
-    # Check every layer against the NumPy oracle (the scores came out of the step).
-    logits, kv_rows, counts, ids = (np.asarray(x) for x in (logits, kv_rows, counts, ids))
-    for ly in range(LAYERS):
-        want = reference.topk_merge([logits[r, ly] for r in range(W)], list(row_ends), list(req_id),
-                                    list(block_table), topk=K, block_size=B)
-        for r in range(W):
-            assert np.array_equal(kv_rows[r, ly], want[r].kv_rows)
-            assert np.array_equal(counts[r, ly], want[r].counts)
-            assert np.array_equal(ids[r, ly], want[r].ids)
-    print("every layer bit-identical to reference.topk_merge")
+    # Check every layer of the ranks this process holds against the NumPy oracle.  The
+    # oracle needs every rank's scores (they came out of the step): gathered to every
+    # process; the outputs checked are this process's own.
+    logits = np.asarray(multihost_utils.process_allgather(logits, tiled=True))  # [W, LAYERS, R, L]
+    kv_rows, counts, ids = (distributed.rank_shards(x) for x in (kv_rows, counts, ids))
+    for r in sorted(kv_rows):
+        for ly in range(LAYERS):
+            want = reference.topk_merge([logits[s, ly] for s in range(W)], list(row_ends), list(req_id),
+                                        list(block_table), topk=K, block_size=B)[r]
+            assert np.array_equal(kv_rows[r][ly], want.kv_rows)
+            assert np.array_equal(counts[r][ly], want.counts)
+            assert np.array_equal(ids[r][ly], want.ids)
+        print(f"rank {r} of {W}: every layer bit-identical to reference.topk_merge "
+              f"(tokens selected per row, layer 0: {counts[r][0].tolist()})", flush=True)

@@ -49,26 +49,38 @@ METHODS = ("op (ffi)", "lax.top_k whole row", "xla path", "select+push kernel", 
            "torch.topk int64 [R, W*N] k=K", "lax.top_k int64 [R, W*N] k=K")
 
 
-def _args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2048)
-    p.add_argument("--local-topk", type=int, nargs="+", default=[256, 512, 1024])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--cols", type=int, nargs="+", default=[8192, 32768, 131072])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--sets", type=int, default=4, help="input sets rotated through")
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default="bench_out")
-    p.add_argument("--timeout", type=float, default=1800.0)
+def parser(serving: bool = False) -> argparse.ArgumentParser:
+    """The command line (``serving``: with the serving loop's defaults)."""
+    p = argparse.ArgumentParser(prog="python -m jax_dsa_exchange.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=8,
+                   help="W: processes started through the launcher, one rank each (default 8)")
+    p.add_argument("--topk", type=int, default=2048, help="K (default 2048)")
+    p.add_argument("--local-topk", type=int, nargs="+", default=[256, 512, 1024],
+                   help="N values to measure, each a configuration (default 256 512 1024)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256],
+                   help="R values (query rows per call) to measure (default 1 16 64 256)")
+    p.add_argument("--cols", type=int, nargs="+", default=[8192, 32768, 131072],
+                   help="L values (tokens per rank and row) to measure (default 8192 32768 131072)")
+    p.add_argument("--layers", type=int, default=8,
+                   help="layers of the short step; the long one has twice as many (default 8)")
+    p.add_argument("--sets", type=int, default=4,
+                   help="input sets rotated through, so the L2 does not keep the logits (default 4)")
+    p.add_argument("--reps", type=int, default=15, help="timed repetitions per configuration (default 15)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed repetitions first (default 3)")
+    p.add_argument("--out", default="bench_out", help="folder for bench.csv and bench.png (--serving: serving.csv) (default bench_out)")
+    p.add_argument("--timeout", type=float, default=1800.0,
+                   help="seconds for the whole multi-process run (default 1800)")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernels-alone rows")
     from . import serving_bench
 
     serving_bench.add_args(p)
-    if "--serving" in argv:  # issue #13's configuration unless given
-        p.set_defaults(world=1, local_topk=[2048], rows=[16], cols=[32768], layers=16, reps=15)
-    return p.parse_args(argv)
+    if serving:  # the serving loop's own configuration unless given
+        p.set_defaults(**serving_bench.DEFAULTS)
+    return p
+
+
+def _args(argv):
+    return parser(serving="--serving" in argv).parse_args(argv)
 
 
 def _time_layers(step, make_inputs, reps, warmup, layers):

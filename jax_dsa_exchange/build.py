@@ -18,11 +18,15 @@ import time
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jax_dsa_exchange.build", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="sm_90a")
-    ap.add_argument("--topk", type=int, nargs="+", required=True)
-    ap.add_argument("--local-topk", type=int, nargs="+", required=True)
-    ap.add_argument("--world", type=int, nargs="+", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--arch", default="sm_90a", help="GPU architecture of the cubins (default sm_90a, Hopper)")
+    ap.add_argument("--topk", type=int, nargs="+", required=True,
+                    help="K: one or more values, each a multiple of 32 in 64..4096")
+    ap.add_argument("--local-topk", type=int, nargs="+", required=True,
+                    help="N: one or more values, each a multiple of 32 in 32..K (combinations with N > K are skipped)")
+    ap.add_argument("--world", type=int, nargs="+", required=True, help="W: one or more rank counts in 1..16")
+    ap.add_argument("--out", required=True,
+                    help="folder to write into (one subfolder per configuration); point "
+                         "JAX_DSA_EXCHANGE_CUBIN_DIR at it")
     kind = ap.add_mutually_exclusive_group()
     kind.add_argument("--rescue-list", action="store_true",
                       help="the producer also makes each row's local top-K for a rescue")

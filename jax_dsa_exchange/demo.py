@@ -41,22 +41,59 @@ import numpy as np
 AXIS = "dcp"
 
 
+RESCUE_HELP = """\
+rescue rows: the FFI path's protocol sends each rank's top N (--local-topk) candidates
+per row in a first round and merges them.  When a rank sent N candidates and even its
+smallest beats the merged K-th, a token it did not send could still belong to the top
+K: that row takes a second round (the rescue), in which such ranks send their top K.
+Each step line counts the (layer, row) pairs that needed it.  The XLA path sends K
+candidates at once and never needs one, so there the count comes from the protocol
+model (reference.saturated_masks) and is marked "(model)".  The results are exact
+either way; the count shows how often the rescue's extra cost is paid (none with N = K).
+"""
+
+
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m jax_dsa_exchange.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--world", type=int, default=4, help="DCP ranks W (default 4)")
-    p.add_argument("--steps", type=int, default=5, help="decode steps (default 5)")
-    p.add_argument("--layers", type=int, default=4, help="layers per step, scanned (default 4)")
-    p.add_argument("--rows", type=int, default=16, help="query rows R per call (default 16)")
-    p.add_argument("--cols", type=int, default=8192, help="local KV tokens L per rank (default 8192)")
-    p.add_argument("--topk", type=int, default=2048, help="K (default 2048)")
-    p.add_argument("--local-topk", type=int, default=1024, help="N (default 1024)")
-    p.add_argument("--block-size", type=int, default=64, help="KV page size B (default 64)")
-    p.add_argument("--path", choices=("auto", "xla", "ffi"), default="auto")
+    from . import layout
+
+    p = argparse.ArgumentParser(prog="python -m jax_dsa_exchange.demo", description=__doc__.split("\n")[0],
+                                epilog=RESCUE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=4,
+                   help=f"DCP ranks W, 1..{layout.MAX_WORLD} (default 4; under the launcher: its -n)")
+    p.add_argument("--steps", type=int, default=5, help="decode steps, >= 1 (default 5)")
+    p.add_argument("--layers", type=int, default=4, help="layers per step, scanned, >= 1 (default 4)")
+    p.add_argument("--rows", type=int, default=16, help="query rows R per call, >= 1 (default 16)")
+    p.add_argument("--cols", type=int, default=8192,
+                   help=f"local KV tokens L per rank, 1..{layout.MAX_LOCAL_LEN} (default 8192)")
+    p.add_argument("--topk", type=int, default=2048,
+                   help=f"K, a multiple of 32 in {layout.MIN_TOPK}..{layout.MAX_TOPK} (default 2048)")
+    p.add_argument("--local-topk", type=int, default=1024,
+                   help="N, the first round's candidates per rank and row: a multiple of 32 in 32..K "
+                        "(default 1024; see rescue rows below)")
+    p.add_argument("--block-size", type=int, default=64, help="KV page size B, >= 1 (default 64)")
+    p.add_argument("--path", choices=("auto", "xla", "ffi"), default="auto",
+                   help="xla: pure XLA, any backend; ffi: the NVLink kernels (NVIDIA GPUs); "
+                        "auto (default): ffi on GPUs when the op imports, else xla")
     p.add_argument("--processes", action="store_true",
                    help="one process per rank (launcher + jax.distributed, gloo on CPU)")
-    p.add_argument("--timeout", type=float, default=600.0, help="--processes: whole-run timeout (s)")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--timeout", type=float, default=600.0, help="--processes: whole-run timeout in s (default 600)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated workload (default 0)")
+    a = p.parse_args(argv)
+    # Every option names itself when out of range (argparse's message, exit code 2),
+    # instead of failing later inside jax or NumPy with an unrelated error.
+    for opt, v, lo, hi in (("--world", a.world, 1, layout.MAX_WORLD), ("--steps", a.steps, 1, None),
+                           ("--layers", a.layers, 1, None), ("--rows", a.rows, 1, None),
+                           ("--cols", a.cols, 1, layout.MAX_LOCAL_LEN), ("--block-size", a.block_size, 1, None)):
+        if v < lo or (hi is not None and v > hi):
+            p.error(f"argument {opt}: {v} is out of range: need {lo} <= {opt[2:]}"
+                    + (f" <= {hi}" if hi is not None else ""))
+    if a.topk % 32 or not layout.MIN_TOPK <= a.topk <= layout.MAX_TOPK:
+        p.error(f"argument --topk: {a.topk} must be a multiple of 32 in [{layout.MIN_TOPK}, {layout.MAX_TOPK}]")
+    if a.local_topk % 32 or not 32 <= a.local_topk <= a.topk:
+        p.error(f"argument --local-topk: {a.local_topk} must be a multiple of 32 in [32, --topk={a.topk}]")
+    if not a.timeout > 0:
+        p.error(f"argument --timeout: {a.timeout} must be > 0")
+    return a
 
 
 # ---------------------------------------------------------------------------
@@ -220,8 +257,11 @@ def run(a) -> int:
     tables = np.stack([rng.permutation(num_req * pages + 7)[: num_req * pages].reshape(num_req, pages)
                        for _ in range(world)]).astype(np.int32)
     cache = rng.standard_normal((world, (num_req * pages + 7) * B, D)).astype(np.float32)
-    base_len = rng.integers(world * L // 8, world * L - a.steps, R)
-    base_len[0] = min(K // 2, world * L - a.steps)  # one short row: fewer than K tokens
+    # Context lengths leave room for the steps' growth where the rows allow it (a tiny L
+    # may not: row_ends then clamp to L).
+    hi = max(world * L - a.steps, 1)
+    base_len = rng.integers(min(world * L // 8, hi - 1), hi, R)
+    base_len[0] = min(K // 2, hi)  # one short row: fewer than K tokens
     put = lambda x: distributed.shard_ranks(mesh, AXIS, list(x))  # noqa: E731
     g_req, g_tab, g_cache = put(req_id), put(tables), put(cache)
     from jax.sharding import NamedSharding

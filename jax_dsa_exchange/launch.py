@@ -10,7 +10,8 @@ others get ``--grace`` seconds to finish (they are usually stuck in a collective
 with the dead rank), then SIGTERM, then SIGKILL.  ``--timeout`` bounds the whole
 run (exit code 124).  On a node with at least W NVIDIA GPUs rank r gets GPU r
 (``--bind``).  Exit code: 0 if every rank exited 0, else the first
-failing rank's code (128 + signal for a signal).
+failing rank's code (128 + signal for a signal); 127 when COMMAND is not found
+(126: not executable), said in one line.
 """
 
 from __future__ import annotations
@@ -118,14 +119,20 @@ def launch(command: list[str], world: int, *, timeout: float | None = None,
             restore[sig] = signal.signal(sig, _raise_interrupt)
 
     procs, threads = [], []
+    code = 0
     try:
         for r in range(world):
             env_r = dict(base, **{distributed.ENV_RANK: str(r)})
             if bind_gpus:
                 env_r["JAX_LOCAL_DEVICE_IDS"] = str(r)
-            p = subprocess.Popen(command, env=env_r, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+            try:
+                p = subprocess.Popen(command, env=env_r, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+            except OSError as e:  # not found, not executable: one line, as a shell says it
+                _log(f"cannot start {command[0]!r}: {e.strerror or e}")
+                code = 127 if isinstance(e, FileNotFoundError) else 126
+                break
             procs.append(p)
             for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
                 t = threading.Thread(target=_forward, args=(stream, f"[rank {r}] ", out), daemon=True)
@@ -135,8 +142,7 @@ def launch(command: list[str], world: int, *, timeout: float | None = None,
         start = time.monotonic()
         first_fail = None  # (rank, code)
         fail_time = None
-        code = 0
-        while True:
+        while not code:
             rcs = [p.poll() for p in procs]
             for r, rc in enumerate(rcs):
                 if rc not in (None, 0) and first_fail is None:

@@ -14,13 +14,13 @@ Both results are tuples holding a token (XLA's GPU dynamic-slice fusion skips su
 calls in the XLA sources read, ``IsCustomCall`` in ``DynamicSliceFusionRewriter``, but
 not in jax 0.11.2's XLA: see below).
 
-**XLA's GPU dynamic-slice fusion, jax 0.11.2 (H200, this session):** the pass still
-matched the calls when their operands were slices (a ``lax.scan`` over stacked layers,
-or ``x[i]`` of an unrolled loop): the compiler aborted (``Check failed: shape.IsArray()
-|| shape.IsTuple()`` in ``GpuHloCostAnalysis::FusionCalculateUtilizations``, the fused
-call's token), and the second session saw a fused merge left beside the original (two
-merges per call).  The op touches no flag; the workaround is scoped to the programs
-that call it: compile them with ``jax.jit(step, compiler_options=compiler_options())``
+**XLA's GPU dynamic-slice fusion, jax 0.11.2 (H200):** the pass still matched the
+calls when their operands were slices (a ``lax.scan`` over stacked layers, or ``x[i]``
+of an unrolled loop): the compiler aborted (``Check failed: shape.IsArray() ||
+shape.IsTuple()`` in ``GpuHloCostAnalysis::FusionCalculateUtilizations``, the fused
+call's token), or left a fused merge beside the original (two merges per call).  The
+op touches no flag; the workaround is scoped to the programs that call it: compile
+them with ``jax.jit(step, compiler_options=compiler_options())``
 (:func:`compiler_options`: ``{"xla_gpu_enable_dynamic_slice_fusion": False}`` for the
 affected jax versions, ``{}`` for the others), which turns the pass off for that
 executable only.  Version gate: :data:`DSF_SAFE_FROM`.
@@ -55,8 +55,8 @@ as ``io_callback(ordered=True)``): a token threaded through every call, loop and
 inner jit, at a price: the program leaves JAX's C++ fast path and JAX blocks the
 host before each dispatch until the previous effectful program finished on the
 device (``jax._src.array._token_shard_arg``), so the GPU idles while the next step
-is dispatched (H200, issue #13's serving loop: +32 us per layer over the
-kernels; README).
+is dispatched (H200, ``python -m jax_dsa_exchange.bench --serving``, W=1 K=2048
+N=2048 R=16 L=32768: +32 us per layer over the kernels).
 
 ``ordered=False``: no chain between calls (each select_push starts from a fresh
 token; the pair stays chained); XLA may run independent calls of one body in any
@@ -66,7 +66,9 @@ order.  Same dispatch cost as the default.
 (``with_ids``/``with_saturated``); otherwise the kernel gets address 0 for them.
 
 Not differentiable (jvp/transpose raise NotImplementedError) and no vmap rule:
-the exchange is a per-rank communication with a fixed row count.
+the exchange is a per-rank communication with a fixed row count.  The XLA path
+refuses both the same way (``xla_path``'s guard), so a step that works on one path
+does not change meaning on the other.
 
 Exchange records live in the C++ library keyed by (exchange id, device
 ordinal); the compiled program holds only the exchange id.  XLA records the
@@ -96,7 +98,7 @@ from jax.extend import core
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import ad, batching, mlir
 
-from . import _ffi, _jax_private, layout
+from . import _ffi, _jax_private, checks
 from .output import MergeOutput
 
 __all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p", "compiler_options",
@@ -288,22 +290,20 @@ def _wrap_higher_order_dce_rules() -> None:
 
 _wrap_higher_order_dce_rules()
 
-_NO_GRAD = "topk_exchange_merge has no differentiation rule"
+# Both paths refuse the same transformations with the same messages (checks.py; the XLA
+# path through xla_path's guard primitive).
 
 
 def _no_jvp(primals, tangents, **params):
-    raise NotImplementedError(_NO_GRAD + " (it is an integer-valued cross-rank exchange; take gradients elsewhere)")
+    raise NotImplementedError(checks.NO_GRAD)
 
 
 def _no_transpose(*args, **params):
-    raise NotImplementedError(_NO_GRAD)
+    raise NotImplementedError(checks.NO_GRAD)
 
 
 def _no_vmap(*args, **params):
-    raise NotImplementedError(
-        "topk_exchange_merge has no batching rule (vmap): every call is one exchange round over "
-        "[R, L] rows shared by all ranks; fold the batch into the row axis R instead"
-    )
+    raise NotImplementedError(checks.NO_VMAP)
 
 
 ad.primitive_jvps[topk_exchange_merge_p] = _no_jvp
@@ -434,53 +434,18 @@ mlir.register_lowering(topk_exchange_merge_p, _cuda_lowering, platform="cuda", c
 # ---------------------------------------------------------------------------
 
 
-def _dtype(x, name):
-    dt = getattr(x, "dtype", None)
-    if dt is None:
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    return np.dtype(dt)
-
-
-def _shape(x):
-    return tuple(int(d) for d in x.shape)
-
-
 def _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_ids, with_saturated, path):
     if path not in PATHS:
         raise ValueError(f"path={path!r} must be one of {PATHS}")
-    for attr in ("id", "topk", "max_rows", "closed"):
+    for attr in ("id", "world", "topk", "local_topk", "max_rows", "closed"):
         if not hasattr(exchange, attr):
             raise TypeError(f"exchange must have attribute {attr!r} (got {type(exchange).__name__})")
     if exchange.closed:
         raise ValueError(f"exchange {exchange.id} is closed")
-    for name, v in (("with_ids", with_ids), ("with_saturated", with_saturated)):
-        if not isinstance(v, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {v!r}")
-    if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)):
-        raise TypeError(f"block_size must be an int, got {block_size!r}")
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be >= 1")
-
-    if _dtype(logits, "logits") != jnp.bfloat16:
-        raise TypeError(f"logits must be bfloat16, got {_dtype(logits, 'logits')}")
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be [R, L], got shape {_shape(logits)}")
-    rows, cols = _shape(logits)
-    if rows < 1:
-        raise ValueError(f"logits has R={rows} rows; need R >= 1")
-    if rows > exchange.max_rows:
-        raise ValueError(f"logits has R={rows} rows > the exchange's max_rows={exchange.max_rows}")
-    if not 1 <= cols <= layout.MAX_LOCAL_LEN:
-        raise ValueError(f"logits has L={cols} columns; need 1 <= L <= {layout.MAX_LOCAL_LEN} (2**17)")
-    for name, x in (("row_ends", row_ends), ("req_id", req_id)):
-        if _dtype(x, name) != np.int32:
-            raise TypeError(f"{name} must be int32, got {_dtype(x, name)}")
-        if _shape(x) != (rows,):
-            raise ValueError(f"{name} must have shape (R,) = ({rows},), got {_shape(x)}")
-    if _dtype(block_table, "block_table") != np.int32:
-        raise TypeError(f"block_table must be int32, got {_dtype(block_table, 'block_table')}")
-    if block_table.ndim != 2 or min(_shape(block_table)) < 1:
-        raise ValueError(f"block_table must be [num_requests >= 1, max_pages >= 1], got shape {_shape(block_table)}")
+    # The checks every path runs (checks.py): the same errors on the FFI and XLA paths.
+    checks.check_call(logits, row_ends, req_id, block_table, world=exchange.world, topk=exchange.topk,
+                      local_topk=exchange.local_topk, block_size=block_size, with_ids=with_ids,
+                      with_saturated=with_saturated, max_rows=exchange.max_rows)
 
 
 def _use_ffi(path: str) -> bool:
@@ -523,6 +488,10 @@ def topk_exchange_merge(
     bodies, but blocks the host before every dispatch); False = no chain.
     Returns :class:`MergeOutput`; ``ids``/``saturated`` are None unless asked
     for.
+
+    Arguments are checked at trace time, the same way on every path (``checks.py``):
+    TypeError / ValueError naming the argument.  No path differentiates or batches the
+    merge: ``jax.grad`` through it and ``jax.vmap`` of it raise NotImplementedError.
     """
     if isinstance(ordered, np.bool_):
         ordered = bool(ordered)
@@ -537,13 +506,16 @@ def topk_exchange_merge(
                 "the XLA path (path='xla', or path='auto' on a non-CUDA backend) needs axis_name: "
                 "the DCP mesh axis of the enclosing shard_map"
             )
-        from . import xla_path  # lazy: written separately, and only needed here
+        from . import xla_path  # lazy: only this path needs it
 
-        r = xla_path.xla_topk_merge(
+        ranks = xla_path.axis_ranks(axis_name)
+        if ranks != exchange.world:
+            raise ValueError(f"exchange {exchange.id} has world={exchange.world} but the mesh axis "
+                             f"{axis_name!r} has {ranks} ranks")
+        return xla_path.xla_topk_merge(
             logits, row_ends, req_id, block_table, axis_name=axis_name, topk=exchange.topk,
             block_size=block_size, with_ids=with_ids, with_saturated=with_saturated,
-        )
-        return r  # a MergeOutput (ids / saturated None unless asked for)
+        )  # a MergeOutput (ids / saturated None unless asked for)
 
     if _ffi.available():
         _ffi.register_targets()

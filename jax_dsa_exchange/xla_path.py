@@ -34,13 +34,14 @@ express their length through ``row_ends``.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core
+from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
-from . import layout
+from . import checks
 from .output import MergeOutput
 
 # jax >= 0.7 exports shard_map at top level; older releases only have the
@@ -52,11 +53,42 @@ except AttributeError:  # pragma: no cover - old jax
     from jax.experimental.shard_map import shard_map
 
 
-def _axis_size(axis_name) -> int:
-    """Static size of a mesh axis inside shard_map (lax.axis_size is newer)."""
-    if hasattr(lax, "axis_size"):
-        return int(lax.axis_size(axis_name))
-    return int(lax.psum(1, axis_name))  # a Python int for a constant operand
+def axis_ranks(axis_name) -> int:
+    """Static size of the mesh axis ``axis_name`` of the enclosing shard_map (the world W);
+    ValueError outside one."""
+    try:
+        if hasattr(lax, "axis_size"):
+            return int(lax.axis_size(axis_name))
+        return int(lax.psum(1, axis_name))  # (older jax) a Python int for a constant operand
+    except NameError as e:
+        raise ValueError(f"axis_name={axis_name!r} is not a mesh axis here: call the XLA path inside "
+                         "shard_map over the DCP mesh axis (or use xla_topk_merge_sharded)") from e
+
+
+# The XLA path is plain jax.numpy, so JAX would differentiate it (an all-zero gradient:
+# the outputs are integers) and batch it (vmap).  The FFI primitive allows neither
+# (op.py), and a step must mean the same on both paths, so the inputs pass through this
+# identity primitive, whose JVP and batching rules raise the FFI path's errors.  One
+# behaviour for vmap: a clear error, since the FFI path cannot batch a call (one call is
+# one exchange round over at most max_rows rows) and a vmap that ran on CPU only would
+# fail when the same step moves to GPUs.
+_guard_p = core.Primitive("dsa_xla_path_guard")
+_guard_p.multiple_results = True
+_guard_p.def_impl(lambda *xs: xs)
+_guard_p.def_abstract_eval(lambda *avals: avals)
+mlir.register_lowering(_guard_p, lambda ctx, *xs: xs)
+
+
+def _guard_no_jvp(primals, tangents):
+    raise NotImplementedError(checks.NO_GRAD)
+
+
+def _guard_no_vmap(args, dims):
+    raise NotImplementedError(checks.NO_VMAP)
+
+
+ad.primitive_jvps[_guard_p] = _guard_no_jvp
+batching.primitive_batchers[_guard_p] = _guard_no_vmap
 
 
 def ord16(logits: jax.Array) -> jax.Array:
@@ -126,28 +158,26 @@ def xla_topk_merge(
     zero: this path never needs a rescue round) if ``with_saturated``.
     ``ids``/``saturated`` are None when not requested.
 
-    Static arguments: ``topk`` (docs/DESIGN.md §2 limits, ValueError otherwise),
-    ``block_size``, the flags.  Works with ``jax_enable_x64`` off or on.  A
-    selected token whose block-table lookup is out of range (bad ``req_id`` or
-    too few pages) stays selected but gets kv_rows -1 (the rule of every path,
-    layout.py).
+    Static arguments: ``topk`` (docs/DESIGN.md §2 limits), ``block_size``, the flags.
+    Arguments are checked as ``topk_exchange_merge`` checks them (``checks.check_call``:
+    the same TypeError / ValueError, before any collective).  Like the FFI path, no
+    gradient and no vmap (NotImplementedError; wrap the logits in
+    ``jax.lax.stop_gradient`` to differentiate the rest of a step).  Works with
+    ``jax_enable_x64`` off or on.  A selected token whose block-table lookup is out of
+    range (bad ``req_id`` or too few pages) stays selected but gets kv_rows -1 (the rule
+    of every path, layout.py).
     """
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be a positive int")
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be [R, L] per rank, got shape {logits.shape}")
-    if logits.dtype != jnp.bfloat16:  # a silent rounding would change the ties
-        raise TypeError(f"logits must be bfloat16, got {logits.dtype}")
-    world = _axis_size(axis_name)
-    layout.check_config(world, topk, topk)
+    world = axis_ranks(axis_name)
+    # This path sends K candidates per rank (no rescue round): local_topk = topk.
+    checks.check_call(logits, row_ends, req_id, block_table, world=world, topk=topk, local_topk=topk,
+                      block_size=block_size, with_ids=with_ids, with_saturated=with_saturated)
+    logits, row_ends, req_id, block_table = _guard_p.bind(logits, row_ends, req_id, block_table)
     R, L = logits.shape
-    if L > layout.MAX_LOCAL_LEN:
-        raise ValueError(f"L={L} exceeds {layout.MAX_LOCAL_LEN} (docs/DESIGN.md §2)")
     me = lax.axis_index(axis_name).astype(jnp.int32)
 
     # 1. Exact local top-K (fewer if fewer valid), listed in ascending l.
     l_idx = lax.broadcasted_iota(jnp.int32, (R, L), 1)
-    ends = jnp.clip(row_ends.astype(jnp.int32), 0, L)[:, None]
+    ends = jnp.clip(row_ends, 0, L)[:, None]
     score = jnp.where(l_idx < ends, ord16(logits), 0)
     n = min(topk, L)
     local = _select(score, None, topk)  # columns are l: ties by cumsum
@@ -170,9 +200,9 @@ def xla_topk_merge(
     # A selected token whose lookup is out of range stays selected (ids, counts) with
     # kv_rows -1, the same rule as the kernels and the reference (layout.py).
     page = own_l // block_size
-    req = req_id.astype(jnp.int32)[:, None]
+    req = req_id[:, None]
     ok = (own_l >= 0) & (page < block_table.shape[1]) & (req >= 0) & (req < block_table.shape[0])
-    phys = block_table.astype(jnp.int32)[jnp.clip(req, 0, block_table.shape[0] - 1),
+    phys = block_table[jnp.clip(req, 0, block_table.shape[0] - 1),
                                          jnp.clip(page, 0, block_table.shape[1] - 1)]
     kv_rows = jnp.where(ok, phys * block_size + own_l % block_size, -1)
 

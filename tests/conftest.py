@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 import pytest
+from compile_progress import pytest_sessionstart  # noqa: F401  (kernel-compile progress lines)
 
 import gpu
 

@@ -1,4 +1,4 @@
-"""Multi-process CPU runs: the launcher, jax.distributed + gloo, the XLA path, the demo.
+"""Multi-process CPU runs: the launcher, jax.distributed + gloo, the XLA path, the demo, the example.
 
 Every test starts ``python -m jax_dsa_exchange.launch`` in a subprocess.  The
 rank worker is this file run as a script (``python tests/test_multiprocess.py
@@ -80,6 +80,19 @@ def test_demo_processes():
     assert p.returncode == 0, _explain(p)
     assert "[rank 0] OK: 2 steps" in p.stdout, _explain(p)
     assert "MISMATCH" not in p.stdout, _explain(p)
+    _assert_no_grpc_noise(p)
+
+
+def test_example_decode_loop_joins_the_launched_ranks():
+    """examples/decode_loop.py started by the launcher runs one rank per process (W = the
+    process count, collectives over gloo), each process checking its own rank."""
+    p, _ = _launch(2, sys.executable, os.path.join(ROOT, "examples", "decode_loop.py"),
+                   launch_args=("--timeout", "200"))
+    assert p.returncode == 0, _explain(p)
+    for r in range(2):
+        assert f"[rank {r}] W=2 ranks (2 processes)" in p.stdout, _explain(p)
+        assert f"[rank {r}] rank {r} of 2: every layer bit-identical" in p.stdout, _explain(p)
+    assert "of 4" not in p.stdout and "devices of one process" not in p.stdout, _explain(p)
     _assert_no_grpc_noise(p)
 
 

@@ -1,6 +1,6 @@
-"""topk_exchange_merge: validation, CUDA lowering (custom calls, side effects,
-token order) inside jit / scan / fori_loop / shard_map, no grad / vmap, the XLA
-path delegation; on a GPU, the FFI path end to end with stand-in kernels."""
+"""topk_exchange_merge: validation (the same on every path), CUDA lowering (custom calls,
+side effects, token order) inside jit / scan / fori_loop / shard_map, no grad / vmap on any
+path, the XLA path delegation; on a GPU, the FFI path end to end with stand-in kernels."""
 
 from __future__ import annotations
 
@@ -101,6 +101,9 @@ def _call(**kw):
         (dict(path="cuda"), ValueError, "path='cuda' must be one of"),
         (dict(path="xla"), ValueError, "needs axis_name"),
         (dict(exchange=object()), TypeError, "exchange must have attribute 'id'"),
+        (dict(exchange=DummyExchange(world=17)), ValueError, r"world=17 must be in \[1, 16\]"),
+        (dict(exchange=DummyExchange(topk=100)), ValueError, "topk=100 must be a multiple of 32"),
+        (dict(exchange=DummyExchange(local_topk=128)), ValueError, r"local_topk=128 must be a multiple of 32 in \[32, topk=64\]"),
         (dict(ordered=None), TypeError, "ordered must be True, False or 'effect'"),
         (dict(ordered="yes"), TypeError, "ordered must be True, False or 'effect'"),
     ],
@@ -108,6 +111,113 @@ def _call(**kw):
 def test_validation(kw, exc, msg):
     with pytest.raises(exc, match=msg):
         _call(**kw)
+
+
+# Every path checks its arguments with one function (jax_dsa_exchange/checks.py): the same
+# bad argument raises the same exception with the same message on the FFI path, the XLA
+# path through topk_exchange_merge, and xla_path.xla_topk_merge called directly, at trace
+# time (before any custom call or collective).  On CPU the FFI path is traced, not run.
+MERGE_PATHS = ("ffi", "xla", "xla_topk_merge")
+
+
+def _merge_fn(path, ex, **kw):
+    """Per-rank merge ``fn(logits, row_ends, req_id, block_table) -> MergeOutput`` of one path."""
+    if path == "xla_topk_merge":
+        from jax_dsa_exchange import xla_path
+
+        kw.setdefault("topk", ex.topk)
+        return lambda *a: xla_path.xla_topk_merge(*a, axis_name="dcp", **kw)
+    if path == "xla":
+        kw["axis_name"] = "dcp"
+    return lambda *a: topk_exchange_merge(ex, *a, path=path, **kw)
+
+
+def _over_one_rank(per_rank, reduce=None):
+    """``per_rank`` inside a jitted shard_map over a one-device "dcp" axis: arguments and
+    results carry a leading rank axis of size 1 (``reduce``: a per-rank scalar instead)."""
+    def body(*a):
+        out = per_rank(*(x[0] for x in a))
+        if reduce is not None:
+            return reduce(out)[None]
+        return tuple(x[None] for x in out if x is not None)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dcp",))  # Auto axis: unsharded inputs pass
+    return jax.shard_map(body, mesh=mesh, in_specs=P("dcp"), out_specs=P("dcp"))
+
+
+def _rank_args(**over):
+    a = dict(logits=sds((R, L), jnp.bfloat16), row_ends=sds((R,), jnp.int32), req_id=sds((R,), jnp.int32),
+             block_table=sds((NREQ, PAGES), jnp.int32))
+    a.update(over)
+    return [sds((1,) + tuple(x.shape), x.dtype) for x in a.values()]  # the rank axis in front
+
+
+BAD_ON_EVERY_PATH = [
+    (dict(logits=sds((R, L), jnp.float32)), TypeError, "logits must be bfloat16, got float32"),
+    (dict(logits=sds((R, L, 1), jnp.bfloat16)), ValueError, r"logits must be \[R, L\], got shape \(4, 256, 1\)"),
+    (dict(logits=sds((0, L), jnp.bfloat16)), ValueError, "logits has R=0 rows"),
+    (dict(logits=sds((R, 0), jnp.bfloat16)), ValueError, "logits has L=0 columns"),
+    (dict(logits=sds((R, (1 << 17) + 1), jnp.bfloat16)), ValueError, "logits has L=131073 columns"),
+    (dict(row_ends=sds((R,), jnp.float32)), TypeError, "row_ends must be int32, got float32"),
+    (dict(row_ends=sds((R,), jnp.int16)), TypeError, "row_ends must be int32, got int16"),
+    (dict(row_ends=sds((1,), jnp.int32)), ValueError, r"row_ends must have shape \(R,\) = \(4,\), got \(1,\)"),
+    (dict(row_ends=sds((R, 1), jnp.int32)), ValueError, r"row_ends must have shape \(R,\) = \(4,\), got \(4, 1\)"),
+    (dict(req_id=sds((R,), jnp.float32)), TypeError, "req_id must be int32, got float32"),
+    (dict(req_id=sds((1,), jnp.int32)), ValueError, r"req_id must have shape \(R,\) = \(4,\), got \(1,\)"),
+    (dict(block_table=sds((NREQ, PAGES), jnp.float32)), TypeError, "block_table must be int32, got float32"),
+    (dict(block_table=sds((NREQ, PAGES), jnp.uint32)), TypeError, "block_table must be int32, got uint32"),
+    (dict(block_table=sds((NREQ,), jnp.int32)), ValueError, r"block_table must be \[num_requests >= 1, max_pages >= 1\], got shape \(3,\)"),
+    (dict(block_table=sds((1, NREQ, PAGES), jnp.int32)), ValueError, r"block_table must be \[num_requests"),
+    (dict(block_table=sds((NREQ, 0), jnp.int32)), ValueError, r"block_table must be \[num_requests"),
+    (dict(block_size=0), ValueError, "block_size=0 must be >= 1"),
+    (dict(block_size=True), TypeError, "block_size must be an int, got True"),
+    (dict(block_size=2.0), TypeError, "block_size must be an int, got 2.0"),
+    (dict(with_ids=1), TypeError, "with_ids must be a bool, got 1"),
+    (dict(with_saturated="yes"), TypeError, "with_saturated must be a bool, got 'yes'"),
+    (dict(topk=100), ValueError, r"topk=100 must be a multiple of 32 in \[64, 4096\]"),
+    (dict(topk=32), ValueError, r"topk=32 must be a multiple of 32 in \[64, 4096\]"),
+]
+
+
+def _case_id(kw):
+    return "-".join(f"{k}={v.dtype.name}{list(v.shape)}" if hasattr(v, "shape") else f"{k}={v!r}"
+                    for k, v in kw.items())
+
+
+@pytest.mark.parametrize("path", MERGE_PATHS)
+@pytest.mark.parametrize("kw, exc, msg", [pytest.param(*c, id=_case_id(c[0])) for c in BAD_ON_EVERY_PATH])
+def test_every_path_rejects_the_same_arguments_the_same_way(path, kw, exc, msg):
+    kw = dict(kw)
+    ex = DummyExchange(world=1, topk=kw.pop("topk", 64))
+    arrays = {k: kw.pop(k) for k in ("logits", "row_ends", "req_id", "block_table") if k in kw}
+    kw.setdefault("block_size", B)
+    fn = _over_one_rank(_merge_fn(path, ex, **kw))
+    with pytest.raises(exc, match=msg):
+        jax.jit(fn).trace(*_rank_args(**arrays))
+    # The same call with good arguments traces (and, off the FFI path, runs).
+    good = _over_one_rank(_merge_fn(path, DummyExchange(world=1), block_size=B))
+    jax.jit(good).trace(*_rank_args())
+
+
+@pytest.mark.parametrize("path", ["ffi", "xla"])
+@pytest.mark.parametrize("ex, msg", [
+    (DummyExchange(world=1, max_rows=2), "R=4 rows > the exchange's max_rows=2"),
+    (DummyExchange(world=1, local_topk=96), r"local_topk=96 must be a multiple of 32 in \[32, topk=64\]"),
+    (DummyExchange(world=0), r"world=0 must be in \[1, 16\]"),
+])
+def test_both_paths_of_the_op_check_the_exchange(path, ex, msg):
+    with pytest.raises(ValueError, match=msg):
+        jax.jit(_over_one_rank(_merge_fn(path, ex, block_size=B))).trace(*_rank_args())
+
+
+def test_xla_path_checks_the_axis():
+    with pytest.raises(ValueError, match=r"exchange 7 has world=2 but the mesh axis 'dcp' has 1 ranks"):
+        jax.jit(_over_one_rank(_merge_fn("xla", DummyExchange(world=2), block_size=B))).trace(*_rank_args())
+    from jax_dsa_exchange import xla_path
+
+    with pytest.raises(ValueError, match="axis_name='dcp' is not a mesh axis here"):
+        jax.jit(lambda *a: xla_path.xla_topk_merge(*a, axis_name="dcp", topk=64, block_size=B)).trace(
+            *(sds(x.shape[1:], x.dtype) for x in _rank_args()))
 
 
 # ----------------------------------------------------------------------------- lowering
@@ -371,42 +481,86 @@ def test_lowering_inside_shard_map_multi_device(ordered):
 
 
 # ----------------------------------------------------------------------------- no grad, no vmap
+# One behaviour on every path: a gradient through the merge and a vmap of it are clear
+# errors (checks.NO_GRAD / NO_VMAP).  The XLA path is plain jax.numpy, which JAX would
+# differentiate to an all-zero gradient and batch: xla_path's guard refuses both.  vmap
+# is an error rather than a batching rule because the FFI path cannot batch a call (one
+# call is one exchange round over at most max_rows rows; fold the batch into R).
 
 
-def test_grad_is_a_clear_error():
+def _loss(merge):
     def loss(lg, re_, rq, bt):
-        o = topk_exchange_merge(DummyExchange(), lg, re_, rq, bt, block_size=B, path="ffi")
+        o = merge(lg, re_, rq, bt)
         return jnp.sum(o.counts.astype(jnp.float32)) + jnp.sum(lg.astype(jnp.float32))
 
-    args = (jnp.ones((R, L), jnp.bfloat16), jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32),
-            jnp.zeros((NREQ, PAGES), jnp.int32))
-    with pytest.raises(NotImplementedError, match="topk_exchange_merge has no differentiation rule"):
+    return loss
+
+
+def _valid_rank_arrays(rank_axis=True):
+    rng = np.random.default_rng(3)
+    a = (jnp.asarray(rng.standard_normal((R, L)), jnp.bfloat16), jnp.asarray(rng.integers(0, L, (R,)), jnp.int32),
+         jnp.asarray(rng.integers(0, NREQ, (R,)), jnp.int32), jnp.asarray(rng.integers(0, 50, (NREQ, PAGES)), jnp.int32))
+    return tuple(x[None] for x in a) if rank_axis else a
+
+
+@pytest.mark.parametrize("path", MERGE_PATHS)
+def test_grad_is_a_clear_error_on_every_path(path):
+    from jax_dsa_exchange import checks
+
+    msg = re.escape(checks.NO_GRAD)
+    merge = _merge_fn(path, DummyExchange(world=1), block_size=B)
+    loss = _over_one_rank(_loss(merge), reduce=lambda x: x)
+    args = _valid_rank_arrays()
+    with pytest.raises(NotImplementedError, match=msg):
+        jax.jit(jax.grad(lambda lg: loss(lg, *args[1:]).sum())).trace(args[0])
+    with pytest.raises(NotImplementedError, match=msg):
+        jax.jit(lambda lg: jax.jvp(lambda x: loss(x, *args[1:]), (lg,), (lg,))).trace(args[0])
+    # stop_gradient on the logits: the rest of the step differentiates (d sum(lg) = 1).
+    sg = _over_one_rank(_loss(lambda lg, *a: merge(lax.stop_gradient(lg), *a)), reduce=lambda x: x)
+    grad = jax.jit(jax.grad(lambda lg: sg(lg, *args[1:]).sum()))
+    if path == "ffi":  # no GPU needed to show it traces; it runs in the GPU tests
+        grad.trace(args[0])
+    else:
+        np.testing.assert_array_equal(np.asarray(grad(args[0]), np.float32), np.ones((1, R, L), np.float32))
+
+
+def test_grad_outside_shard_map_is_a_clear_error():
+    """The FFI path called on one device, outside shard_map."""
+    from jax_dsa_exchange import checks
+
+    args = _valid_rank_arrays(rank_axis=False)
+    loss = _loss(_merge_fn("ffi", DummyExchange(), block_size=B))
+    with pytest.raises(NotImplementedError, match=re.escape(checks.NO_GRAD)):
         jax.grad(loss)(*args)
-    with pytest.raises(NotImplementedError, match="topk_exchange_merge has no differentiation rule"):
-        jax.jvp(lambda lg: loss(lg, *args[1:]), (args[0],), (args[0],))
 
 
-def test_vmap_is_a_clear_error():
-    batched = (sds((2, R, L), jnp.bfloat16), sds((2, R), jnp.int32), sds((2, R), jnp.int32),
-               sds((2, NREQ, PAGES), jnp.int32))
-    with pytest.raises(NotImplementedError, match="no batching rule"):
-        jax.eval_shape(jax.vmap(_op()), *batched)
+@pytest.mark.parametrize("path", MERGE_PATHS)
+@pytest.mark.parametrize("where", ["inside shard_map", "around shard_map"])
+def test_vmap_is_a_clear_error_on_every_path(path, where):
+    from jax_dsa_exchange import checks
+
+    merge = _merge_fn(path, DummyExchange(world=1), block_size=B)
+    batched = tuple(jnp.stack([x, x]) for x in _valid_rank_arrays(rank_axis=False))  # [2, ...] each
+    if where == "inside shard_map":  # per rank: a batch of 2 calls
+        fn = _over_one_rank(lambda *a: jax.vmap(merge)(*a))
+        args = tuple(x[None] for x in batched)
+    else:  # a batch of 2 whole (one-rank) steps
+        fn = jax.vmap(_over_one_rank(merge))
+        args = tuple(x[:, None] for x in batched)
+    with pytest.raises(NotImplementedError, match=re.escape(checks.NO_VMAP)):
+        jax.jit(fn).trace(*args)
+    if path != "ffi":  # the same step without vmap runs
+        out = jax.jit(_over_one_rank(merge))(*(x[:1] for x in batched))
+        assert out[0].shape == (1, R, 64)
 
 
 # ----------------------------------------------------------------------------- XLA path
 
 
-def _xla_path():
-    try:
-        from jax_dsa_exchange import xla_path
-    except ImportError:
-        pytest.skip("jax_dsa_exchange.xla_path not there yet")
-    return xla_path
-
-
 @pytest.mark.parametrize("path", ["xla", "auto"])
 def test_xla_path_delegates(path):
-    xla_path = _xla_path()
+    from jax_dsa_exchange import xla_path
+
     if path == "auto" and jax.default_backend() == "gpu":
         pytest.skip("auto means the FFI path on a GPU")
     mesh = jax.make_mesh((1,), ("dcp",))
@@ -678,7 +832,7 @@ SERIALIZE_SCRIPT = textwrap.dedent(
 
 
 def test_default_mode_does_not_serialize_the_host_with_the_device():
-    """Serving: with the op in the step (a CPU stand-in lowering with the same effects),
+    """A serving loop: with the op in the step (a CPU stand-in lowering with the same effects),
     dispatching 30 steps back to back returns long before they finish in the default mode,
     like a step without the op; the ordered effect (ordered="effect") makes each dispatch
     wait for the previous step."""

@@ -56,7 +56,10 @@ def test_example_decode_loop():
     env["JAX_PLATFORMS"] = "cpu"
     p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "decode_loop.py")], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "bit-identical" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "W=4 ranks (4 devices of one process)" in p.stdout, p.stdout
+    for r in range(4):
+        assert f"rank {r} of 4: every layer bit-identical to reference.topk_merge" in p.stdout, p.stdout
 
 
 # ---------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 ``--mode rows``: rank F calls step 1 with half the rows (another jitted program), then
 goes on with all of them.
 
-What must hold (docs/DESIGN.md §6.7, issue 6), checked here on every rank:
+What must hold (docs/DESIGN.md §6.7), checked here on every rank:
 
 * every rank other than F: its call of step 1 comes back (after about the timeout)
   and its call of step 2 raises, naming rank F, a row and an epoch;
@@ -104,7 +104,10 @@ for step in range(STEPS):
     t0 = time.perf_counter()
     try:
         call(step, per_layer, rows)
-    except Exception as e:  # XlaRuntimeError from the launcher's check of the last status
+    # A RuntimeError (what a user catches): from op.jit's poll of the status copy (CUDA
+    # graphs on), or jax.errors.JaxRuntimeError (XlaRuntimeError in jax 0.11), a subclass,
+    # from the launcher's status check (graphs off / checked).
+    except RuntimeError as e:
         raised = (step, str(e).splitlines()[0])
         print(f"step {step} RAISED after {time.perf_counter() - t0:.2f} s: {raised[1][:300]}", flush=True)
         break

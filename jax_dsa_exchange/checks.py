@@ -17,6 +17,8 @@ import numpy as np
 from . import layout
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+SCORE_DTYPES = (BF16, F32)
 INT32 = np.dtype(np.int32)
 
 NO_GRAD = (
@@ -51,11 +53,17 @@ def check_flags(*, block_size, with_ids, with_saturated) -> None:
         raise ValueError(f"block_size={block_size} must be >= 1")
 
 
-def check_arrays(logits, row_ends, req_id, block_table, *, max_rows=None) -> None:
+def check_arrays(logits, row_ends, req_id, block_table, *, max_rows=None, score_dtype=None) -> None:
     """Dtypes, ranks and shapes of one rank's arrays (docs/DESIGN.md §3); ``max_rows``:
-    the exchange's row limit (the FFI path), None where there is none (the XLA path)."""
-    if _dtype(logits, "logits") != BF16:  # a silent rounding would change the ties
-        raise TypeError(f"logits must be bfloat16, got {_dtype(logits, 'logits')}")
+    the exchange's row limit (the FFI path), None where there is none (the XLA path);
+    ``score_dtype``: the exchange's score dtype name, which the logits must have (None: any
+    score dtype)."""
+    dt = _dtype(logits, "logits")
+    if dt not in SCORE_DTYPES:  # a silent rounding would change the ties
+        raise TypeError(f"logits must be bfloat16 or float32, got {dt}")
+    if score_dtype is not None and dt.name != score_dtype:
+        raise TypeError(f"logits are {dt.name} but the exchange was created with score_dtype={score_dtype}: "
+                        f"pass {score_dtype} logits, or create the exchange with score_dtype={dt.name}")
     if len(logits.shape) != 2:
         raise ValueError(f"logits must be [R, L], got shape {_shape(logits)}")
     rows, cols = _shape(logits)
@@ -79,10 +87,24 @@ def check_arrays(logits, row_ends, req_id, block_table, *, max_rows=None) -> Non
 
 
 def check_call(logits, row_ends, req_id, block_table, *, world, topk, local_topk, block_size, with_ids,
-               with_saturated, max_rows=None) -> None:
+               with_saturated, max_rows=None, interleave=1, score_dtype=None) -> None:
     """Every check of one call, in one order (flags, configuration, arrays): what each
-    path runs first.  ``world``/``topk``/``local_topk``: docs/DESIGN.md §2 limits
-    (``layout.check_config``)."""
+    path runs first.  ``world``/``topk``/``local_topk``/``interleave``: docs/DESIGN.md §2
+    limits (``layout.check_config``, ``layout.check_interleave``)."""
     check_flags(block_size=block_size, with_ids=with_ids, with_saturated=with_saturated)
     layout.check_config(world, topk, local_topk)
-    check_arrays(logits, row_ends, req_id, block_table, max_rows=max_rows)
+    layout.check_interleave(interleave, world)
+    check_arrays(logits, row_ends, req_id, block_table, max_rows=max_rows, score_dtype=score_dtype)
+
+
+def check_interleave_matches(interleave, exchange_interleave: int, exchange_id, world: int) -> int:
+    """A call's ``interleave`` (None: the exchange's) against its exchange's, whose kernels and
+    buffers are built for one size: the checks of every path first, then a ValueError naming
+    both values."""
+    if interleave is None:
+        return exchange_interleave
+    layout.check_interleave(interleave, world)
+    if interleave != exchange_interleave:
+        raise ValueError(f"interleave={interleave} but exchange {exchange_id} was created with "
+                         f"interleave={exchange_interleave}")
+    return exchange_interleave

@@ -434,7 +434,10 @@ mlir.register_lowering(topk_exchange_merge_p, _cuda_lowering, platform="cuda", c
 # ---------------------------------------------------------------------------
 
 
-def _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_ids, with_saturated, path):
+def _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_ids, with_saturated, path,
+              interleave):
+    """Every argument check, before any custom call; returns the call's interleave size (the
+    exchange's: ``interleave`` may only repeat it)."""
     if path not in PATHS:
         raise ValueError(f"path={path!r} must be one of {PATHS}")
     for attr in ("id", "world", "topk", "local_topk", "max_rows", "closed"):
@@ -443,9 +446,14 @@ def _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_
     if exchange.closed:
         raise ValueError(f"exchange {exchange.id} is closed")
     # The checks every path runs (checks.py): the same errors on the FFI and XLA paths.
+    # Exchanges made before these options (or stand-ins in tests) are bfloat16, token by token.
+    ex_interleave = int(getattr(exchange, "interleave", 1))
+    interleave = checks.check_interleave_matches(interleave, ex_interleave, exchange.id, exchange.world)
     checks.check_call(logits, row_ends, req_id, block_table, world=exchange.world, topk=exchange.topk,
                       local_topk=exchange.local_topk, block_size=block_size, with_ids=with_ids,
-                      with_saturated=with_saturated, max_rows=exchange.max_rows)
+                      with_saturated=with_saturated, max_rows=exchange.max_rows, interleave=interleave,
+                      score_dtype=getattr(exchange, "score_dtype", "bfloat16"))
+    return interleave
 
 
 def _use_ffi(path: str) -> bool:
@@ -470,14 +478,18 @@ def topk_exchange_merge(
     path: str = "auto",
     axis_name=None,
     ordered: bool | str = True,
+    interleave: int | None = None,
 ) -> MergeOutput:
     """Exact DCP top-K merge of this rank's candidates (docs/DESIGN.md §3) through ``exchange``.
 
     Per-rank arguments (inside ``shard_map`` over the DCP axis, or jit on one
-    device): ``logits`` bf16 [R, L], ``row_ends`` int32 [R], ``req_id`` int32
-    [R], ``block_table`` int32 [num_requests, max_pages].  ``exchange``: any
-    object with ``id``, ``topk``, ``max_rows``, ``closed`` (and ``world``,
-    ``rank``, ``local_topk``), registered with the FFI library per device.
+    device): ``logits`` [R, L] of the exchange's ``score_dtype`` (bfloat16 or float32),
+    ``row_ends`` int32 [R], ``req_id`` int32 [R], ``block_table`` int32
+    [num_requests, max_pages].  ``exchange``: any object with ``id``, ``topk``,
+    ``max_rows``, ``closed`` (and ``world``, ``rank``, ``local_topk``; ``score_dtype`` and
+    ``interleave`` where not bfloat16 / 1), registered with the FFI library per device.
+    ``interleave``: the KV cache's interleave size, which is the exchange's (None, the
+    default: the exchange's; any other value than the exchange's is a ValueError).
 
     ``path``: ``"auto"`` (the FFI kernels when the default backend is CUDA,
     else the XLA path), ``"ffi"`` (always the FFI custom calls; lowering fails
@@ -497,7 +509,8 @@ def topk_exchange_merge(
         ordered = bool(ordered)
     if not (ordered is True or ordered is False or ordered == "effect"):
         raise TypeError(f"ordered must be True, False or 'effect', got {ordered!r}")
-    _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_ids, with_saturated, path)
+    interleave = _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_ids, with_saturated,
+                           path, interleave)
     _note_exchange(exchange)
     with_ids, with_saturated, block_size = bool(with_ids), bool(with_saturated), int(block_size)
     if not _use_ffi(path):
@@ -514,7 +527,7 @@ def topk_exchange_merge(
                              f"{axis_name!r} has {ranks} ranks")
         return xla_path.xla_topk_merge(
             logits, row_ends, req_id, block_table, axis_name=axis_name, topk=exchange.topk,
-            block_size=block_size, with_ids=with_ids, with_saturated=with_saturated,
+            block_size=block_size, with_ids=with_ids, with_saturated=with_saturated, interleave=interleave,
         )  # a MergeOutput (ids / saturated None unless asked for)
 
     if _ffi.available():

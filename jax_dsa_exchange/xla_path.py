@@ -4,22 +4,23 @@ Runs on any backend (CPU included) inside ``jax.jit`` and ``shard_map`` over the
 DCP mesh axis, needs no 64-bit integers (``jax_enable_x64`` may stay off) and
 gives results bit-identical to ``reference.topk_merge`` (docs/DESIGN.md §4).
 
-How it stays exact without 64-bit keys: a score key ``ord16`` (16 bits) and a
-position (17-21 bits) do not fit one int32, so no single ``top_k`` can order by
+How it stays exact without 64-bit keys: a score key (``ord16`` of bfloat16 scores,
+``ord32`` of float32 ones, as a signed int32 with INT32_MIN for "none") and a
+position (17-31 bits) do not fit one int32, so no single ``top_k`` can order by
 (score desc, position asc).  Instead every selection is done in two exact steps
 that never depend on how ``lax.top_k`` orders equal values:
 
-1. ``T`` = the K-th largest ``ord16`` (a value, so tie order is irrelevant).
+1. ``T`` = the K-th largest score key (a value, so tie order is irrelevant).
    Everything strictly above ``T`` is selected.
-2. The remaining ``need = K - #(ord > T)`` slots go to the tokens with
-   ``ord == T`` and the lowest positions: locally the columns are in position
+2. The remaining ``need = K - #(key > T)`` slots go to the tokens with
+   ``key == T`` and the lowest positions: locally the columns are in position
    order, so a cumsum over the tied mask finds them; in the gathered lists the
    positions of the tied tokens are distinct, so a ``top_k`` over
    ``-position`` (again distinct values) finds the cut.
 
 Protocol: each rank selects its exact local top-K (not top-N: this path has no
 rescue round, so it sends K candidates and is always exact), all-gathers the
-(ord16, global position) lists, and every rank runs the same exact global
+(score key, global position) lists, and every rank runs the same exact global
 selection, so ``ids`` and ``saturated`` are identical on every rank.
 
 Layout convention for the convenience wrapper :func:`xla_topk_merge_sharded`:
@@ -41,7 +42,7 @@ from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
-from . import checks
+from . import checks, layout
 from .output import MergeOutput
 
 # jax >= 0.7 exports shard_map at top level; older releases only have the
@@ -91,6 +92,9 @@ ad.primitive_jvps[_guard_p] = _guard_no_jvp
 batching.primitive_batchers[_guard_p] = _guard_no_vmap
 
 
+NONE = jnp.iinfo(jnp.int32).min  # the score key of "no candidate" (NaN, past the row's end)
+
+
 def ord16(logits: jax.Array) -> jax.Array:
     """docs/DESIGN.md §5 order-preserving map of bf16 scores to int32 in [1, 0xFFFF]; NaN -> 0.
 
@@ -103,22 +107,41 @@ def ord16(logits: jax.Array) -> jax.Array:
     return jnp.where(is_nan, 0, key)
 
 
+def ord32(logits: jax.Array) -> jax.Array:
+    """docs/DESIGN.md §5 order-preserving map of float32 scores to uint32 in [1, 0xFFFFFFFF];
+    NaN -> 0 (-0 and +0 both map to 0x80000000)."""
+    bits = lax.bitcast_convert_type(logits, jnp.uint32)
+    bits = jnp.where(bits == jnp.uint32(0x80000000), jnp.uint32(0), bits)  # -0 == +0
+    key = jnp.where(bits & jnp.uint32(0x80000000), ~bits, bits | jnp.uint32(0x80000000))
+    is_nan = (bits & jnp.uint32(0x7FFFFFFF)) > jnp.uint32(0x7F800000)
+    return jnp.where(is_nan, jnp.uint32(0), key)
+
+
+def score_key(logits: jax.Array) -> jax.Array:
+    """The signed int32 the selections compare: ord16 of bfloat16 scores, ord32 - 2**31 of
+    float32 ones (the same order in a signed type), NONE for NaN."""
+    if logits.dtype == jnp.float32:
+        return lax.bitcast_convert_type(ord32(logits) ^ jnp.uint32(0x80000000), jnp.int32)
+    code = ord16(logits)
+    return jnp.where(code == 0, NONE, code)
+
+
 def _select(score: jax.Array, pos: jax.Array | None, k: int) -> jax.Array:
     """Mask of the exact top-k of each row by (score desc, pos asc).
 
-    ``score``: int32 [R, M], 0 = invalid (never selected).  ``pos``: int32
+    ``score``: int32 [R, M], NONE = invalid (never selected).  ``pos``: int32
     [R, M] positions, distinct among the valid entries of a row and
     > INT32_MIN; None means "the column index" (positions ascend along the
     row).  Selects min(k, #valid) entries.
     """
-    valid = score > 0
+    valid = score > NONE
     m = score.shape[-1]
     if m <= k:  # everything valid fits (static shapes)
         return valid
-    kth = lax.top_k(score, k)[0][:, k - 1 : k]  # [R, 1], 0 if fewer than k valid
+    kth = lax.top_k(score, k)[0][:, k - 1 : k]  # [R, 1], NONE if fewer than k valid
     above = score > kth
-    need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)  # >= 1 when kth > 0
-    tied = (score == kth) & (kth > 0)
+    need = k - jnp.sum(above, axis=-1, keepdims=True, dtype=jnp.int32)  # >= 1 when kth > NONE
+    tied = (score == kth) & (kth > NONE)
     if pos is None:
         # Positions ascend along the row: the first `need` tied entries.
         return above | (tied & (jnp.cumsum(tied, axis=-1, dtype=jnp.int32) <= need))
@@ -148,17 +171,21 @@ def xla_topk_merge(
     block_size: int,
     with_ids: bool = False,
     with_saturated: bool = False,
+    interleave: int = 1,
 ) -> MergeOutput:
     """Exact DCP top-K merge for one rank; call inside shard_map over ``axis_name``.
 
-    Per-rank arguments (docs/DESIGN.md §3): ``logits`` bf16 [R, L], ``row_ends`` int32 [R]
+    Per-rank arguments (docs/DESIGN.md §3): ``logits`` bf16 or float32 [R, L] (compared as
+    numbers of their dtype), ``row_ends`` int32 [R]
     (clamped to [0, L]), ``req_id`` int32 [R], ``block_table`` int32
     [num_req, max_pages].  Returns :class:`MergeOutput` with ``kv_rows`` [R, K]
     and ``counts`` [R]; ``ids`` [R, K] if ``with_ids``; ``saturated`` [R] (all
     zero: this path never needs a rescue round) if ``with_saturated``.
     ``ids``/``saturated`` are None when not requested.
 
-    Static arguments: ``topk`` (docs/DESIGN.md §2 limits), ``block_size``, the flags.
+    Static arguments: ``topk`` (docs/DESIGN.md §2 limits), ``block_size``, the flags,
+    ``interleave`` (the KV cache's chunks of I tokens per rank: the global position of local
+    index l of rank q is ``layout.global_position(l, q, W, I)``, docs/DESIGN.md §4).
     Arguments are checked as ``topk_exchange_merge`` checks them (``checks.check_call``:
     the same TypeError / ValueError, before any collective).  Like the FFI path, no
     gradient and no vmap (NotImplementedError; wrap the logits in
@@ -170,7 +197,8 @@ def xla_topk_merge(
     world = axis_ranks(axis_name)
     # This path sends K candidates per rank (no rescue round): local_topk = topk.
     checks.check_call(logits, row_ends, req_id, block_table, world=world, topk=topk, local_topk=topk,
-                      block_size=block_size, with_ids=with_ids, with_saturated=with_saturated)
+                      block_size=block_size, with_ids=with_ids, with_saturated=with_saturated,
+                      interleave=interleave)
     logits, row_ends, req_id, block_table = _guard_p.bind(logits, row_ends, req_id, block_table)
     R, L = logits.shape
     me = lax.axis_index(axis_name).astype(jnp.int32)
@@ -178,12 +206,13 @@ def xla_topk_merge(
     # 1. Exact local top-K (fewer if fewer valid), listed in ascending l.
     l_idx = lax.broadcasted_iota(jnp.int32, (R, L), 1)
     ends = jnp.clip(row_ends, 0, L)[:, None]
-    score = jnp.where(l_idx < ends, ord16(logits), 0)
+    score = jnp.where(l_idx < ends, score_key(logits), NONE)
     n = min(topk, L)
     local = _select(score, None, topk)  # columns are l: ties by cumsum
     cand_l = _compact(local, l_idx, n)  # [R, n], -1 = empty
-    cand_s = jnp.where(cand_l >= 0, jnp.take_along_axis(score, jnp.maximum(cand_l, 0), axis=-1), 0)
-    cand_g = jnp.where(cand_l >= 0, cand_l * world + me, -1)
+    cand_s = jnp.where(cand_l >= 0, jnp.take_along_axis(score, jnp.maximum(cand_l, 0), axis=-1), NONE)
+    # (g < 2**31: layout.check_interleave)
+    cand_g = jnp.where(cand_l >= 0, layout.global_position(cand_l, me, world, interleave), -1)
 
     # 2. Every rank gets every rank's list: [R, W * n], owner-major, each
     # owner's part in ascending l, i.e. already in the order docs/DESIGN.md §3 wants ids.
@@ -223,6 +252,7 @@ def xla_topk_merge_sharded(
     block_size: int,
     with_ids: bool = False,
     with_saturated: bool = False,
+    interleave: int = 1,
 ) -> MergeOutput:
     """:func:`xla_topk_merge` over global arrays with a leading rank axis [W, ...].
 
@@ -234,7 +264,7 @@ def xla_topk_merge_sharded(
     def per_rank(lg, re, rq, bt):
         out = xla_topk_merge(
             lg[0], re[0], rq[0], bt[0], axis_name=axis_name, topk=topk,
-            block_size=block_size, with_ids=with_ids, with_saturated=with_saturated,
+            block_size=block_size, with_ids=with_ids, with_saturated=with_saturated, interleave=interleave,
         )
         # Only the requested outputs leave shard_map (None is no array).
         return tuple(x[None] for x in out if x is not None)

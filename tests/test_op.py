@@ -38,6 +38,8 @@ class DummyExchange:
     local_topk: int = 32
     max_rows: int = 16
     closed: bool = False
+    score_dtype: str = "bfloat16"
+    interleave: int = 1
 
 
 R, L, NREQ, PAGES, B = 4, 256, 3, 8, 32
@@ -153,7 +155,9 @@ def _rank_args(**over):
 
 
 BAD_ON_EVERY_PATH = [
-    (dict(logits=sds((R, L), jnp.float32)), TypeError, "logits must be bfloat16, got float32"),
+    (dict(logits=sds((R, L), jnp.float16)), TypeError, "logits must be bfloat16 or float32, got float16"),
+    (dict(interleave=0), ValueError, "interleave=0 must be >= 1"),
+    (dict(interleave=1.0), TypeError, "interleave must be an int, got float 1.0"),
     (dict(logits=sds((R, L, 1), jnp.bfloat16)), ValueError, r"logits must be \[R, L\], got shape \(4, 256, 1\)"),
     (dict(logits=sds((0, L), jnp.bfloat16)), ValueError, "logits has R=0 rows"),
     (dict(logits=sds((R, 0), jnp.bfloat16)), ValueError, "logits has L=0 columns"),
@@ -197,6 +201,26 @@ def test_every_path_rejects_the_same_arguments_the_same_way(path, kw, exc, msg):
     # The same call with good arguments traces (and, off the FFI path, runs).
     good = _over_one_rank(_merge_fn(path, DummyExchange(world=1), block_size=B))
     jax.jit(good).trace(*_rank_args())
+
+
+@pytest.mark.parametrize("path", ["ffi", "xla"])
+def test_the_op_takes_the_exchanges_score_dtype_and_interleave(path):
+    """A call's logits must have its exchange's score dtype, and its interleave (when given)
+    must be its exchange's: both name the two values."""
+    with pytest.raises(TypeError, match="logits are float32 but the exchange was created with "
+                                        "score_dtype=bfloat16"):
+        jax.jit(_over_one_rank(_merge_fn(path, DummyExchange(world=1), block_size=B))).trace(
+            *_rank_args(logits=sds((R, L), jnp.float32)))
+    f32 = DummyExchange(world=1, score_dtype="float32")
+    jax.jit(_over_one_rank(_merge_fn(path, f32, block_size=B))).trace(*_rank_args(logits=sds((R, L), jnp.float32)))
+    with pytest.raises(TypeError, match="logits are bfloat16 but the exchange was created with score_dtype=float32"):
+        jax.jit(_over_one_rank(_merge_fn(path, f32, block_size=B))).trace(*_rank_args())
+    with pytest.raises(ValueError, match="interleave=2 but exchange 7 was created with interleave=1"):
+        jax.jit(_over_one_rank(_merge_fn(path, DummyExchange(world=1), block_size=B, interleave=2))).trace(
+            *_rank_args())
+    i16 = DummyExchange(world=1, interleave=16)
+    for interleave in (None, 16):
+        jax.jit(_over_one_rank(_merge_fn(path, i16, block_size=B, interleave=interleave))).trace(*_rank_args())
 
 
 @pytest.mark.parametrize("path", ["ffi", "xla"])

@@ -44,6 +44,18 @@ def test_adversarial_cases_bit_identical(world):
     assert res["checked"] > 0
 
 
+WIDE = [(w, i, d) for w, i in [(1, 2), (2, 16), (3, 64), (8, 1), (16, 2)] for d in ("bfloat16", "float32")
+        if (i, d) != (1, "bfloat16")]  # (that one is test_adversarial_cases_bit_identical's)
+
+
+@pytest.mark.parametrize("world,interleave,dtype", WIDE, ids=[f"W{w}-I{i}-{d}" for w, i, d in WIDE])
+def test_float32_and_interleaved_cases_bit_identical(world, interleave, dtype):
+    """float32 scores and KV caches interleaved in chunks of I tokens (docs/DESIGN.md §4)."""
+    res = _run_worker(world, "--dtype", dtype, "--interleave", str(interleave))
+    assert res["mismatches"] == [], res["mismatches"][:20]
+    assert res["checked"] > 0
+
+
 def test_explicit_mesh_and_api():
     """jax.make_mesh (Explicit axes on new jax) with pre-sharded inputs, option handling."""
     res = _run_worker(4, "--api")
@@ -66,7 +78,7 @@ def test_example_decode_loop():
 # Worker (runs in the subprocess)
 
 
-def _worker(world: int, api: bool) -> dict:
+def _worker(world: int, api: bool, dtype: str = "bfloat16", interleave: int = 1) -> dict:
     import numpy as np
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -82,15 +94,15 @@ def _worker(world: int, api: bool) -> dict:
     jitted = {}
 
     def run(case, mesh, shard):
-        key = (case.topk, case.block_size, id(mesh))
+        key = (case.topk, case.block_size, case.interleave, id(mesh))
         if key not in jitted:  # one jit per static config; shapes share its cache
-            jitted[key] = jax.jit(lambda *a, K=case.topk, B=case.block_size: xla_topk_merge_sharded(
-                mesh, "dcp", *a, topk=K, block_size=B, with_ids=True, with_saturated=True))
+            jitted[key] = jax.jit(lambda *a, K=case.topk, B=case.block_size, I=case.interleave: xla_topk_merge_sharded(
+                mesh, "dcp", *a, topk=K, block_size=B, with_ids=True, with_saturated=True, interleave=I))
         return jitted[key](*shard(case))
 
     def check(case, out, tag=""):
         nonlocal checked
-        ref = reference.topk_merge(*case.args, topk=case.topk, block_size=case.block_size)
+        ref = case.oracle()
         got = {f: np.asarray(getattr(out, f)) for f in ("kv_rows", "counts", "ids", "saturated")}
         for q in range(world):
             for f in ("kv_rows", "counts", "ids"):
@@ -108,12 +120,13 @@ def _worker(world: int, api: bool) -> dict:
 
     rng = np.random.default_rng(1234 + world)
     if not api:
-        for K, N in CONFIGS:
-            todo = cases.adversarial_cases(rng, world=world, topk=K, local_topk=N, rows=16)
+        kw = dict(dtype=dtype, interleave=interleave)
+        for K, N in CONFIGS if dtype == "bfloat16" and interleave == 1 else CONFIGS[-1:]:
+            todo = cases.adversarial_cases(rng, world=world, topk=K, local_topk=N, rows=16, **kw)
             # L below K, equal to K, and L = 1 (this path's n = min(K, L) branch).
             for cols in (1, N - 5, K):
                 todo.append(cases.random_case(rng, world=world, topk=K, local_topk=N, rows=8,
-                                              cols=cols, distinct_values=3, name=f"cols{cols}"))
+                                              cols=cols, distinct_values=3, name=f"cols{cols}", **kw))
             for case in todo:
                 if case.equal_cols:
                     check(case, run(case, mesh, stacked))
@@ -138,11 +151,12 @@ def _worker(world: int, api: bool) -> dict:
     except ValueError:
         pass
     try:
-        f32 = [x.astype(np.float32) if x.dtype == reference.BF16 else x for x in stacked(case)]
-        jax.jit(lambda *a: xla_topk_merge_sharded(mesh, "dcp", *a, topk=128, block_size=4))(*f32)
-        mismatches.append("float32 logits were accepted")
-    except TypeError:
-        pass
+        f16 = [x.astype(np.float16) if x.dtype == reference.BF16 else x for x in stacked(case)]
+        jax.jit(lambda *a: xla_topk_merge_sharded(mesh, "dcp", *a, topk=128, block_size=4))(*f16)
+        mismatches.append("float16 logits were accepted")
+    except TypeError as e:
+        if "bfloat16 or float32, got float16" not in str(e):
+            mismatches.append(f"float16 logits: {e}")
     # ord16 on every bf16 bit pattern equals the reference encoding (docs/DESIGN.md §5).
     from jax_dsa_exchange.xla_path import ord16
 
@@ -150,6 +164,14 @@ def _worker(world: int, api: bool) -> dict:
     got = np.asarray(jax.jit(ord16)(bits.view(reference.BF16)))
     if not np.array_equal(got, reference.ord16(bits).astype(np.int32)):
         mismatches.append("ord16 differs from reference.ord16")
+    # ord32 on sampled and special float32 patterns likewise.
+    from jax_dsa_exchange.xla_path import ord32
+
+    bits32 = np.concatenate([rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32),
+                             np.array(cases.SPECIAL_BITS32, np.uint32)])
+    got32 = np.asarray(jax.jit(ord32)(bits32.view(np.float32)))
+    if not np.array_equal(got32.astype(np.uint64), reference.ord32(bits32)):
+        mismatches.append("ord32 differs from reference.ord32")
     return dict(mismatches=mismatches, checked=checked)
 
 
@@ -157,5 +179,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--api", action="store_true")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--interleave", type=int, default=1)
     a = ap.parse_args()
-    print("RESULT " + json.dumps(_worker(a.world, a.api)), flush=True)
+    print("RESULT " + json.dumps(_worker(a.world, a.api, a.dtype, a.interleave)), flush=True)

@@ -1,34 +1,41 @@
-"""Consumer kernel (docs/DESIGN.md §6.2-§6.7): wait for the W ranks' LL rows, exact
-top-K merge, saturation, rescue (round 2), outputs, epoch bump.
+"""The exchange merge (docs/DESIGN.md §6.2-§6.7): each rank's consumer kernel waits for the
+W ranks' local top-N lists of a row, selects their exact top-K, writes the outputs, rescues
+saturated ranks, and bumps the row's epoch.
 
-ABI: ``abi.MERGE`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry``
-spell it out and tests/test_kernels_compile.py checks them against it).
+ABI: ``abi.MERGE`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry`` spell it
+out, tests/test_kernels_compile.py checks them against it).
 
-grid = (G, 1, 1), G <= rows chosen by the host so that the W ranks' merge
-grids are co-resident: CTA b walks rows b, b + G, ... (the same order on
-every rank), so a CTA only ever waits for CTAs that already run (§6.7).
+Protocol, per row t with e = epoch[t] + 1 (grid = G CTAs, or G clusters of ``clus`` CTAs;
+CTA b walks rows b, b + G, ... in the same order on every rank, so a CTA only waits for CTAs
+that already run, §6.7):
 
-Per row t (e = epoch[t] + 1):
-  round 1  keys of the W lists of parity e & 1 in the LOCAL buffer, every
-           8-byte LL half trusted only once its tag is e (volatile spin with a
-           %globaltimer timeout -> status [1, row, epoch, rank]);
-           T = K-th largest key (0 if fewer than K);
-  outputs  order-preserving compaction of {key >= T} in owner-major order
-           (lists are ascending l), per-rank selected counts;
-  saturation  rank q saturated iff all its N keys are > T, i.e. N of them
-           selected and T is not q's (full keys, docs/DESIGN.md §6.4);
-  rescue   a saturated rank pushes its local top-K into slot s of every
-           rank's rescue region, then flags seq+1 (release, system scope);
-           every rank acquires the flags (timeout -> status [2, ...]), selects
-           round 2 over (non-saturated lists) + (K-lists) and rewrites the
-           outputs; seq[t] += 1;
-  finally  griddepcontrol.wait (the producer grid is complete), then
-           epoch[t] = e.
+  round 1     the W lists of parity e & 1 in this rank's own buffer, each 8-byte LL half
+              trusted once its tag is e (volatile polls under a %globaltimer timeout, which
+              records status [1, row, epoch, rank]);
+  select      T = the K-th largest key (ord16 score << G | 2^G - 1 - g, g = l W + q), 0 when
+              the row has fewer than K: the boundary score from a score histogram, then a
+              tie-break on g among the keys of that score;
+  outputs     the order-preserving compaction of {key >= T} (owner-major, lists ascend in
+              l): ids, this rank's kv_rows through the block table, counts, -1 padding;
+  saturation  rank q is saturated when all N of its keys were selected and T is not its
+              own: its list may have hidden keys above T (full keys, §6.4);
+  rescue      a saturated rank pushes its local top-K into slot s of every rank's rescue
+              region and releases flag seq + 1 (system scope); every rank acquires the flags
+              (timeout: status [2, ...]), selects round 2 over the non-saturated lists and
+              the K-lists, rewrites the outputs; seq[t] += 1;
+  row end     griddepcontrol.wait (the producer grid is complete), a failure anywhere voids
+              the row (empty outputs), then epoch[t] = e.
+
+Paths by configuration (``Merge.__init__`` decides them from a ``MergeConfig``): the keys of
+a row in registers (up to KP_MAX words per thread), else re-read from memory by a radix
+select; a row of many words per thread split over a cluster of CTAs whose sums travel
+through DSMEM; round 2 in registers, in loops rolled over shared memory, or by the radix
+select.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import cutlass
 import cutlass.cute as cute
@@ -36,7 +43,6 @@ from cutlass import Int32, Int64, Uint32, Uint64
 
 from .. import layout
 from . import abi
-from . import cache
 from . import common as C
 from . import ptx as P
 from . import select as S
@@ -45,145 +51,58 @@ from .select_push import smem_bytes as select_push_smem
 
 ABI = abi.MERGE
 
-KP_MAX = 32  # candidate words per thread kept in registers by the fast path
+KP_MAX = 32  # candidate words per thread kept in registers
 SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
 SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
 LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
-PRE_BT_MAX = 8  # round-1 block-table entries prefetched when kp1 <= this (registers)
+PRE_BT_MAX = 8  # round-1 block-table entries prefetched into registers up to this many words
 # Up to this many words per thread the stats, histogram, selection and output stores have no
-# branch per word (predicated stores, a dummy bin): W = 8, N = 512: -0.4..-1.2 us; with more
-# (W = 16, N = 1024: 32) ptxas then spilled the words (45.7 -> 71.8 us), so those keep branches.
+# branch per word (predicated stores, a dummy bin): W = 8, N = 512: -0.4..-1.2 us; with 32
+# (W = 16, N = 1024) ptxas spilled the words (45.7 -> 71.8 us), so those keep branches.
 BRANCH_FREE_KP = 18
-# Above this many round-1 words per thread (W = 16, N = 1024: 32) the outputs loop is rolled
-# over a shared-memory copy of the words: ncu found that configuration waiting on instruction
-# fetch 53% of the time (105 KB of distinct SASS per row, the unrolled per-word code).
+# Above this many round-1 words per thread the outputs loop is rolled over a shared-memory copy
+# of the words: unrolled, W = 16, N = 1024 (32) waited on instruction fetch 53% of the time.
 ROLL_KP = 18
-# r2roll: round-2 pair groups (8 bytes) per thread held by the rescue select's hist1 and mask
-# (free in round 2); the rest go to the merge's own stage2 (4 KB per group)
+# Round 2 rolled: pair groups (8 bytes) per thread held by the rescue select's hist1 and mask
+# (free once its K-list is pushed); the rest go to the merge's own stage2.
 R2_H = S.NB1 // (2 * C.TB)
 R2_M = S.MASK_WORDS // (2 * C.TB)
-# A merge CTA must fit on an SM beside a producer CTA (its CTAs start under PDL while the
-# producer runs): r2roll only where the two kernels' shared memory, plus the 1 KB an SM
-# reserves per CTA, fit the H100 / H200's 228 KB per SM
+# A merge CTA must fit on an SM beside a producer CTA (it starts under PDL while the producer
+# runs): round 2 is rolled only where both kernels' shared memory, plus the 1 KB an SM reserves
+# per CTA, fit the H100 / H200's 228 KB.
 SM_SMEM_BYTES = 228 * 1024
 CTA_RESERVED_SMEM = 1024
-N_MARKS = abi.MERGE_PROF_MARKS  # prof=1: clock marks of thread 0, over ids[0, K - N_MARKS:]
-EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
-# A row of more than this many round-1 words per thread is split over a cluster of CTAs
-# (Merge.clus), each holding at least this many: the W = 8, N = 512 kernel's per-thread size,
-# whose code is branch-free with the block-table entries in registers
+EQ_MAX = abi.MERGE_EQ_MAX  # most keys at the boundary score tie-broken by ranking (one per thread)
+# A row of more than CLUS_KP round-1 words per thread is split over a cluster of at most
+# CLUS_MAX CTAs of at least CLUS_KP words each (8: W = 8, N = 512's branch-free size).  W = 16,
+# N = 1024 as 2 CTAs of 16 words beat 4 of 8 at R >= 64 (H200: 20.1 against 30.7 us at
+# R = 64, 55 against 96 at R = 256; one CTA 29 / 86) and lost at R = 16 (18.2 against 13.3).
 CLUS_KP = 8
-# ... of at most this many CTAs (the clus knob's default): W = 16, N = 1024 in 2 CTAs of 16
-# words per thread beat 4 of 8 at R >= 64 and lost at R <= 16 (a 4-CTA row's 256 CTAs at R = 64
-# do not fit the GPU at once; H200, nineteenth session: 20.1 against 30.7 us at R = 64, 18.2
-# against 13.3 at R = 16, 55 against 96 at R = 256; one CTA 29 / 28 / 86)
 CLUS_MAX = 2
-# ... and the launcher's second image of such a configuration (cache: "merge_wide"): clusters of
-# up to this many CTAs, launched instead when every row of the call has its own cluster at once
-# (layout.merge_uses_wide): 12.6 against 19.5 us at W = 16, N = 1024, R = 1 (twentieth session)
-CLUS_WIDE = 4
-# ... whose CTAs hold at least this many words per thread (fewer than the merge's CLUS_KP): W = 8,
-# N = 1024 over 4 CTAs of 4 words 10.8 / 11.5 us at R = 1 / 16 against 12.3 / 12.1 over 2 of 8;
-# only where the merge itself is clustered (W = 8, N = 512 over 2 CTAs of 4 words: 10.7 against
-# 10.0 on one CTA; twenty-first session)
+# The merge_wide image (kernels/cache.py): clusters of up to CLUS_WIDE CTAs of at least WIDE_KP
+# words, launched when every row of a call has its own cluster at once (layout.merge_uses_wide):
+# W = 16, N = 1024, R = 1: 12.6 against 19.5 us; W = 8, N = 1024 over 4 CTAs of 4 words: 10.8 /
+# 11.5 us at R = 1 / 16 against 12.3 / 12.1 over 2 of 8.
+CLUS_WIDE = abi.MERGE_CLUS_WIDE
 WIDE_KP = 4
-CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
+CLUS_XC = 16  # words of a clustered CTA's published row totals (MergeSmem.xc)
 
-# Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
-# cache.source_hash() mixes the string into the cubins' tag (variants coexist in one dir).
-# Timing-only knobs (outputs WRONG; each leaves one stage out, never a store out of bounds),
-# except the two code-layout knobs marked exact:
-#   noload   round 1: synthetic words, no LL loads / tag checks (no rescue)
-#   nobt     no block-table loads (kv_rows use page 0's entry)
-#   nosel    no select: the first K positions are "selected" (no rescue)
-#   notie    no tie-break: no key at the boundary score is selected (no rescue)
-#   noout    no outputs (ballots, ids / kv_rows stores, padding; counts kept) (no rescue)
-#   rnosel   rescue: no local top-K select (the pushed K-list is whatever smem holds)
-#   rnopush  rescue: no K-list stores into the W ranks' rescue slots
-#   rnofence rescue: no fence.acq_rel.sys before the flags (flags still st.relaxed.sys)
-#   rnoflag  rescue: no fence, no flag stores, no wait for the flags
-#   rnowait  rescue: flags stored, but no wait for the saturated ranks' flags
-#   rnor2    rescue: no round 2 (the outputs stay round 1's)
-#   norescue no rescue at all: its code (the local select, round 2) compiled out, so the
-#            cubin holds the normal path alone (what the rescue's code costs the hot path:
-#            instruction fetch); outputs wrong only where a rank saturates
-#   epijump  (exact by construction: a code-layout comparison) one row end for every row,
-#            after the rescue's code (the layout before the eleventh session)
-#   tailout  (exact by construction: a code-layout comparison) the launch's end only after
-#            the row loop (after the rescue's code), not also after a CTA's last plain row
-#            (both in cache.MERGE_EXACT_KNOBS: the GPU tests accept them)
-#   r2radix  (exact) round 2 of a rescue by the radix walk (radix_select / emit) instead of the
-#            register fast path: less register pressure on the whole kernel, a slower rescue
-#   r2all=0  (exact; the default is 1) r2roll's round 2 also tie-breaks when the boundary
-#            score's keys are all selected (need == m); r2all=1 takes gT = every g then, as in
-#            the bench's forced rescue, where the rescued K-list's lowest score is the boundary
-#            (W = 8, N = 512: forced rescue 40.8 -> 34.0 us, the normal path unchanged;
-#            fifteenth session)
-#   clus=C   (exact; the default is CLUS_MAX) a row of more than CLUS_KP round-1 words per thread
-#            (W = 16, N = 1024: 32; W = 8, N = 1024: 16) split over a cluster of
-#            min(C, kp1 / CLUS_KP) CTAs (Merge.clus); clus=0 or 1: every row on one CTA, as
-#            before the nineteenth session
-#   ckp=K    (exact; the default is CLUS_KP) the fewest round-1 words per thread of a clustered
-#            CTA: ckp=4 splits W = 8, N = 512 (8 words) over 2 CTAs, ckp=4 clus=4 W = 8, N = 1024
-#            over 4 (a candidate, twenty-first session)
-#   r2roll=U (exact; the default is 1) round 2 of a rescue by the fast path's algorithm in loops
-#            rolled over a shared-memory copy of its words, unrolled U times (round2_rolled):
-#            a third of the register fast path's code, which a rescue fetches cold from HBM
-#            once per launch (W = 8, N = 512: forced rescue 49.2 -> 40.5 us, the normal path
-#            -0.3..-0.5 us; U = 2 no faster); r2roll=0: round 2 in registers (fast_round)
-# Measured and removed in the fourteenth session (exact, no faster; kernels/NOTES.md): rvpr (the
-# rescue select's vectors per round), r2tie (one loop over the g digits), r2agg (match.any reds);
-# in the fifteenth: r2list (a large tie-break over a shared list of the tied keys: -1 us where
-# it applies, +0.5 us beside r2all; its code: commit c6de557).
-# The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
-# breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
-# the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
-# st.relaxed.sys; round 2's (segment, index) of each pair computed once into registers);
-# fused, eqwarp, peers and r2batch were rejected and removed (their code: commit e8d324e).
-# The exact candidates of branch merge-fast3 (ostage, oball, tie=1/2; kernels/NOTES.md "Merge
-# variants, third round") were measured within noise and removed (their code: commit 08ca710).
-#   (reqlate=1, a twenty-sixth session candidate that tested the request id after round 1's
-#            loads, is removed without a GPU run: the PTX branched on the id before the loads, but
-#            ptxas if-converts that branch and issues the id's load before the records (SASS,
-#            tools/sass.py --prologue), so there was no round trip to save)
-#   (btq, fbrot, early, spread: candidates of the twenty-sixth / twenty-seventh sessions, measured in
-#            the twenty-ninth and removed; W = 8 N = 512 merge, CUPTI us at R = 1 / 16 / 64 / 256:
-#            default 6.40 / 6.69 / 7.39 / 22.93, btq 8.11 / 8.19 / 8.48 / 25.86, fbrot 6.43 / 7.01 /
-#            7.46 / 22.98, early 6.66 / 6.90 / 7.38 / 22.66 (default again 6.66 / 6.91 / 7.39 /
-#            23.30: no gain), spread 7.49 / 7.46 / 8.10 / 24.70)
-#   runs=1   (exact; the default since the twenty-ninth session, Merge.runs: clustered rows only)
-#            round 1's keys as contiguous runs, thread t holding positions
-#            t kp .. t kp + kp - 1 (+ the CTA's base), instead of pair groups over the lanes: the
-#            selected keys before each key come from a thread's own count (popc), one warp scan
-#            and the warp totals, where each pair group took four ballots and their popc twice.
-#            Clustered rows only: W = 16 N = 1024 gains 0.35-1.5 us (CUPTI, R = 1-64, one call),
-#            but R = 256 measured 56.1 against 51.7 us (two calls); on one CTA (W = 8 N = 512) it
-#            lost 0.5 us at R = 1 and 3 us at R = 256.  runs=0: the pair groups on clusters too
-#            (kept to compare the two at R = 256 in one call).  (wide2, merge_wide for two CTAs
-#            per SM, lost everywhere: 12.5 against 10.1 us at R = 1, 16.4 against 15.9 at R = 32,
-#            its fit; removed.)
-#   bpoll=1  (exact; the default) round 1's stale LL halves of a batch re-polled together, every
-#            load in flight at once, until none is stale (load_r1_fast); bpoll=0: each stale
-#            half waited for in turn, a round trip each once the data has landed (under PDL the
-#            merge starts while its producer runs, so all of its own list is stale; twenty-second
-#            session)
-TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
-TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
-               "rnoflag", "rnowait", "rnor2", "norescue", "prof")
-TUNE = dict.fromkeys(TIMING_ONLY + cache.MERGE_EXACT_KNOBS, 0)
-TUNE["r2roll"] = 1  # (the defaults: see above)
-TUNE["r2all"] = 1
-TUNE["clus"] = CLUS_MAX
-TUNE["ckp"] = CLUS_KP
-TUNE["bpoll"] = 1
-TUNE["runs"] = 1
-for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
-    _k, _v = _kv.split("=")
-    if _k.strip() not in TUNE:
-        raise ValueError(f"{TUNE_ENV}: unknown knob {_k.strip()!r} (known: {sorted(TUNE)})")
-    TUNE[_k.strip()] = int(_v)
-# a normal-path skip makes the saturation test meaningless: no rescue then
-NO_RESCUE = any(TUNE[k] for k in ("noload", "nosel", "notie", "noout", "norescue"))
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    """What varies between merge images: the exchange's shape, the rescue list (a rescue pushes
+    the producer's K-list of the row instead of selecting it here), and the cluster a row of
+    many words per thread may be split over (the merge_wide image: ``wide()``)."""
+
+    world: int
+    topk: int
+    local_topk: int
+    rescue_list: bool = False
+    max_cluster: int = CLUS_MAX  # the most CTAs of a clustered row
+    min_cluster_words: int = CLUS_KP  # the fewest round-1 words per thread of a clustered CTA
+
+    def wide(self) -> "MergeConfig":
+        return dataclasses.replace(self, max_cluster=CLUS_WIDE, min_cluster_words=WIDE_KP)
 
 
 # page = (l * page_magic(B)) >> PAGE_SHIFT equals l // B for every 0 <= l < 2**17 and B >= 1:
@@ -261,90 +180,82 @@ class MergeSmem:
 
 
 class Merge:
-    """Exchange merge for one static (world, topk, local_topk, rescue_list: a rescue pushes
-    the producer's K-list of the row instead of selecting the row itself)."""
+    """The exchange merge of one ``MergeConfig``; ``compile()`` builds its cubin (cached)."""
 
-    def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False, clus: int | None = None,
-                 min_kp: int | None = None):
-        """``clus``: the most CTAs of a clustered row (None: the clus knob, CLUS_MAX); ``min_kp``:
-        the fewest round-1 words per thread of a clustered CTA (None: the ckp knob, CLUS_KP)."""
+    def __init__(self, config: MergeConfig):
+        world, topk, n = config.world, config.topk, config.local_topk
         layout.check_config(world, topk, n)
+        self.config = config
         self.world, self.topk, self.n = world, topk, n
         self.gbits = layout.gid_bits(world)
         self.keybits = 16 + self.gbits
-        self.rw_n = layout.row_words(n)
         self.rw_k = layout.row_words(topk)
-        self.klist = S.klist_n2(n, topk, rescue_list) > 0  # the rescue takes the producer's K-list
+        self.klist = S.klist_n2(n, topk, config.rescue_list) > 0  # a rescue pushes the producer's K-list
         self.rescue_row_bytes = layout.rescue_row_bytes(topk)
         self.ll_row_bytes = layout.ll_row_bytes(n)
         self.slots = layout.rescue_slots(topk, n, world)
+        # Round 1 in registers (fast1): kp1 words per thread, warp-interleaved pairs (position
+        # v = warp * 32 * kp1 + 64 i + 2 * lane + h), else the radix select from memory.
         self.nk1 = world * n
-        self.kpt = -(-self.nk1 // C.TB)
-        # fast path: candidate words in registers, warp-interleaved pairs
-        # (position v = warp * 32 * kp + i * 64 + 2 * lane + h)
         self.kp1 = 2 * -(-self.nk1 // (2 * C.TB))
         self.fast1 = self.kp1 <= KP_MAX
         self.kp1_row = self.kp1  # (the words per thread of a row on one CTA)
-        # clus: a row of more than CLUS_KP words per thread on one CTA is split over a cluster
-        # of C = min(TUNE clus, kp1 / CLUS_KP) CTAs of k = kp1 / C words per thread, CTA c
-        # holding owner-major positions [c P, (c + 1) P), P = TB * k: whole lists (W / C of
-        # them), each warp's inside one list.  Every
-        # sum the select takes (stats, histograms, tied keys, selected counts) is each CTA's
+        # A row of more than min_cluster_words words per thread is split over a cluster of
+        # clus CTAs of kp1 words each, CTA c holding the owner-major positions [c cp, (c + 1) cp):
+        # whole lists, each warp's inside one list.  Every sum the select takes is each CTA's
         # own, published by a cluster barrier and read through DSMEM, every decision computed
-        # alike in every CTA (so every CTA passes the same cluster barriers); a rescue runs on
-        # CTA 0 alone (kernel).  W = 16, N = 1024 on one CTA was 27 us, the per-key instruction
-        # volume of 32 words per thread on one SM (kernels/NOTES.md, eighteenth session).
+        # alike in every CTA (so all pass the same barriers); a rescue runs on CTA 0 alone.
         self.clus = 1
-        c = min(TUNE["clus"] if clus is None else clus, self.kp1 // max(2, TUNE["ckp"] if min_kp is None else min_kp),
-                S.CLUSTER_MAX)
-        ck = self.kp1 // c if c > 1 else 0  # words per thread of each CTA
+        c = min(config.max_cluster, self.kp1 // max(2, config.min_cluster_words), S.CLUSTER_MAX)
+        ck = self.kp1 // c if c > 1 else 0
         if (c > 1 and self.fast1 and ck % 2 == 0 and self.nk1 == c * C.TB * ck
                 and world % c == 0 and n % (32 * ck) == 0):
             self.clus = c
             self.kp1 = ck
         self.cp = self.nk1 // self.clus  # positions per CTA of a row
+        # Round 2 (a rescue) over the non-saturated lists and up to ``slots`` K-lists: in
+        # registers (fast2) where its words fit, else the radix select.
         self.nk2max = self.slots * topk + (world - self.slots) * n
         self.kp2 = 2 * -(-self.nk2max // (2 * C.TB))
-        # (r2radix=1, exact: round 2 by the radix walk from memory; W = 8 N = 512: 124 registers
-        # without a frame instead of 128 + 0 B at the cap, .text 93 instead of 150 KB; not measured)
-        self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX and not TUNE["r2radix"]
+        self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX
         self.kp = max([2] + [k for k, f in ((self.kp1, self.fast1), (self.kp2, self.fast2)) if f])
-        self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX  # block-table prefetch in round 1
-        self.use_regs = self.fast1  # round-1 keys in registers (else re-read from memory)
-        # more round-1 words per thread than ROLL_KP: the outputs walk them in a rolled loop
-        # from a shared-memory copy (the unrolled code waited on instruction fetch)
+        # Round 1's block-table entries prefetched (in flight during the select) into
+        # registers, or for more words per thread into shared memory.
+        self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX
+        # More round-1 words per thread than ROLL_KP: the outputs walk them in a rolled loop
+        # from a shared-memory copy (the unrolled code waited on instruction fetch).
         self.roll1 = self.fast1 and self.kp1 > ROLL_KP
         self.stage_words = self.kp1 * C.TB if self.roll1 else 0
-        # runs: a clustered row's round-1 positions t kp1 + i + the CTA's base, a thread's run in
-        # one list and one mask word; each warp holds the same 32 kp1 positions as with pair
-        # groups, so the warp totals (warp_prefix, clus_totals) mean what they did.  Clusters
-        # only: one CTA's pair groups were faster (the comment above the knobs)
-        self.runs = bool(TUNE["runs"] and self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
-                         and 32 % self.kp1 == 0)  # fmt: skip
-        # r2roll=U: round 2's pair groups go to shared memory, [group][thread]: groups
-        # 0 .. R2_H - 1 in the rescue select's hist1, then R2_M in its mask (both free after its
-        # push), the rest in stage2; at most 16 groups (the segments' 4-bit codes in two
-        # registers), and only where the merge still fits beside a producer CTA (else round 2
-        # stays in registers: e.g. W = 4, K = 4096, N = 2048, or W = 8, N = 256)
+        # Clustered rows hold round 1 as contiguous runs (thread t: positions t kp1 .. + kp1 - 1
+        # of its CTA): the selected keys before a key come from one warp scan, where pair groups
+        # take four ballots each.  W = 16, N = 1024: -0.35..-1.5 us at R = 1-64; on one CTA
+        # (W = 8, N = 512) it lost 0.5 us at R = 1 and 3 us at R = 256, so one CTA keeps pairs.
+        self.runs = (self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
+                     and 32 % self.kp1 == 0)  # fmt: skip
+        # Round 2 rolled over shared memory (round2_rolled): a third of the register path's code,
+        # which a rescue fetches cold once per launch (W = 8, N = 512: forced rescue 49.2 ->
+        # 40.5 us).  Its pair groups go to the rescue select's hist1 and mask, then stage2; at
+        # most 16 groups (4-bit segment codes in two registers), and only where the merge
+        # still fits beside a producer CTA (else round 2 stays in registers).
         self.roll2 = False
         self.stage2_words = self.r2m_words = 0
-        if self.fast2 and TUNE["r2roll"] > 0 and self.kp2 // 2 <= 16:
+        if self.fast2 and self.kp2 // 2 <= 16:
             self.stage2_words = max(0, self.kp2 // 2 - R2_H - R2_M) * 2 * C.TB
             self.r2m_words = (self.nk2max // 32 + 3) // 4 * 4
-            self.roll2 = (self._smem() + select_push_smem(n, topk, rescue_list) + 2 * CTA_RESERVED_SMEM
+            self.roll2 = (self._smem() + select_push_smem(n, topk, config.rescue_list) + 2 * CTA_RESERVED_SMEM
                           <= SM_SMEM_BYTES)  # fmt: skip
             if not self.roll2:
                 self.stage2_words = self.r2m_words = 0
         self.smem = self._smem()
-        # The rescue select's vectors per round: the producer's U1, except in the large
-        # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
-        # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
+        # The rescue select's vectors per round: the producer's, except for many words per
+        # thread, where ptxas then spilled the whole kernel (W = 16, N = 1024: 45.9 -> 72.1 us).
         self.rescue_u1 = 4 if self.kp1_row > BRANCH_FREE_KP else S.U1
         # A row without a rescue ends (and the launch after such a last row) before the
-        # rescue's code, not after its ~100 KB (W = 8, N = 512: -0.6..-0.9 us, cold instruction
-        # fetch); the large configurations keep one end after it (there ptxas then spilled
-        # more: W = 16, N = 1024 +3.5 us).
-        self.end_first = self.kp1 <= BRANCH_FREE_KP and not TUNE["epijump"]
+        # rescue's ~100 KB of code, which it then never fetches (W = 8, N = 512: -0.6..-0.9 us);
+        # for many words per thread one end after it (ptxas spilled more: W = 16, N = 1024
+        # +3.5 us).
+        self.end_first = self.kp1 <= BRANCH_FREE_KP
+        self._compiled = {}
 
     def _smem(self) -> int:
         """Launch shared memory (bytes) of the MergeSmem parts this configuration allocates."""
@@ -782,10 +693,9 @@ class Merge:
                 if cutlass.const_expr(b0 + k < np_):
                     bad = bad | Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep) | Int32(
                         Int32(Uint32(d1[k] >> Uint64(32))) != ep)
-            if cutlass.const_expr(TUNE["bpoll"]):
-                if bad != Int32(0):
-                    mh, bad = self.poll_batch(d0, d1, mh, vm, b0, B, np_, kp, lane, warp, ll0, ll_stride,
-                                              ep, status, t, timeout_ns)  # fmt: skip
+            if bad != Int32(0):
+                mh, bad = self.poll_batch(d0, d1, mh, vm, b0, B, np_, kp, lane, warp, ll0, ll_stride,
+                                          ep, status, t, timeout_ns)  # fmt: skip
             if bad != Int32(0):
                 # (bpoll: only after a timeout or a failure elsewhere; each wait then gives up at once)
                 if cutlass.const_expr(b0 == 0):
@@ -882,22 +792,6 @@ class Merge:
                 self.record(status, Int32(layout.STATUS_TIMEOUT_ROUND1), t, ep, qbad)
                 go = Int32(0)
         return mh, bad
-
-    @cute.jit
-    def fake_r1(self, words: cute.Tensor, hb: cute.Tensor, lane, warp):
-        """Timing only (noload): synthetic round-1 words (hashed scores 0x3000..0x6FFF,
-        ascending l per list), no loads, no waits."""
-        kp = self.kp1
-        for i in cutlass.range_constexpr(kp // 2):
-            for h in cutlass.range_constexpr(2):
-                v = self.pos1(i, kp, lane, warp) + Int32(h)
-                w = Uint32(0)
-                if v < Int32(self.nk1):
-                    q, j = self.owner(v, False, None)
-                    sv = Uint32(0x3000) + ((Uint32(v) * Uint32(2654435761)) >> Uint32(18))
-                    w = (sv << Uint32(16)) | (Uint32(0xFFFF) - Uint32(j))
-                words[2 * i + h] = w
-        hb[0] = Uint32(0)
 
     @cute.jit
     def load_r2_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
@@ -1085,58 +979,55 @@ class Merge:
         G = self.gbits
         gmax = Int32((1 << G) - 1)
         gT = Int32(-1)
-        if cutlass.const_expr(TUNE["notie"]):
-            gT = Int32(-1)  # timing only: no key at the boundary score selected
-        else:
-            if m <= Int32(EQ_MAX):
-                # the g of every key at score vth into eqb, then each one's rank
-                c = Int32(0)
-                for i in cutlass.range_constexpr(kp):
-                    if Int32(words[i] >> Uint32(16)) == vth:
-                        c = c + Int32(1)
-                if c != Int32(0):
-                    pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
-                                               scope="cta")  # fmt: skip
-                    for ip in cutlass.range_constexpr(kp // 2):
-                        q = Int32(0)
-                        j = Int32(0)
-                        if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        for h in cutlass.range_constexpr(2):
-                            if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
-                                eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                                pos = pos + Int32(1)
-                if cutlass.const_expr(cl):
-                    gT = self.rank_eq(self.clus_gather_eq(eqb, m, slot, sm, tid), m, need, tid, sc)
-                else:
-                    cute.arch.sync_threads()
-                    gT = self.rank_eq(eqb, m, need, tid, sc)
+        if m <= Int32(EQ_MAX):
+            # the g of every key at score vth into eqb, then each one's rank
+            c = Int32(0)
+            for i in cutlass.range_constexpr(kp):
+                if Int32(words[i] >> Uint32(16)) == vth:
+                    c = c + Int32(1)
+            if c != Int32(0):
+                pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
+                                           scope="cta")  # fmt: skip
+                for ip in cutlass.range_constexpr(kp // 2):
+                    q = Int32(0)
+                    j = Int32(0)
+                    if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
+                    for h in cutlass.range_constexpr(2):
+                        if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                            eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
+                            pos = pos + Int32(1)
+            if cutlass.const_expr(cl):
+                gT = self.rank_eq(self.clus_gather_eq(eqb, m, slot, sm, tid), m, need, tid, sc)
             else:
-                # many keys at the boundary score: the need-th smallest g among them by
-                # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
-                # the next 6, the last G - 16 (G >= 17), as the score select does
-                uT = Int32(0)
-                nd = need
-                for d in cutlass.range_constexpr(3):
-                    hi_ = (G, G - 10, G - 16)[d]
-                    lo_ = (G - 10, G - 16, 0)[d]
-                    hist = (fg, fg2, fg3)[d]
-                    for ip in cutlass.range_constexpr(kp // 2):
-                        q = Int32(0)
-                        j = Int32(0)
-                        if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        for h in cutlass.range_constexpr(2):
-                            if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
-                                u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                                if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
-                                    cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
-                                                         Int32(1), sem="relaxed", scope="cta")  # fmt: skip
-                    self.find_bin_x(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, tid, lane, warp, sc, 8,
-                                    cl, sm)  # fmt: skip
-                    uT = uT | (sc[8] << Int32(lo_))
-                    nd = nd - sc[9]
-                gT = gmax - uT
+                cute.arch.sync_threads()
+                gT = self.rank_eq(eqb, m, need, tid, sc)
+        else:
+            # many keys at the boundary score: the need-th smallest g among them by
+            # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
+            # the next 6, the last G - 16 (G >= 17), as the score select does
+            uT = Int32(0)
+            nd = need
+            for d in cutlass.range_constexpr(3):
+                hi_ = (G, G - 10, G - 16)[d]
+                lo_ = (G - 10, G - 16, 0)[d]
+                hist = (fg, fg2, fg3)[d]
+                for ip in cutlass.range_constexpr(kp // 2):
+                    q = Int32(0)
+                    j = Int32(0)
+                    if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
+                    for h in cutlass.range_constexpr(2):
+                        if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                            u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
+                            if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
+                                cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
+                                                     Int32(1), sem="relaxed", scope="cta")  # fmt: skip
+                self.find_bin_x(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, tid, lane, warp, sc, 8,
+                                cl, sm)  # fmt: skip
+                uT = uT | (sc[8] << Int32(lo_))
+                nd = nd - sc[9]
+            gT = gmax - uT
         return gT
 
     @cute.jit
@@ -1169,7 +1060,6 @@ class Merge:
         hi = Int32(0)
         if cutlass.const_expr(cl):
             P.cluster_sync_local()
-            self.mk(4)
             st_a = P.smem_addr(st) + slot * Int32(16)
             lo = Int32(0xFFFF)
             for r in cutlass.range_constexpr(self.clus):
@@ -1179,7 +1069,6 @@ class Merge:
                 lo = cutlass.min(lo, c)
         else:
             cute.arch.sync_threads()
-            self.mk(4)
             lo = st[slot * Int32(4) + Int32(2)]
             tot = st[slot * Int32(4)]
             hi = st[slot * Int32(4) + Int32(1)]
@@ -1318,72 +1207,66 @@ class Merge:
         vth = Int32(0)  # boundary score
         gT = Int32(-1)  # largest selected g at score vth
         T = Uint64(0)
-        if cutlass.const_expr(TUNE["nosel"]):
-            T = Uint64(0)  # timing only: the selection is the first K positions (below)
-        else:
-            # ---- stats: count, max and min score over the nonzero words
-            cnt = Int32(0)
-            mx = Int32(0)
-            mn = Int32(0xFFFF)
+        # ---- stats: count, max and min score over the nonzero words
+        cnt = Int32(0)
+        mx = Int32(0)
+        mn = Int32(0xFFFF)
+        for i in cutlass.range_constexpr(kp):
+            # branch-free (a per-word `if` compiles to a branch + convergence barrier):
+            # an empty word (sv = 0) leaves the max alone and counts as 0xFFFF for the min
+            sv = Int32(words[i] >> Uint32(16))
+            if cutlass.const_expr(kp > BRANCH_FREE_KP):
+                if sv != Int32(0):
+                    cnt = cnt + Int32(1)
+                    mx = cutlass.max(mx, sv)
+                    mn = cutlass.min(mn, sv)
+            else:
+                nz = Int32(sv != Int32(0))
+                cnt = cnt + nz
+                mx = cutlass.max(mx, sv)
+                mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
+        total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane, cl)
+        if cutlass.const_expr(cl):
+            # every wait of this CTA is over (the barrier above): its status word, in flight
+            # during the select, published with the counts (clus_totals)
+            if tid == Int32(0):
+                sw0 = P.ld_volatile_u32(status)
+                if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
+                    fl = Int32(1)
+        if total >= Int32(K):
+            shift = Int32(0)
+            while (rng >> shift) >= Int32(SCORE_BINS):
+                shift = shift + Int32(1)
+            fh_a = P.smem_addr(fh)
             for i in cutlass.range_constexpr(kp):
-                # branch-free (a per-word `if` compiles to a branch + convergence barrier):
-                # an empty word (sv = 0) leaves the max alone and counts as 0xFFFF for the min
                 sv = Int32(words[i] >> Uint32(16))
                 if cutlass.const_expr(kp > BRANCH_FREE_KP):
                     if sv != Int32(0):
-                        cnt = cnt + Int32(1)
-                        mx = cutlass.max(mx, sv)
-                        mn = cutlass.min(mn, sv)
+                        P.red_smem_add(fh_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
                 else:
-                    nz = Int32(sv != Int32(0))
-                    cnt = cnt + nz
-                    mx = cutlass.max(mx, sv)
-                    mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
-            total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane, cl)
-            if cutlass.const_expr(cl):
-                # every wait of this CTA is over (the barrier above): its status word, in flight
-                # during the select, published with the counts (clus_totals)
-                if tid == Int32(0):
-                    sw0 = P.ld_volatile_u32(status)
-                    if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
-                        fl = Int32(1)
-            if total >= Int32(K):
-                shift = Int32(0)
-                while (rng >> shift) >= Int32(SCORE_BINS):
-                    shift = shift + Int32(1)
-                fh_a = P.smem_addr(fh)
+                    b_ = Int32(FH_DUMMY)
+                    if sv != Int32(0):
+                        b_ = (sv - lo) >> shift
+                    P.red_smem_add(fh_a + b_ * Int32(4), Int32(1))  # unconditional (see the stats)
+            self.find_bin_x(fh, SCORE_BINS, Int32(K), tid, lane, warp, sc, 0, cl, sm)
+            b = sc[0]
+            above = sc[1]
+            m = sc[2]
+            vth = lo + (b << shift)
+            if shift > Int32(0):
+                low = (Int32(1) << shift) - Int32(1)
                 for i in cutlass.range_constexpr(kp):
                     sv = Int32(words[i] >> Uint32(16))
-                    if cutlass.const_expr(kp > BRANCH_FREE_KP):
-                        if sv != Int32(0):
-                            P.red_smem_add(fh_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
-                    else:
-                        b_ = Int32(FH_DUMMY)
-                        if sv != Int32(0):
-                            b_ = (sv - lo) >> shift
-                        P.red_smem_add(fh_a + b_ * Int32(4), Int32(1))  # unconditional (see the stats)
-                self.find_bin_x(fh, SCORE_BINS, Int32(K), tid, lane, warp, sc, 0, cl, sm)
-                self.mk(5)
-                b = sc[0]
-                above = sc[1]
-                m = sc[2]
-                vth = lo + (b << shift)
-                if shift > Int32(0):
-                    low = (Int32(1) << shift) - Int32(1)
-                    for i in cutlass.range_constexpr(kp):
-                        sv = Int32(words[i] >> Uint32(16))
-                        if sv != Int32(0) and ((sv - lo) >> shift) == b:
-                            cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
-                                                 scope="cta")  # fmt: skip
-                    self.find_bin_x(fh2, SCORE_BINS2, Int32(K) - above, tid, lane, warp, sc, 3, cl, sm)
-                    vth = vth + sc[3]
-                    above = above + sc[4]
-                    m = sc[5]
-                need = Int32(K) - above
-                self.mk(6)
-                gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp, qj, cl)
-                self.mk(7)
-                T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
+                    if sv != Int32(0) and ((sv - lo) >> shift) == b:
+                        cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
+                                             scope="cta")  # fmt: skip
+                self.find_bin_x(fh2, SCORE_BINS2, Int32(K) - above, tid, lane, warp, sc, 3, cl, sm)
+                vth = vth + sc[3]
+                above = above + sc[4]
+                m = sc[5]
+            need = Int32(K) - above
+            gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp, qj, cl)
+            T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
         # ---- outputs: selection = s > vth or (s == vth and g <= gT)
         # Round 1: the status word, read once every wait of the row is over (barriers
         # above), in flight during the outputs: sc[7] = 1 when a timeout was recorded
@@ -1394,191 +1277,182 @@ class Merge:
                 stw = P.ld_volatile_u32(status)
         all_run = Int32(0)
         own_run = Int32(0)
-        if cutlass.const_expr(not TUNE["noout"]):  # (noout: timing only)
-            selm = Uint32(0)
-            if cutlass.const_expr(TUNE["nosel"]):
+        selm = Uint32(0)
+        if cutlass.const_expr(kp > BRANCH_FREE_KP):
+            for ip in cutlass.range_constexpr(kp // 2):
                 q = Int32(0)
                 j = Int32(0)
-                for i in cutlass.range_constexpr(kp):  # timing only: positions < K
-                    if words[i] != Uint32(0) and self.pos1(i // 2, kp, lane, warp) + Int32(i % 2) < Int32(K):
-                        selm = selm | Uint32(1 << i)
-            elif cutlass.const_expr(kp > BRANCH_FREE_KP):
-                for ip in cutlass.range_constexpr(kp // 2):
-                    q = Int32(0)
-                    j = Int32(0)
-                    if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                    for h in cutlass.range_constexpr(2):
-                        i = 2 * ip + h
-                        sv = Int32(words[i] >> Uint32(16))
-                        if sv > vth:
-                            selm = selm | Uint32(1 << i)
-                        elif sv == vth and sv != Int32(0):
-                            if self.gid(words[i], hbits, i, q) <= gT:
-                                selm = selm | Uint32(1 << i)
-            else:
-                # branch-free: selected = s > vth, or s == vth != 0 and g <= gT
-                for ip in cutlass.range_constexpr(kp // 2):
+                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
                     q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                    for h in cutlass.range_constexpr(2):
+                for h in cutlass.range_constexpr(2):
+                    i = 2 * ip + h
+                    sv = Int32(words[i] >> Uint32(16))
+                    if sv > vth:
+                        selm = selm | Uint32(1 << i)
+                    elif sv == vth and sv != Int32(0):
+                        if self.gid(words[i], hbits, i, q) <= gT:
+                            selm = selm | Uint32(1 << i)
+        else:
+            # branch-free: selected = s > vth, or s == vth != 0 and g <= gT
+            for ip in cutlass.range_constexpr(kp // 2):
+                q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
+                for h in cutlass.range_constexpr(2):
+                    i = 2 * ip + h
+                    sv = Int32(words[i] >> Uint32(16))
+                    tie = Int32(sv == vth) & Int32(sv != Int32(0)) & Int32(self.gid(words[i], hbits, i, q) <= gT)
+                    selm = selm | (Uint32(Int32(sv > vth) | tie) << Uint32(i))
+        lt = cute.arch.lanemask_lt()
+        run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
+        roll = cutlass.const_expr(not round2 and self.roll1)
+        if cutlass.const_expr(roll):
+            sw = sm.stage
+            for i in cutlass.range_constexpr(kp):  # read back by this thread only
+                sw[Int32(i * C.TB) + tid] = Int32(words[i])
+            for rip0 in cutlass.range(kp // 2, unroll=1):
+                _, rc20 = self.pair_counts_dyn(selm, rip0, kp, lane, warp, rank, lt)
+                run = run + rc20
+        elif cutlass.const_expr(rn):
+            # (runs) this thread's selected keys (own << 16 | all), the lanes' before it by one
+            # warp scan, the warp's total in every lane
+            q0, _ = self.owner_p(0, kp, lane, warp, round2, seg, qj)
+            xa = Int32(cute.arch.popc(selm))
+            xr = xa + ((xa * Int32(q0 == rank)) << Int32(16))
+            xi = C.warp_incl_scan(xr, lane)
+            tex = xi - xr  # (names of their own: the rolled outputs loop carries rex / rpos / rkpos,
+            # and the DSL finds a loop's carried values by name, whichever branch is traced)
+            run = cute.arch.shuffle_sync(xi, Int32(31))
+        else:
+            for ip in cutlass.range_constexpr(kp // 2):
+                _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
+                run = run + c2
+        if lane == Int32(0):
+            wt[warp] = run
+        cute.arch.sync_threads()
+        wbase, tot = self.warp_prefix(wt, warp)
+        all_run = tot & Int32(0xFFFF)
+        own_run = tot >> Int32(16)
+        if cutlass.const_expr(cl):
+            # the row's positions of this CTA's selected keys start after the CTAs' before
+            # it (its own rank's, if any, are all here: their kv_rows prefix is local)
+            cb, all_run, own_run = self.clus_totals(wt, tot, fl, sm, tid, rank)
+            wbase = wbase + cb
+        trow = Int64(t) * Int64(K)
+        ids_row = ids + trow * Int64(4)
+        kv_row = kv_rows + trow * Int64(4)
+        ids_on = Int32(ids != Int64(0))
+        blks = cute.make_rmem_tensor((8,), Int32)
+        if cutlass.const_expr(roll):
+            # one pair group per iteration, stores predicated (no branch per word); the
+            # block-table entry of list index rj was prefetched into sm.buf[rj] (pre_bt 2)
+            for rip in cutlass.range(kp // 2, unroll=1):
+                rv = warp * Int32(32 * kp) + rip * Int32(64) + Int32(2) * lane
+                rq = rv // Int32(self.n)
+                rj = rv - rq * Int32(self.n)
+                rc1, rc2 = self.pair_counts_dyn(selm, rip, kp, lane, warp, rank, lt)
+                rex = wbase + rc1
+                wbase = wbase + rc2
+                rpos = rex & Int32(0xFFFF)
+                rkpos = rex >> Int32(16)
+                if rj == Int32(0) and rv < Int32(self.nk1):
+                    pref[rq] = rpos
+                for h in cutlass.range_constexpr(2):
+                    ri = Int32(2) * rip + Int32(h)
+                    rw = Uint32(sw[ri * Int32(C.TB) + tid])
+                    rsel = Int32((selm >> Uint32(ri)) & Uint32(1))
+                    rlidx = Int32(Uint32(0xFFFF) - (rw & Uint32(0xFFFF))) | (
+                        Int32((hbits >> Uint32(ri)) & Uint32(1)) << Int32(16))
+                    rg = rlidx * Int32(self.world) + rq
+                    P.st_u32_if(ids + (trow + Int64(rpos)) * Int64(4), rg, rsel & ids_on)
+                    rpos = rpos + rsel
+                    rown = rsel & Int32(rq == rank)
+                    rpage = self.page_of(rlidx, block_size)
+                    rslot = sm.buf[rj + Int32(h)] * block_size + (rlidx - rpage * block_size)
+                    if req_ok == Int32(0) or rpage >= bt_cols:
+                        rslot = Int32(-1)
+                    P.st_u32_if(kv_rows + (trow + Int64(rkpos)) * Int64(4), rslot, rown)
+                    rkpos = rkpos + rown
+        tpos = Int32(0)  # (runs) the next output positions of this thread's run
+        tkpos = Int32(0)
+        if cutlass.const_expr(rn):
+            tpos = (wbase + tex) & Int32(0xFFFF)
+            tkpos = (wbase + tex) >> Int32(16)
+        for b0 in cutlass.range_constexpr(0, 0 if roll else kp // 2, 4):
+            # block-table loads of this batch's own selected tokens first (in flight
+            # together), then the stores
+            for k in cutlass.range_constexpr(8):
+                blks[k] = Int32(0)
+                if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
+                    blks[k] = btp[b0 * 2 + k]
+                elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
+                    if cutlass.const_expr(kp > BRANCH_FREE_KP):
+                        if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
+                            q, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
+                            if q == rank:
+                                blks[k] = sm.buf[j + Int32(k % 2)]
+                    else:
+                        # read for every key (j < n: in bounds), used for own selected ones only
+                        _, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
+                        blks[k] = sm.buf[j + Int32(k % 2)]
+                elif cutlass.const_expr(b0 * 2 + k < kp):
+                    # predicated loads of this batch's own selected keys, all in flight
+                    i = b0 * 2 + k
+                    q, j = self.owner_p(i // 2, kp, lane, warp, round2, seg, qj)
+                    page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
+                    ok = (Int32((selm >> Uint32(i)) & Uint32(1)) & Int32(q == rank) & req_ok
+                          & Int32(page < bt_cols))  # fmt: skip
+                    blks[k] = P.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
+            for kk in cutlass.range_constexpr(4):
+                ip = b0 + kk
+                if cutlass.const_expr(ip < kp // 2):
+                    v = self.pos1(ip, kp, lane, warp)
+                    q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
+                    pos = tpos
+                    kpos = tkpos
+                    if cutlass.const_expr(not rn):
+                        c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
+                        e = wbase + c1
+                        wbase = wbase + c2
+                        pos = e & Int32(0xFFFF)
+                        kpos = e >> Int32(16)
+                    if cutlass.const_expr(not round2):
+                        if j == Int32(0) and v < Int32(self.nk1):
+                            pref[q] = pos
+                    for h in cutlass.range_constexpr(2 if kp > BRANCH_FREE_KP else 0):
                         i = 2 * ip + h
-                        sv = Int32(words[i] >> Uint32(16))
-                        tie = Int32(sv == vth) & Int32(sv != Int32(0)) & Int32(self.gid(words[i], hbits, i, q) <= gT)
-                        selm = selm | (Uint32(Int32(sv > vth) | tie) << Uint32(i))
-            lt = cute.arch.lanemask_lt()
-            run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
-            roll = cutlass.const_expr(not round2 and self.roll1)
-            if cutlass.const_expr(roll):
-                sw = sm.stage
-                for i in cutlass.range_constexpr(kp):  # read back by this thread only
-                    sw[Int32(i * C.TB) + tid] = Int32(words[i])
-                for rip0 in cutlass.range(kp // 2, unroll=1):
-                    _, rc20 = self.pair_counts_dyn(selm, rip0, kp, lane, warp, rank, lt)
-                    run = run + rc20
-            elif cutlass.const_expr(rn):
-                # (runs) this thread's selected keys (own << 16 | all), the lanes' before it by one
-                # warp scan, the warp's total in every lane
-                q0, _ = self.owner_p(0, kp, lane, warp, round2, seg, qj)
-                xa = Int32(cute.arch.popc(selm))
-                xr = xa + ((xa * Int32(q0 == rank)) << Int32(16))
-                xi = C.warp_incl_scan(xr, lane)
-                tex = xi - xr  # (names of their own: the rolled outputs loop carries rex / rpos / rkpos,
-                # and the DSL finds a loop's carried values by name, whichever branch is traced)
-                run = cute.arch.shuffle_sync(xi, Int32(31))
-            else:
-                for ip in cutlass.range_constexpr(kp // 2):
-                    _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-                    run = run + c2
-            if lane == Int32(0):
-                wt[warp] = run
-            cute.arch.sync_threads()
-            self.mk(8)
-            wbase, tot = self.warp_prefix(wt, warp)
-            all_run = tot & Int32(0xFFFF)
-            own_run = tot >> Int32(16)
-            if cutlass.const_expr(cl):
-                # the row's positions of this CTA's selected keys start after the CTAs' before
-                # it (its own rank's, if any, are all here: their kv_rows prefix is local)
-                cb, all_run, own_run = self.clus_totals(wt, tot, fl, sm, tid, rank)
-                wbase = wbase + cb
-            trow = Int64(t) * Int64(K)
-            ids_row = ids + trow * Int64(4)
-            kv_row = kv_rows + trow * Int64(4)
-            ids_on = Int32(ids != Int64(0))
-            blks = cute.make_rmem_tensor((8,), Int32)
-            if cutlass.const_expr(roll):
-                # one pair group per iteration, stores predicated (no branch per word); the
-                # block-table entry of list index rj was prefetched into sm.buf[rj] (pre_bt 2)
-                for rip in cutlass.range(kp // 2, unroll=1):
-                    rv = warp * Int32(32 * kp) + rip * Int32(64) + Int32(2) * lane
-                    rq = rv // Int32(self.n)
-                    rj = rv - rq * Int32(self.n)
-                    rc1, rc2 = self.pair_counts_dyn(selm, rip, kp, lane, warp, rank, lt)
-                    rex = wbase + rc1
-                    wbase = wbase + rc2
-                    rpos = rex & Int32(0xFFFF)
-                    rkpos = rex >> Int32(16)
-                    if rj == Int32(0) and rv < Int32(self.nk1):
-                        pref[rq] = rpos
-                    for h in cutlass.range_constexpr(2):
-                        ri = Int32(2) * rip + Int32(h)
-                        rw = Uint32(sw[ri * Int32(C.TB) + tid])
-                        rsel = Int32((selm >> Uint32(ri)) & Uint32(1))
-                        rlidx = Int32(Uint32(0xFFFF) - (rw & Uint32(0xFFFF))) | (
-                            Int32((hbits >> Uint32(ri)) & Uint32(1)) << Int32(16))
-                        rg = rlidx * Int32(self.world) + rq
-                        P.st_u32_if(ids + (trow + Int64(rpos)) * Int64(4), rg, rsel & ids_on)
-                        rpos = rpos + rsel
-                        rown = rsel & Int32(rq == rank)
-                        rpage = self.page_of(rlidx, block_size)
-                        rslot = sm.buf[rj + Int32(h)] * block_size + (rlidx - rpage * block_size)
-                        if req_ok == Int32(0) or rpage >= bt_cols:
-                            rslot = Int32(-1)
-                        P.st_u32_if(kv_rows + (trow + Int64(rkpos)) * Int64(4), rslot, rown)
-                        rkpos = rkpos + rown
-            tpos = Int32(0)  # (runs) the next output positions of this thread's run
-            tkpos = Int32(0)
-            if cutlass.const_expr(rn):
-                tpos = (wbase + tex) & Int32(0xFFFF)
-                tkpos = (wbase + tex) >> Int32(16)
-            for b0 in cutlass.range_constexpr(0, 0 if roll else kp // 2, 4):
-                # block-table loads of this batch's own selected tokens first (in flight
-                # together), then the stores
-                for k in cutlass.range_constexpr(8):
-                    blks[k] = Int32(0)
-                    if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
-                        blks[k] = btp[b0 * 2 + k]
-                    elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
-                        if cutlass.const_expr(kp > BRANCH_FREE_KP):
-                            if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
-                                q, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
-                                if q == rank:
-                                    blks[k] = sm.buf[j + Int32(k % 2)]
-                        else:
-                            # read for every key (j < n: in bounds), used for own selected ones only
-                            _, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
-                            blks[k] = sm.buf[j + Int32(k % 2)]
-                    elif cutlass.const_expr(b0 * 2 + k < kp):
-                        # predicated loads of this batch's own selected keys, all in flight
-                        i = b0 * 2 + k
-                        q, j = self.owner_p(i // 2, kp, lane, warp, round2, seg, qj)
-                        page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
-                        ok = (Int32((selm >> Uint32(i)) & Uint32(1)) & Int32(q == rank) & req_ok
-                              & Int32(page < bt_cols))  # fmt: skip
-                        blks[k] = P.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
-                for kk in cutlass.range_constexpr(4):
-                    ip = b0 + kk
-                    if cutlass.const_expr(ip < kp // 2):
-                        v = self.pos1(ip, kp, lane, warp)
-                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        pos = tpos
-                        kpos = tkpos
-                        if cutlass.const_expr(not rn):
-                            c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-                            e = wbase + c1
-                            wbase = wbase + c2
-                            pos = e & Int32(0xFFFF)
-                            kpos = e >> Int32(16)
-                        if cutlass.const_expr(not round2):
-                            if j == Int32(0) and v < Int32(self.nk1):
-                                pref[q] = pos
-                        for h in cutlass.range_constexpr(2 if kp > BRANCH_FREE_KP else 0):
-                            i = 2 * ip + h
-                            if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
-                                lidx = self.lidx_of(words[i], hbits, i)
-                                g = lidx * Int32(self.world) + q
-                                if ids != Int64(0):
-                                    P.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
-                                pos = pos + Int32(1)
-                                if q == rank:
-                                    page = self.page_of(lidx, block_size)
-                                    slot_ = Int32(-1)
-                                    if req_ok != Int32(0) and page < bt_cols:
-                                        slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                                    P.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
-                                    kpos = kpos + Int32(1)
-                        for h in cutlass.range_constexpr(0 if kp > BRANCH_FREE_KP else 2):
-                            # predicated stores, no branch per key (as the selection)
-                            # (l first and g = l W + q: the old g // W was a signed division
-                            # per key; the row bases are computed once: fewer instructions in
-                            # a stage that issues ~450 per warp)
-                            i = 2 * ip + h
-                            sel = Int32((selm >> Uint32(i)) & Uint32(1))
+                        if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
                             lidx = self.lidx_of(words[i], hbits, i)
                             g = lidx * Int32(self.world) + q
-                            P.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
-                            pos = pos + sel
-                            own = sel & Int32(q == rank)
-                            page = self.page_of(lidx, block_size)
-                            slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                            if req_ok == Int32(0) or page >= bt_cols:
+                            if ids != Int64(0):
+                                P.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
+                            pos = pos + Int32(1)
+                            if q == rank:
+                                page = self.page_of(lidx, block_size)
                                 slot_ = Int32(-1)
-                            P.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
-                            kpos = kpos + own
-                        if cutlass.const_expr(rn):
-                            tpos = pos
-                            tkpos = kpos
-        self.mk(9)
+                                if req_ok != Int32(0) and page < bt_cols:
+                                    slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
+                                P.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
+                                kpos = kpos + Int32(1)
+                    for h in cutlass.range_constexpr(0 if kp > BRANCH_FREE_KP else 2):
+                        # predicated stores, no branch per key (as the selection)
+                        # (l first and g = l W + q: the old g // W was a signed division
+                        # per key; the row bases are computed once: fewer instructions in
+                        # a stage that issues ~450 per warp)
+                        i = 2 * ip + h
+                        sel = Int32((selm >> Uint32(i)) & Uint32(1))
+                        lidx = self.lidx_of(words[i], hbits, i)
+                        g = lidx * Int32(self.world) + q
+                        P.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
+                        pos = pos + sel
+                        own = sel & Int32(q == rank)
+                        page = self.page_of(lidx, block_size)
+                        slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
+                        if req_ok == Int32(0) or page >= bt_cols:
+                            slot_ = Int32(-1)
+                        P.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
+                        kpos = kpos + own
+                    if cutlass.const_expr(rn):
+                        tpos = pos
+                        tkpos = kpos
         if cutlass.const_expr(cl):
             # (sc[7] set by clus_totals; the padding shared by the cluster's CTAs)
             if tid == Int32(0):
@@ -1592,20 +1466,18 @@ class Merge:
                 sc[7] = Int32(0)
                 if stw == Uint32(layout.STATUS_TIMEOUT_ROUND1) or stw == Uint32(layout.STATUS_TIMEOUT_RESCUE):
                     sc[7] = Int32(1)
-        if cutlass.const_expr(not TUNE["noout"]):
-            trow = Int64(t) * Int64(K)
-            p0 = tid  # first padding index of this thread, step
-            pstep = C.TB
-            if cutlass.const_expr(cl):
-                p0 = self.crank * Int32(C.TB) + tid
-                pstep = C.TB * self.clus
-            for i in cutlass.range(own_run + p0, K, pstep, unroll=1):
-                P.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
-            if ids != Int64(0):
-                for i in cutlass.range(all_run + p0, K, pstep, unroll=1):
-                    P.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+        trow = Int64(t) * Int64(K)
+        p0 = tid  # first padding index of this thread, step
+        pstep = C.TB
+        if cutlass.const_expr(cl):
+            p0 = self.crank * Int32(C.TB) + tid
+            pstep = C.TB * self.clus
+        for i in cutlass.range(own_run + p0, K, pstep, unroll=1):
+            P.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
+        if ids != Int64(0):
+            for i in cutlass.range(all_run + p0, K, pstep, unroll=1):
+                P.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
         cute.arch.sync_threads()
-        self.mk(10)
         return T
 
     # ------------------------------------------------------ round 2, rolled (r2roll)
@@ -1657,7 +1529,6 @@ class Merge:
         fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
         fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
         seg = sm.seg
-        U = TUNE["r2roll"]
         W = self.world
         kp = self.kp2
         npair = kp // 2
@@ -1673,7 +1544,6 @@ class Merge:
         d2 = ah - am
         ma = P.smem_addr(sm.r2m)
         buf_a = P.smem_addr(sm.buf)
-        self.mk(2)  # (a rescue's marks 2-10 are round 2's: 2 the select, push and flags done)
         segr = cute.make_rmem_tensor((W,), Int32)
         for r in cutlass.range_constexpr(W):
             segr[r] = seg[r]
@@ -1688,7 +1558,7 @@ class Merge:
             P.cp_async(ma + u * Int32(4), src, 4)
         qb0 = Uint32(0)
         qb1 = Uint32(0)
-        for p in cutlass.range(npair, unroll=U):
+        for p in cutlass.range(npair, unroll=1):
             v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
             dst = self.r2_addr(p, ax, d1, d2)
             q = Int32(0)
@@ -1711,7 +1581,6 @@ class Merge:
                 qb1 = qb1 | qs
         P.cp_async_wait_all()
         cute.arch.sync_threads()
-        self.mk(3)
         # ---- bit 16 of each l; this rank's block-table entries (copies in flight during
         # the select); the stats
         hbits = Uint32(0)
@@ -1719,7 +1588,7 @@ class Merge:
         mx = Int32(0)
         mn = Int32(0xFFFF)
         nmw = (nk + Int32(31)) >> Int32(5)
-        for p in cutlass.range(npair, unroll=U):
+        for p in cutlass.range(npair, unroll=1):
             v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
             m = Uint32(P.ld_smem_u32(ma + cutlass.min(v >> Int32(5), nmw - Int32(1)) * Int32(4)))
             w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
@@ -1747,7 +1616,7 @@ class Merge:
             while (rng >> shift) >= Int32(SCORE_BINS):
                 shift = shift + Int32(1)
             fh_a = P.smem_addr(fh)
-            for p in cutlass.range(npair, unroll=U):
+            for p in cutlass.range(npair, unroll=1):
                 w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                 for h in cutlass.range_constexpr(2):
                     sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
@@ -1756,14 +1625,13 @@ class Merge:
                         b_ = (sv - lo) >> shift
                     P.red_smem_add(fh_a + b_ * Int32(4), Int32(1))
             self.cta_find_bin(fh, SCORE_BINS, Int32(K), lane, warp, sc, 0)
-            self.mk(5)
             b = sc[0]
             above = sc[1]
             m = sc[2]
             vth = lo + (b << shift)
             if shift > Int32(0):
                 low = (Int32(1) << shift) - Int32(1)
-                for p in cutlass.range(npair, unroll=U):
+                for p in cutlass.range(npair, unroll=1):
                     w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                     for h in cutlass.range_constexpr(2):
                         sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
@@ -1774,23 +1642,22 @@ class Merge:
                 vth = vth + sc[3]
                 above = above + sc[4]
                 m = sc[5]
-            self.mk(6)
             need = Int32(K) - above
             # ---- gT: the need-th smallest g among the m keys at score vth (tie_break)
-            whole = Int32(0)  # (r2all) every key at score vth is selected: no tie-break
-            if cutlass.const_expr(TUNE["r2all"]):
-                whole = Int32(need == m)
+            # every key at score vth selected (a rescued K-list's lowest score is often the
+            # boundary): no tie-break (W = 8, N = 512: forced rescue 40.8 -> 34.0 us)
+            whole = Int32(need == m)
             if whole != Int32(0):
                 gT = gmax
             elif m <= Int32(EQ_MAX):
                 c = Int32(0)
-                for p in cutlass.range(npair, unroll=U):
+                for p in cutlass.range(npair, unroll=1):
                     w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                     c = c + Int32(Int32(Uint32(w0) >> Uint32(16)) == vth) + Int32(Int32(Uint32(w1) >> Uint32(16)) == vth)
                 if c != Int32(0):
                     pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
                                                scope="cta")  # fmt: skip
-                    for p in cutlass.range(npair, unroll=U):
+                    for p in cutlass.range(npair, unroll=1):
                         w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                         q = self.r2_q(p, qb0, qb1)
                         for h in cutlass.range_constexpr(2):
@@ -1807,7 +1674,7 @@ class Merge:
                     hi_ = (G, G - 10, G - 16)[d]
                     lo_ = (G - 10, G - 16, 0)[d]
                     hist = (fg, fg2, fg3)[d]
-                    for p in cutlass.range(npair, unroll=U):
+                    for p in cutlass.range(npair, unroll=1):
                         w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
                         q = self.r2_q(p, qb0, qb1)
                         for h in cutlass.range_constexpr(2):
@@ -1821,13 +1688,12 @@ class Merge:
                     uT = uT | (sc[8] << Int32(lo_))
                     nd = nd - sc[9]
                 gT = gmax - uT
-            self.mk(7)
         # ---- selection = s > vth or (s == vth != 0 and g <= gT); per pair group, then the
         # warp's counts (own << 16 | all)
         selm = Uint32(0)
         lt = cute.arch.lanemask_lt()
         run = Int32(0)
-        for p in cutlass.range(npair, unroll=U):
+        for p in cutlass.range(npair, unroll=1):
             w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
             q = self.r2_q(p, qb0, qb1)
             sp = Uint32(0)
@@ -1844,7 +1710,6 @@ class Merge:
             wt[warp] = run
         P.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
         cute.arch.sync_threads()
-        self.mk(8)
         wbase, tot = self.warp_prefix(wt, warp)
         all_run = tot & Int32(0xFFFF)
         own_run = tot >> Int32(16)
@@ -1852,7 +1717,7 @@ class Merge:
         trow = Int64(t) * Int64(K)
         ids_on = Int32(ids != Int64(0))
         jmax = Int32(self.rw_k - 2)
-        for p in cutlass.range(npair, unroll=U):
+        for p in cutlass.range(npair, unroll=1):
             q = self.r2_q(p, qb0, qb1)
             v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
             # (a group past nk: q = 0, no key selected; j clamped into buf for the unused reads)
@@ -1878,7 +1743,6 @@ class Merge:
                     slot_ = Int32(-1)
                 P.st_u32_if(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_, own)
                 kpos = kpos + own
-        self.mk(9)
         if tid == Int32(0):
             pref[W] = all_run
             P.st_u32(counts + Int64(t) * Int64(4), own_run)
@@ -1888,7 +1752,6 @@ class Merge:
             for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
                 P.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
         cute.arch.sync_threads()
-        self.mk(10)
 
     # ------------------------------------------------------------- kernel
 
@@ -1917,9 +1780,6 @@ class Merge:
             self.cbase = self.crank * Int32(self.cp)
             t = cute.arch.cluster_idx()[0]
             nstep = Int32(nblk) // Int32(self.clus)
-        # prof=1 (timing only): thread 0's clock at the points below -> ids[0, K-16:]
-        self.mk = C.Marks(TUNE["prof"], N_MARKS)
-        self.mk(0)
         W = self.world
         status = C.state_status(state, max_rows)
         timeout_ns = Int64(timeout_us) * Int64(1000)
@@ -1934,7 +1794,6 @@ class Merge:
             if (tid & Int32(3)) == Int32(2):
                 sm_st[tid] = Int32(0xFFFF)
         cute.arch.sync_threads()
-        self.mk(1)
         rowi = Int32(0)
         last_f = Int32(0)
         finished = Int32(0)  # the launch's end done (after a last row without a rescue)
@@ -1993,20 +1852,12 @@ class Merge:
             # ---- round 1: wait for the W lists of epoch ep
             T = Uint64(0)
             if cutlass.const_expr(self.fast1):
-                if cutlass.const_expr(TUNE["noload"]):
-                    self.fake_r1(words, hb, lane, warp)
-                else:
-                    self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
-                self.mk(2)
-                if cutlass.const_expr(TUNE["nobt"]):
-                    for i in cutlass.range_constexpr(self.kp1 if self.pre_bt else 1):
-                        btp[i] = Int32(0)
-                elif cutlass.const_expr(self.pre_bt):
+                self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
+                if cutlass.const_expr(self.pre_bt):
                     self.prefetch_bt(words, hb, btp, lane, warp, rank, bt_row, req_ok, bt_cols, block_size)
                 else:
                     self.prefetch_bt_smem(words, hb, sm_buf, lane, warp, rank, bt_row, req_ok, bt_cols,
                                           block_size)  # fmt: skip
-                self.mk(3)
                 T = self.fast_round(words, hb, False, slot1, sm, tid, lane, warp, ll0, ll_stride, resc0,
                                     ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row,
                                     req_ok, bt_cols, block_size, keys, btp,
@@ -2038,9 +1889,6 @@ class Merge:
             nsat = Int32(cute.arch.popc(Uint32(mask)))
             if nsat > Int32(self.slots):
                 mask = Int32(0)  # impossible (docs/DESIGN.md §6.4); keeps the slots in bounds
-            if cutlass.const_expr(NO_RESCUE):
-                mask = Int32(0)  # timing-only variants of the normal path
-            self.mk(11)
             if cutlass.const_expr(self.clus > 1):
                 # A clustered row ends on CTA 0 (mask and sc[7] are the cluster's: the same in
                 # every CTA).  Where CTA 0 then rewrites the outputs -- a rescue's round 2, or the
@@ -2088,11 +1936,10 @@ class Merge:
                 if mask == Int32(0):
                     epn, last_f = self.row_epilogue(t, ep, mask, True, epn, nstep, rows, state, max_rows,
                                                     saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
-                    if cutlass.const_expr(not TUNE["tailout"]):
-                        if t + Int32(nstep) >= rows:  # this CTA's last row: its end here too
-                            self.finish(refused, last_f, rowi + Int32(1), status, sm_seg, tid, peers,
-                                        state, rank, max_rows, host_status, ids, bid)  # fmt: skip
-                            finished = Int32(1)
+                    if t + Int32(nstep) >= rows:  # this CTA's last row: its end here too
+                        self.finish(refused, last_f, rowi + Int32(1), status, sm_seg, tid, peers,
+                                    state, rank, max_rows, host_status, ids, bid)  # fmt: skip
+                        finished = Int32(1)
                 else:
                     self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
                                 rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
@@ -2145,11 +1992,6 @@ class Merge:
             if report != Int32(0):
                 if tid == Int32(0):
                     self.report(status, host_status)
-        if cutlass.const_expr(TUNE["prof"]):
-            self.mk(15)
-            self.mk.store(ids + Int64(self.topk - N_MARKS) * Int64(4),
-                          Int32(Int32(bid) == Int32(0)) & Int32(tid == Int32(0)) & Int32(ids != Int64(0)))
-
     @cute.jit
     def row_epilogue(self, t: Int32, ep: Int32, mask: Int32, plain: cutlass.Constexpr, epn: Int32,
                      nblk, rows: Int32, state: Int64, max_rows: Int32, saturated: Int64,
@@ -2167,9 +2009,7 @@ class Merge:
         if t + Int32(nblk) < rows:
             epn = P.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
         # ---- every word of the row was read; the producer grid is done
-        self.mk(12)
         P.pdl_wait()
-        self.mk(13)
         # A failure anywhere in the grid (status set) voids this row: waits that gave
         # up read stale words, so the row gets empty outputs, never a guess.
         # (failed() starts with a barrier: every thread is done reading the row.)
@@ -2187,7 +2027,6 @@ class Merge:
             self.empty_row(t, tid, kv_rows, counts, ids, saturated)
         if tid == Int32(0):
             P.st_u32(C.state_epoch(state, max_rows, t), ep)
-        self.mk(14)  # (here: before a launch's end that follows a last row)
         return epn, f
 
     @cute.jit
@@ -2261,54 +2100,43 @@ class Merge:
             klist = Int64(0)  # (rescue_list) the producer made this row's K-list: no select here
             if cutlass.const_expr(self.klist):
                 klist = C.state_klist(state, max_rows, t, self.rw_k)
-            elif cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
+            else:
                 end = row_end(row_ends, t, cols)
                 S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
                              sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
                              self.rescue_u1)  # fmt: skip
-            self.mk(16)
             s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
             off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
-            if cutlass.const_expr(TUNE["rnopush"]):
-                pass  # timing only: the K-list is not stored
-            else:
-                if cutlass.const_expr(self.klist):
-                    # the producer's K-list (written by the grid pdl_wait waited for; .cg: not
-                    # through this SM's L1, which may hold an earlier call's lines)
-                    for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                        a, b, c, d = P.ld_cg_v4(klist + Int64(i) * Int64(16))
-                        for p in cutlass.range_constexpr(W):
-                            dst = P.ld_u64(peers + Int64(p) * Int64(8)) + off
-                            P.st_v4(dst + Int64(i) * Int64(16), a, b, c, d)
-                else:
-                    for p in cutlass.range(W, unroll=1):
+            if cutlass.const_expr(self.klist):
+                # the producer's K-list (written by the grid pdl_wait waited for; .cg: not
+                # through this SM's L1, which may hold an earlier call's lines)
+                for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
+                    a, b, c, d = P.ld_cg_v4(klist + Int64(i) * Int64(16))
+                    for p in cutlass.range_constexpr(W):
                         dst = P.ld_u64(peers + Int64(p) * Int64(8)) + off
-                        for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                            P.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
-                                    sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
-            cute.arch.sync_threads()
-            self.mk(17)
-            foff = flags_off + C.flag_offset(rank, t, max_rows)
-            if cutlass.const_expr(TUNE["rnoflag"]):
-                pass  # timing only: no fence, no flags (and no wait below)
+                        P.st_v4(dst + Int64(i) * Int64(16), a, b, c, d)
             else:
-                # lane p of warp 0: fence.acq_rel.sys then a strong (relaxed.sys) store of
-                # rank p's flag = a release pattern (PTX memory model); bar.sync above
-                # orders the CTA's stores before each lane's fence (cumulativity).  One
-                # MEMBAR for the warp, the W stores in one instruction.
-                if tid < Int32(W):
-                    pa = P.ld_u64(peers + Int64(tid) * Int64(8))
-                    if cutlass.const_expr(not TUNE["rnofence"]):
-                        P.fence_sys()
-                    P.st_relaxed_sys(pa + foff, flag_val)
-        # Every rank: acquire the saturated ranks' flags (one lane per rank).
-        if cutlass.const_expr(not (TUNE["rnoflag"] or TUNE["rnowait"])):
+                for p in cutlass.range(W, unroll=1):
+                    dst = P.ld_u64(peers + Int64(p) * Int64(8)) + off
+                    for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
+                        P.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
+                                sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
+            cute.arch.sync_threads()
+            foff = flags_off + C.flag_offset(rank, t, max_rows)
+            # lane p of warp 0: fence.acq_rel.sys then a strong (relaxed.sys) store of
+            # rank p's flag = a release pattern (PTX memory model); bar.sync above
+            # orders the CTA's stores before each lane's fence (cumulativity).  One
+            # MEMBAR for the warp, the W stores in one instruction.
             if tid < Int32(W):
-                if ((mask >> tid) & Int32(1)) != Int32(0):
-                    addr = local + flags_off + C.flag_offset(tid, t, max_rows)
-                    self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
-                                  timeout_ns)  # fmt: skip
-        self.mk(18)
+                pa = P.ld_u64(peers + Int64(tid) * Int64(8))
+                P.fence_sys()
+                P.st_relaxed_sys(pa + foff, flag_val)
+        # Every rank: acquire the saturated ranks' flags (one lane per rank).
+        if tid < Int32(W):
+            if ((mask >> tid) & Int32(1)) != Int32(0):
+                addr = local + flags_off + C.flag_offset(tid, t, max_rows)
+                self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
+                              timeout_ns)  # fmt: skip
         if tid == Int32(0):
             off = Int32(0)
             s = Int32(0)
@@ -2323,9 +2151,7 @@ class Merge:
                     off = off + Int32(self.n)
             sm_seg[W] = off
         cute.arch.sync_threads()
-        if cutlass.const_expr(TUNE["rnor2"]):
-            pass  # timing only: no round 2 (the outputs stay round 1's)
-        elif cutlass.const_expr(self.roll2):
+        if cutlass.const_expr(self.roll2):
             self.round2_rolled(slot2, sm, tid, lane, warp, rank, t, ll0, ll_stride, resc0, ids, kv_rows,
                                counts, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
         elif cutlass.const_expr(self.fast2):

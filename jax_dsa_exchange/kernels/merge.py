@@ -240,6 +240,22 @@ class Round2Smem:
     buf: Int32  # this rank's block-table entries by list index
 
 
+@dataclasses.dataclass(frozen=True)
+class Words:
+    """A round's candidate words as the select reads them: kp per thread in registers (regs;
+    for round 2 the segment and index of each pair group in qj), or round 2's rolled copy in
+    shared memory (grp; the segments of this thread's pair groups in qb0 / qb1)."""
+
+    kp: int
+    round2: bool
+    hbits: Uint32  # bit i: bit 16 of word i's l
+    regs: cute.Tensor = None
+    qj: cute.Tensor = None
+    grp: Round2Smem = None
+    qb0: Uint32 = None
+    qb1: Uint32 = None
+
+
 class Merge:
     """The exchange merge of one ``MergeConfig``; ``compile()`` builds its cubin (cached)."""
 
@@ -641,18 +657,17 @@ class Merge:
         return q, j
 
     @cute.jit
-    def owner_p(self, ip: cutlass.Constexpr, kp: cutlass.Constexpr, round2: cutlass.Constexpr,
-                seg: cute.Tensor, qj: cute.Tensor, ctx: Launch):
+    def owner_p(self, ip: cutlass.Constexpr, src: Words, seg: cute.Tensor, ctx: Launch):
         """owner() of pair group ip of this thread; in round 2 from qj[ip] (q << 16 | j, computed
         once by load_r2), not W - 1 shared loads per call."""
         q = Int32(0)
         j = Int32(0)
-        if cutlass.const_expr(round2):
-            x = qj[ip]
+        if cutlass.const_expr(src.round2):
+            x = src.qj[ip]
             q = x >> Int32(16)
             j = x & Int32(0xFFFF)
         else:
-            q, j = self.owner(self.pos1(ip, kp, ctx), round2, seg)
+            q, j = self.owner(self.pos1(ip, src.kp, ctx), False, seg)
         return q, j
 
     @cute.jit
@@ -916,6 +931,7 @@ class Merge:
     # warp reductions), a second one over the low shift bits where the range is wide, then the
     # tie-break on g among the keys of that score only.  Every sum is the CTA's, or for a
     # clustered round 1 the cluster's (each CTA's read through DSMEM after a cluster barrier).
+    # The words are in registers or, for a rolled round 2, in shared memory (Words).
 
     @cute.jit
     def warp_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
@@ -1054,42 +1070,146 @@ class Merge:
         return tot, lo, hi - lo
 
     @cute.jit
-    def score_boundary(self, words: cute.Tensor, kp: cutlass.Constexpr, lo: Int32, rng: Int32,
-                       sm: MergeSmem, ctx: Launch, cl: cutlass.Constexpr):
+    def score_boundary(self, src: Words, lo: Int32, rng: Int32, sm: MergeSmem, ctx: Launch,
+                       cl: cutlass.Constexpr = False):
         """(boundary score, keys above it, keys at it) of a row of at least K keys."""
         K = self.topk
-        score_hist, score_hist2, found = sm.score_hist, sm.score_hist2, sm.found
+        found = sm.found
         shift = Int32(0)
         while (rng >> shift) >= Int32(SCORE_BINS):
             shift = shift + Int32(1)
-        hist_a = P.smem_addr(score_hist)
-        for i in cutlass.range_constexpr(kp):
-            sv = Int32(words[i] >> Uint32(16))
-            if cutlass.const_expr(kp > BRANCH_FREE_KP):
-                if sv != Int32(0):
-                    P.red_smem_add(hist_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
-            else:
-                b_ = Int32(EMPTY_BIN)
-                if sv != Int32(0):
-                    b_ = (sv - lo) >> shift
-                P.red_smem_add(hist_a + b_ * Int32(4), Int32(1))  # unconditional (see word_stats)
-        self.find_bin(score_hist, SCORE_BINS, Int32(K), 0, cl, sm, ctx)
+        self.fill_score_hist(src, lo, shift, P.smem_addr(sm.score_hist))
+        self.find_bin(sm.score_hist, SCORE_BINS, Int32(K), 0, cl, sm, ctx)
         b = found[0]
         above = found[1]
         m = found[2]
         vth = lo + (b << shift)
         if shift > Int32(0):
-            low = (Int32(1) << shift) - Int32(1)
-            for i in cutlass.range_constexpr(kp):
-                sv = Int32(words[i] >> Uint32(16))
-                if sv != Int32(0) and ((sv - lo) >> shift) == b:
-                    cute.arch.atomic_add(score_hist2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
-                                         scope="cta")  # fmt: skip
-            self.find_bin(score_hist2, SCORE_BINS2, Int32(K) - above, 3, cl, sm, ctx)
+            self.fill_score_hist2(src, lo, shift, b, (Int32(1) << shift) - Int32(1), sm.score_hist2)
+            self.find_bin(sm.score_hist2, SCORE_BINS2, Int32(K) - above, 3, cl, sm, ctx)
             vth = vth + found[3]
             above = above + found[4]
             m = found[5]
         return vth, above, m
+
+    @cute.jit
+    def add_score(self, sv: Int32, lo: Int32, shift: Int32, hist_a: Int32):
+        """Count score sv in the score histogram (an empty word in EMPTY_BIN: no branch)."""
+        b_ = Int32(EMPTY_BIN)
+        if sv != Int32(0):
+            b_ = (sv - lo) >> shift
+        P.red_smem_add(hist_a + b_ * Int32(4), Int32(1))
+
+    @cute.jit
+    def add_score2(self, sv: Int32, lo: Int32, shift: Int32, b: Int32, low: Int32, hist2: cute.Tensor):
+        """Count score sv in the second histogram if it lies in bin b of the first."""
+        if sv != Int32(0) and ((sv - lo) >> shift) == b:
+            cute.arch.atomic_add(hist2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed", scope="cta")
+
+    @cute.jit
+    def fill_score_hist(self, src: Words, lo: Int32, shift: Int32, hist_a: Int32):
+        if cutlass.const_expr(src.grp is None):
+            for i in cutlass.range_constexpr(src.kp):
+                sv = Int32(src.regs[i] >> Uint32(16))
+                if cutlass.const_expr(src.kp > BRANCH_FREE_KP):
+                    if sv != Int32(0):
+                        P.red_smem_add(hist_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
+                else:
+                    self.add_score(sv, lo, shift, hist_a)
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                for h in cutlass.range_constexpr(2):
+                    self.add_score(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, hist_a)
+
+    @cute.jit
+    def fill_score_hist2(self, src: Words, lo: Int32, shift: Int32, b: Int32, low: Int32, hist2: cute.Tensor):
+        if cutlass.const_expr(src.grp is None):
+            for i in cutlass.range_constexpr(src.kp):
+                self.add_score2(Int32(src.regs[i] >> Uint32(16)), lo, shift, b, low, hist2)
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                for h in cutlass.range_constexpr(2):
+                    self.add_score2(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, b, low, hist2)
+
+    @cute.jit
+    def tie_break(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
+                  cl: cutlass.Constexpr = False) -> Int32:
+        """The need-th smallest g among the m keys of score vth (the selection takes smaller g
+        first).  In a rolled round 2, where every key at vth is selected (a rescued K-list's
+        lowest score is often the boundary), none is needed (W = 8, N = 512: forced rescue
+        40.8 -> 34.0 us)."""
+        g_last = Int32(-1)
+        if cutlass.const_expr(src.grp is None):
+            g_last = self.tie_search(src, vth, m, need, slot, sm, ctx, cl)
+        else:
+            whole = Int32(need == m)
+            if whole != Int32(0):
+                g_last = Int32((1 << self.gbits) - 1)
+            else:
+                g_last = self.tie_search(src, vth, m, need, slot, sm, ctx, cl)
+        return g_last
+
+    @cute.jit
+    def tie_search(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
+                   cl: cutlass.Constexpr) -> Int32:
+        """tie_break: up to EQ_MAX keys ranked one per thread, more by three histograms of g.
+        ``cl``: m and need are the cluster's, and so are the tied keys (or their histograms)."""
+        g_last = Int32(-1)
+        if m <= Int32(EQ_MAX):
+            # the g of every key at score vth into sm.tied, at places taken from the stats
+            # slot's tied count, then each one's rank
+            c = self.count_tied(src, vth)
+            if c != Int32(0):
+                pos = cute.arch.atomic_add(sm.stats.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
+                                           scope="cta")  # fmt: skip
+                self.store_tied(src, vth, pos, sm, ctx)
+            if cutlass.const_expr(cl):
+                g_last = self.rank_tied(self.gather_cluster_tied(m, slot, sm, ctx), m, need, sm.found, ctx)
+            else:
+                cute.arch.sync_threads()
+                g_last = self.rank_tied(sm.tied, m, need, sm.found, ctx)
+        else:
+            g_last = self.tie_by_histograms(src, vth, need, sm, ctx, cl)
+        return g_last
+
+    @cute.jit
+    def count_tied(self, src: Words, vth: Int32) -> Int32:
+        c = Int32(0)
+        if cutlass.const_expr(src.grp is None):
+            for i in cutlass.range_constexpr(src.kp):
+                if Int32(src.regs[i] >> Uint32(16)) == vth:
+                    c = c + Int32(1)
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                c = c + Int32(Int32(Uint32(w0) >> Uint32(16)) == vth) + Int32(Int32(Uint32(w1) >> Uint32(16)) == vth)
+        return c
+
+    @cute.jit
+    def store_tied(self, src: Words, vth: Int32, pos: Int32, sm: MergeSmem, ctx: Launch):
+        tied = sm.tied
+        if cutlass.const_expr(src.grp is None):
+            words = src.regs
+            for ip in cutlass.range_constexpr(src.kp // 2):
+                q = Int32(0)
+                j = Int32(0)
+                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                    q, j = self.owner_p(ip, src, sm.seg, ctx)
+                for h in cutlass.range_constexpr(2):
+                    if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                        tied[pos] = self.gid(words[2 * ip + h], src.hbits, 2 * ip + h, q)
+                        pos = pos + Int32(1)
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                q = self.r2_q(p, src.qb0, src.qb1)
+                for h in cutlass.range_constexpr(2):
+                    w = Uint32((w0, w1)[h])
+                    if Int32(w >> Uint32(16)) == vth:
+                        tied[pos] = self.gid(w, src.hbits, Int32(2) * p + Int32(h), q)
+                        pos = pos + Int32(1)
 
     @cute.jit
     def rank_tied(self, tied: cute.Tensor, m: Int32, need: Int32, found: cute.Tensor, ctx: Launch) -> Int32:
@@ -1107,51 +1227,8 @@ class Merge:
         return found[6]
 
     @cute.jit
-    def tie_break(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr, round2: cutlass.Constexpr,
-                  vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch, qj: cute.Tensor,
-                  cl: cutlass.Constexpr = False) -> Int32:
-        """The need-th smallest g among the m keys of score vth (the selection takes smaller g
-        first): up to EQ_MAX of them ranked one per thread, more by three histograms of g.
-        ``cl``: m and need are the cluster's, and so are the tied keys (or their histograms)."""
-        g_last = Int32(-1)
-        if m <= Int32(EQ_MAX):
-            self.gather_tied(words, hbits, kp, round2, vth, slot, sm, ctx, qj)
-            if cutlass.const_expr(cl):
-                g_last = self.rank_tied(self.gather_cluster_tied(m, slot, sm, ctx), m, need, sm.found, ctx)
-            else:
-                cute.arch.sync_threads()
-                g_last = self.rank_tied(sm.tied, m, need, sm.found, ctx)
-        else:
-            g_last = self.tie_by_histograms(words, hbits, kp, round2, vth, need, sm, ctx, qj, cl)
-        return g_last
-
-    @cute.jit
-    def gather_tied(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr, round2: cutlass.Constexpr,
-                    vth: Int32, slot: Int32, sm: MergeSmem, ctx: Launch, qj: cute.Tensor):
-        """The g of this thread's keys at score vth into sm.tied, at places taken from the stats
-        slot's tied count."""
-        tied = sm.tied
-        c = Int32(0)
-        for i in cutlass.range_constexpr(kp):
-            if Int32(words[i] >> Uint32(16)) == vth:
-                c = c + Int32(1)
-        if c != Int32(0):
-            pos = cute.arch.atomic_add(sm.stats.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
-                                       scope="cta")  # fmt: skip
-            for ip in cutlass.range_constexpr(kp // 2):
-                q = Int32(0)
-                j = Int32(0)
-                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                    q, j = self.owner_p(ip, kp, round2, sm.seg, qj, ctx)
-                for h in cutlass.range_constexpr(2):
-                    if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
-                        tied[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                        pos = pos + Int32(1)
-
-    @cute.jit
-    def tie_by_histograms(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr,
-                          round2: cutlass.Constexpr, vth: Int32, need: Int32, sm: MergeSmem, ctx: Launch,
-                          qj: cute.Tensor, cl: cutlass.Constexpr) -> Int32:
+    def tie_by_histograms(self, src: Words, vth: Int32, need: Int32, sm: MergeSmem, ctx: Launch,
+                          cl: cutlass.Constexpr) -> Int32:
         """tie_break of many keys: three histograms of u = 2^G - 1 - g (a larger u is a smaller
         g) over its top 10 bits, the next 6 and the last G - 16 (G >= 17)."""
         G = self.gbits
@@ -1162,21 +1239,41 @@ class Merge:
             hi_ = (G, G - 10, G - 16)[d]
             lo_ = (G - 10, G - 16, 0)[d]
             hist = (sm.g_hist, sm.g_hist2, sm.g_hist3)[d]
-            for ip in cutlass.range_constexpr(kp // 2):
-                q = Int32(0)
-                j = Int32(0)
-                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                    q, j = self.owner_p(ip, kp, round2, sm.seg, qj, ctx)
-                for h in cutlass.range_constexpr(2):
-                    if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
-                        u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                        if (u >> Int32(hi_)) == (u_last >> Int32(hi_)):
-                            cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
-                                                 Int32(1), sem="relaxed", scope="cta")  # fmt: skip
+            self.fill_g_hist(src, vth, gmax, u_last, hi_, lo_, hist, sm, ctx)
             self.find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, 8, cl, sm, ctx)
             u_last = u_last | (sm.found[8] << Int32(lo_))
             nd = nd - sm.found[9]
         return gmax - u_last
+
+    @cute.jit
+    def add_g(self, u: Int32, u_last: Int32, hi_: cutlass.Constexpr, lo_: cutlass.Constexpr, hist: cute.Tensor):
+        """Count u's bits [lo_, hi_) if its bits above hi_ are those found so far."""
+        if (u >> Int32(hi_)) == (u_last >> Int32(hi_)):
+            cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)), Int32(1),
+                                 sem="relaxed", scope="cta")  # fmt: skip
+
+    @cute.jit
+    def fill_g_hist(self, src: Words, vth: Int32, gmax: Int32, u_last: Int32, hi_: cutlass.Constexpr,
+                    lo_: cutlass.Constexpr, hist: cute.Tensor, sm: MergeSmem, ctx: Launch):
+        if cutlass.const_expr(src.grp is None):
+            words = src.regs
+            for ip in cutlass.range_constexpr(src.kp // 2):
+                q = Int32(0)
+                j = Int32(0)
+                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
+                    q, j = self.owner_p(ip, src, sm.seg, ctx)
+                for h in cutlass.range_constexpr(2):
+                    if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                        self.add_g(gmax - self.gid(words[2 * ip + h], src.hbits, 2 * ip + h, q), u_last, hi_, lo_,
+                                   hist)  # fmt: skip
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                q = self.r2_q(p, src.qb0, src.qb1)
+                for h in cutlass.range_constexpr(2):
+                    w = Uint32((w0, w1)[h])
+                    if Int32(w >> Uint32(16)) == vth:
+                        self.add_g(gmax - self.gid(w, src.hbits, Int32(2) * p + Int32(h), q), u_last, hi_, lo_, hist)
 
     # ------------------------------------------------------------------ a clustered row's sums
 
@@ -1251,10 +1348,9 @@ class Merge:
         q's list.  ``pre_bt``: 1: btp[i] holds the block-table entry of own key i
         (prefetch_bt), 2: sm.buf[j] that of own list index j (prefetch_bt_smem), 0: loaded
         here.  Stats slot ``slot`` was reset before."""
-        kp = self.kp2 if round2 else self.kp1
         cl = self.clus > 1 and not round2  # a clustered round 1 (a round 2 runs on CTA 0 alone)
-        hbits = hb[0]
-        vth, g_last, kth, failed_here = self.fast_select(words, hbits, kp, round2, slot, sm, ctx, qj)
+        src = Words(self.kp2 if round2 else self.kp1, round2, hb[0], regs=words, qj=qj)
+        vth, g_last, kth, failed_here = self.fast_select(src, slot, sm, ctx)
         # Round 1: the status word, read once every wait of the row is over (barriers above), in
         # flight during the outputs: found[7] = 1 when a timeout was recorded (the row is then
         # voided, row_epilogue).
@@ -1262,9 +1358,8 @@ class Merge:
         if cutlass.const_expr(not round2 and not cl):
             if ctx.tid == Int32(0):
                 status_word = P.ld_volatile_u32(ctx.status)
-        sel_bits = self.selection(words, hbits, kp, round2, vth, g_last, sm.seg, qj, ctx)
-        all_run, own_run = self.fast_outputs(words, hbits, sel_bits, kp, round2, failed_here, sm, ctx, row,
-                                             btp, pre_bt, qj)  # fmt: skip
+        sel_bits = self.selection(src, vth, g_last, sm.seg, ctx)
+        all_run, own_run = self.fast_outputs(src, sel_bits, failed_here, sm, ctx, row, btp, pre_bt)
         list_start, found = sm.list_start, sm.found
         if cutlass.const_expr(cl):
             # (found[7] set by cluster_counts; the padding shared by the cluster's CTAs)
@@ -1287,11 +1382,10 @@ class Merge:
         return kth
 
     @cute.jit
-    def fast_select(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr, round2: cutlass.Constexpr,
-                    slot: Int32, sm: MergeSmem, ctx: Launch, qj: cute.Tensor):
+    def fast_select(self, src: Words, slot: Int32, sm: MergeSmem, ctx: Launch):
         """(boundary score vth, the largest selected g at vth, the K-th key, this CTA's failure
         flag): the selection is s > vth, or s == vth and g <= that g."""
-        cl = self.clus > 1 and not round2
+        cl = self.clus > 1 and not src.round2
         K = self.topk
         G = self.gbits
         gmax = Int32((1 << G) - 1)
@@ -1299,7 +1393,7 @@ class Merge:
         vth = Int32(0)
         g_last = Int32(-1)
         kth = Uint64(0)
-        cnt, mx, mn = self.word_stats(words, kp)
+        cnt, mx, mn = self.word_stats(src.regs, src.kp)
         total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx, cl)
         if cutlass.const_expr(cl):
             # every wait of this CTA is over (the barrier above): its status word, in flight
@@ -1309,36 +1403,32 @@ class Merge:
                 if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
                     failed_here = Int32(1)
         if total >= Int32(K):
-            vth, above, m = self.score_boundary(words, kp, lo, rng, sm, ctx, cl)
-            need = Int32(K) - above
-            g_last = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, ctx, qj, cl)
+            vth, above, m = self.score_boundary(src, lo, rng, sm, ctx, cl)
+            g_last = self.tie_break(src, vth, m, Int32(K) - above, slot, sm, ctx, cl)
             kth = (Uint64(vth) << Uint64(G)) | Uint64(gmax - g_last)
         return vth, g_last, kth, failed_here
 
     @cute.jit
-    def selection(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr, round2: cutlass.Constexpr,
-                  vth: Int32, g_last: Int32, seg: cute.Tensor, qj: cute.Tensor, ctx: Launch) -> Uint32:
+    def selection(self, src: Words, vth: Int32, g_last: Int32, seg: cute.Tensor, ctx: Launch) -> Uint32:
         """Bit i: word i is selected (s > vth, or s == vth != 0 and g <= g_last)."""
+        words, hbits = src.regs, src.hbits
         sel_bits = Uint32(0)
-        if cutlass.const_expr(kp > BRANCH_FREE_KP):
-            for ip in cutlass.range_constexpr(kp // 2):
+        for ip in cutlass.range_constexpr(src.kp // 2):
+            if cutlass.const_expr(src.kp > BRANCH_FREE_KP):
                 q = Int32(0)
                 j = Int32(0)
                 if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                    q, j = self.owner_p(ip, kp, round2, seg, qj, ctx)
-                for h in cutlass.range_constexpr(2):
-                    i = 2 * ip + h
+                    q, j = self.owner_p(ip, src, seg, ctx)
+                for i in cutlass.range_constexpr(2 * ip, 2 * ip + 2):
                     sv = Int32(words[i] >> Uint32(16))
                     if sv > vth:
                         sel_bits = sel_bits | Uint32(1 << i)
                     elif sv == vth and sv != Int32(0):
                         if self.gid(words[i], hbits, i, q) <= g_last:
                             sel_bits = sel_bits | Uint32(1 << i)
-        else:
-            for ip in cutlass.range_constexpr(kp // 2):
-                q, j = self.owner_p(ip, kp, round2, seg, qj, ctx)
-                for h in cutlass.range_constexpr(2):
-                    i = 2 * ip + h
+            else:
+                q, j = self.owner_p(ip, src, seg, ctx)
+                for i in cutlass.range_constexpr(2 * ip, 2 * ip + 2):
                     sv = Int32(words[i] >> Uint32(16))
                     tie = Int32(sv == vth) & Int32(sv != Int32(0)) & Int32(self.gid(words[i], hbits, i, q) <= g_last)
                     sel_bits = sel_bits | (Uint32(Int32(sv > vth) | tie) << Uint32(i))
@@ -1359,10 +1449,10 @@ class Merge:
         return before, total
 
     @cute.jit
-    def pair_counts(self, sel_bits: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, round2: cutlass.Constexpr,
-                    lt: Uint32, seg: cute.Tensor, qj: cute.Tensor, ctx: Launch):
+    def pair_counts(self, sel_bits: Uint32, ip: cutlass.Constexpr, src: Words, lt: Uint32, seg: cute.Tensor,
+                    ctx: Launch):
         """ballot_counts of pair group ip."""
-        q, j = self.owner_p(ip, kp, round2, seg, qj, ctx)
+        q, j = self.owner_p(ip, src, seg, ctx)
         s0 = ((sel_bits >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
         s1 = ((sel_bits >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
         return self.ballot_counts(s0, s1, q == ctx.rank, lt)
@@ -1390,15 +1480,13 @@ class Merge:
         return before, tot
 
     @cute.jit
-    def fast_outputs(self, words: cute.Tensor, hbits: Uint32, sel_bits: Uint32, kp: cutlass.Constexpr,
-                     round2: cutlass.Constexpr, failed_here: Int32, sm: MergeSmem, ctx: Launch, row: Row,
-                     btp: cute.Tensor, pre_bt: cutlass.Constexpr, qj: cute.Tensor):
-        """The selected keys' output positions (an order-preserving compaction: each warp's
-        total, then each key's place in its warp) and the stores; returns the row's (all, own)
+    def fast_outputs(self, src: Words, sel_bits: Uint32, failed_here: Int32, sm: MergeSmem, ctx: Launch, row: Row,
+                     btp: cute.Tensor, pre_bt: cutlass.Constexpr):
+        """The selected keys' output places (an order-preserving compaction: each warp's total,
+        then each key's place in its warp) and the stores; returns the row's (all, own)
         selected counts."""
-        tid, lane, warp = ctx.tid, ctx.lane, ctx.warp
-        roll = cutlass.const_expr(not round2 and self.roll1)
-        runs = cutlass.const_expr(self.runs and not round2)
+        tid, lane, warp, kp = ctx.tid, ctx.lane, ctx.warp, src.kp
+        roll = cutlass.const_expr(not src.round2 and self.roll1)
         warp_sel = sm.warp_sel
         lt = cute.arch.lanemask_lt()
         run = Int32(0)  # warp-uniform: own << 16 | all (the ballots are recomputed by the stores)
@@ -1406,14 +1494,14 @@ class Merge:
         if cutlass.const_expr(roll):
             stage = sm.stage
             for i in cutlass.range_constexpr(kp):  # read back by this thread only
-                stage[Int32(i * C.TB) + tid] = Int32(words[i])
+                stage[Int32(i * C.TB) + tid] = Int32(src.regs[i])
             for ip in cutlass.range(kp // 2, unroll=1):
                 _, c2 = self.pair_counts_dyn(sel_bits, ip, kp, lt, ctx)
                 run = run + c2
-        elif cutlass.const_expr(runs):
+        elif cutlass.const_expr(self.runs and not src.round2):
             # this thread's selected keys, the lanes' before it by one warp scan, the warp's
             # total in every lane
-            q0, _ = self.owner_p(0, kp, round2, sm.seg, qj, ctx)
+            q0, _ = self.owner_p(0, src, sm.seg, ctx)
             xa = Int32(cute.arch.popc(sel_bits))
             xr = xa + ((xa * Int32(q0 == ctx.rank)) << Int32(16))
             xi = C.warp_incl_scan(xr, lane)
@@ -1421,7 +1509,7 @@ class Merge:
             run = cute.arch.shuffle_sync(xi, Int32(31))
         else:
             for ip in cutlass.range_constexpr(kp // 2):
-                _, c2 = self.pair_counts(sel_bits, ip, kp, round2, lt, sm.seg, qj, ctx)
+                _, c2 = self.pair_counts(sel_bits, ip, src, lt, sm.seg, ctx)
                 run = run + c2
         if lane == Int32(0):
             warp_sel[warp] = run
@@ -1429,16 +1517,15 @@ class Merge:
         before, tot = self.warp_prefix(warp_sel, warp)
         all_run = tot & Int32(0xFFFF)
         own_run = tot >> Int32(16)
-        if cutlass.const_expr(self.clus > 1 and not round2):
-            # the row's positions of this CTA's selected keys start after the CTAs' before it
-            # (its own rank's, if any, are all here: their kv_rows prefix is local)
+        if cutlass.const_expr(self.clus > 1 and not src.round2):
+            # the row's places of this CTA's selected keys start after the CTAs' before it (its
+            # own rank's, if any, are all here: their kv_rows prefix is local)
             cb, all_run, own_run = self.cluster_counts(tot, failed_here, sm, ctx)
             before = before + cb
         if cutlass.const_expr(roll):
-            self.store_rolled(hbits, sel_bits, before, lt, sm, ctx, row)
+            self.store_rolled(src.hbits, sel_bits, before, lt, sm, ctx, row)
         else:
-            self.store_unrolled(words, hbits, sel_bits, kp, round2, before, run_before, lt, sm, ctx, row,
-                                btp, pre_bt, qj)  # fmt: skip
+            self.store_unrolled(src, sel_bits, before, run_before, lt, sm, ctx, row, btp, pre_bt)
         return all_run, own_run
 
     @cute.jit
@@ -1466,7 +1553,7 @@ class Merge:
                 i = Int32(2) * ip + Int32(h)
                 w = Uint32(stage[i * Int32(C.TB) + tid])
                 sel = Int32((sel_bits >> Uint32(i)) & Uint32(1))
-                lidx = Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
+                lidx = self.lidx_of(w, hbits, i)
                 g = lidx * Int32(self.world) + q
                 P.st_u32_if(ctx.ids + (trow + Int64(pos)) * Int64(4), g, sel & ids_on)
                 pos = pos + sel
@@ -1479,41 +1566,40 @@ class Merge:
                 kpos = kpos + own
 
     @cute.jit
-    def bt_entries(self, entries: cute.Tensor, b0: cutlass.Constexpr, words: cute.Tensor, hbits: Uint32,
-                   sel_bits: Uint32, kp: cutlass.Constexpr, round2: cutlass.Constexpr, sm: MergeSmem,
-                   ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr, qj: cute.Tensor):
+    def bt_entries(self, entries: cute.Tensor, b0: cutlass.Constexpr, src: Words, sel_bits: Uint32, sm: MergeSmem,
+                   ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr):
         """The block-table entries of pair groups b0 .. b0 + 3 (fast_round's pre_bt), before
         their stores (loads in flight together)."""
+        kp = src.kp
         for k in cutlass.range_constexpr(8):
+            i = b0 * 2 + k
             entries[k] = Int32(0)
-            if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
-                entries[k] = btp[b0 * 2 + k]
-            elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
-                if cutlass.const_expr(kp > BRANCH_FREE_KP):
-                    if ((sel_bits >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
-                        q, j = self.owner_p((b0 * 2 + k) // 2, kp, round2, sm.seg, qj, ctx)
-                        if q == ctx.rank:
-                            entries[k] = sm.buf[j + Int32(k % 2)]
-                else:
-                    # read for every key (j < n: in bounds), used for own selected ones only
-                    _, j = self.owner_p((b0 * 2 + k) // 2, kp, round2, sm.seg, qj, ctx)
-                    entries[k] = sm.buf[j + Int32(k % 2)]
-            elif cutlass.const_expr(b0 * 2 + k < kp):
+            if cutlass.const_expr(i < kp and pre_bt == 1):
+                entries[k] = btp[i]
+            elif cutlass.const_expr(i < kp and pre_bt == 2 and kp > BRANCH_FREE_KP):
+                if ((sel_bits >> Uint32(i)) & Uint32(1)) != Uint32(0):
+                    q, j = self.owner_p(i // 2, src, sm.seg, ctx)
+                    if q == ctx.rank:
+                        entries[k] = sm.buf[j + Int32(k % 2)]
+            elif cutlass.const_expr(i < kp and pre_bt == 2):
+                # read for every key (j < n: in bounds), used for own selected ones only
+                _, j = self.owner_p(i // 2, src, sm.seg, ctx)
+                entries[k] = sm.buf[j + Int32(k % 2)]
+            elif cutlass.const_expr(i < kp):
                 # predicated loads of this batch's own selected keys, all in flight
-                i = b0 * 2 + k
-                q, j = self.owner_p(i // 2, kp, round2, sm.seg, qj, ctx)
-                page = self.page_of(self.lidx_of(words[i], hbits, i), ctx)
+                q, j = self.owner_p(i // 2, src, sm.seg, ctx)
+                page = self.page_of(self.lidx_of(src.regs[i], src.hbits, i), ctx)
                 ok = (Int32((sel_bits >> Uint32(i)) & Uint32(1)) & Int32(q == ctx.rank) & row.req_ok
                       & Int32(page < ctx.bt_cols))  # fmt: skip
                 entries[k] = P.ld_u32_if(row.bt_row + Int64(page) * Int64(4), ok)
 
     @cute.jit
-    def store_unrolled(self, words: cute.Tensor, hbits: Uint32, sel_bits: Uint32, kp: cutlass.Constexpr,
-                       round2: cutlass.Constexpr, before: Int32, run_before: Int32, lt: Uint32, sm: MergeSmem,
-                       ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr, qj: cute.Tensor):
+    def store_unrolled(self, src: Words, sel_bits: Uint32, before: Int32, run_before: Int32, lt: Uint32,
+                       sm: MergeSmem, ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr):
         """The stores, four pair groups at a time: ids at the key's place among all selected,
         kv_rows (this rank's keys) at its place among this rank's; round 1 also list_start."""
-        runs = cutlass.const_expr(self.runs and not round2)
+        kp = src.kp
+        runs = cutlass.const_expr(self.runs and not src.round2)
         trow = Int64(row.t) * Int64(self.topk)
         ids_row = ctx.ids + trow * Int64(4)
         kv_row = ctx.kv_rows + trow * Int64(4)
@@ -1526,29 +1612,28 @@ class Merge:
             tpos = (before + run_before) & Int32(0xFFFF)
             tkpos = (before + run_before) >> Int32(16)
         for b0 in cutlass.range_constexpr(0, kp // 2, 4):
-            self.bt_entries(entries, b0, words, hbits, sel_bits, kp, round2, sm, ctx, row, btp, pre_bt, qj)
+            self.bt_entries(entries, b0, src, sel_bits, sm, ctx, row, btp, pre_bt)
             for ip in cutlass.range_constexpr(b0, min(b0 + 4, kp // 2)):
                 v = self.pos1(ip, kp, ctx)
-                q, j = self.owner_p(ip, kp, round2, sm.seg, qj, ctx)
+                q, j = self.owner_p(ip, src, sm.seg, ctx)
                 pos = tpos
                 kpos = tkpos
                 if cutlass.const_expr(not runs):
-                    c1, c2 = self.pair_counts(sel_bits, ip, kp, round2, lt, sm.seg, qj, ctx)
+                    c1, c2 = self.pair_counts(sel_bits, ip, src, lt, sm.seg, ctx)
                     e = before + c1
                     before = before + c2
                     pos = e & Int32(0xFFFF)
                     kpos = e >> Int32(16)
-                if cutlass.const_expr(not round2):
+                if cutlass.const_expr(not src.round2):
                     if j == Int32(0) and v < Int32(self.nk1):
                         list_start[q] = pos
-                for h in cutlass.range_constexpr(2):
-                    i = 2 * ip + h
-                    entry = entries[2 * (ip - b0) + h]
+                for i in cutlass.range_constexpr(2 * ip, 2 * ip + 2):
+                    entry = entries[i - 2 * b0]
                     if cutlass.const_expr(kp > BRANCH_FREE_KP):
-                        pos, kpos = self.store_key_branchy(words[i], hbits, i, q, sel_bits, pos, kpos, entry,
+                        pos, kpos = self.store_key_branchy(src.regs[i], src.hbits, i, q, sel_bits, pos, kpos, entry,
                                                            trow, ctx, row)  # fmt: skip
                     else:
-                        pos, kpos = self.store_key(words[i], hbits, i, q, sel_bits, pos, kpos, entry, ids_row,
+                        pos, kpos = self.store_key(src.regs[i], src.hbits, i, q, sel_bits, pos, kpos, entry, ids_row,
                                                    kv_row, ids_on, ctx, row)  # fmt: skip
                 if cutlass.const_expr(runs):
                     tpos = pos
@@ -1564,10 +1649,7 @@ class Merge:
         P.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
         pos = pos + sel
         own = sel & Int32(q == ctx.rank)
-        page = self.page_of(lidx, ctx)
-        slot = entry * ctx.block_size + (lidx - page * ctx.block_size)
-        if row.req_ok == Int32(0) or page >= ctx.bt_cols:
-            slot = Int32(-1)
+        slot = self.kv_slot_of(entry, lidx, ctx, row)
         P.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot, own)
         return pos, kpos + own
 
@@ -1614,11 +1696,6 @@ class Merge:
                 + (grp.to_hist & (Int32(0) - Int32(p < Int32(R2_H)))))  # fmt: skip
 
     @cute.jit
-    def lidx_at(self, w: Uint32, hbits: Uint32, i: Int32) -> Int32:
-        """lidx_of for a word index known at run time."""
-        return Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
-
-    @cute.jit
     def r2_q(self, p: Int32, qb0: Uint32, qb1: Uint32) -> Int32:
         """Segment (source rank) of this thread's round-2 pair group p: 4 bits per group,
         groups 0-7 in qb0, 8-15 in qb1."""
@@ -1661,14 +1738,15 @@ class Merge:
             segr[r] = seg[r]
         qb0, qb1 = self.r2_copy(nk, segr, grp, sm, ctx, row)
         hbits, cnt, mx, mn = self.r2_stats(nk, qb0, qb1, grp, sm, ctx, row)
+        src = Words(self.kp2, True, hbits, grp=grp, qb0=qb0, qb1=qb1)
         total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx)
         vth = Int32(0)  # boundary score (0: fewer than K keys, every one selected)
         g_last = Int32(-1)  # largest selected g at score vth
         if total >= Int32(K):
-            vth, above, m = self.r2_boundary(lo, rng, grp, sm, ctx)
-            g_last = self.r2_tie_break(vth, m, Int32(K) - above, hbits, qb0, qb1, slot, grp, sm, ctx)
+            vth, above, m = self.score_boundary(src, lo, rng, sm, ctx)
+            g_last = self.tie_break(src, vth, m, Int32(K) - above, slot, sm, ctx)
         lt = cute.arch.lanemask_lt()
-        sel_bits, run = self.r2_selection(vth, g_last, hbits, qb0, qb1, lt, grp, ctx)
+        sel_bits, run = self.r2_selection(src, vth, g_last, lt, ctx)
         if ctx.lane == Int32(0):
             warp_sel = sm.warp_sel
             warp_sel[ctx.warp] = run
@@ -1677,7 +1755,7 @@ class Merge:
         before, tot = self.warp_prefix(sm.warp_sel, ctx.warp)
         all_run = tot & Int32(0xFFFF)
         own_run = tot >> Int32(16)
-        self.r2_store(sel_bits, before, hbits, qb0, qb1, lt, grp, sm, ctx, row)
+        self.r2_store(src, sel_bits, before, lt, sm, ctx, row)
         if tid == Int32(0):
             list_start = sm.list_start
             list_start[W] = all_run
@@ -1752,120 +1830,27 @@ class Merge:
                 cnt = cnt + nz
                 mx = cutlass.max(mx, sv)
                 mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
-                lidx = Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hp >> Uint32(h)) & Uint32(1)) << Int32(16))
+                lidx = self.lidx_of(w, hp, h)
                 page = self.page_of(lidx, ctx)
                 if q == ctx.rank and nz != Int32(0) and row.req_ok != Int32(0) and page < ctx.bt_cols:
                     P.cp_async(grp.buf + (v - seg[q] + Int32(h)) * Int32(4), row.bt_row + Int64(page) * Int64(4), 4)
         return hbits, cnt, mx, mn
 
     @cute.jit
-    def r2_boundary(self, lo: Int32, rng: Int32, grp: Round2Smem, sm: MergeSmem, ctx: Launch):
-        """score_boundary over the copy."""
-        K = self.topk
-        score_hist, score_hist2, found = sm.score_hist, sm.score_hist2, sm.found
-        shift = Int32(0)
-        while (rng >> shift) >= Int32(SCORE_BINS):
-            shift = shift + Int32(1)
-        hist_a = P.smem_addr(score_hist)
-        for p in cutlass.range(self.kp2 // 2, unroll=1):
-            w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
-            for h in cutlass.range_constexpr(2):
-                sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
-                b_ = Int32(EMPTY_BIN)
-                if sv != Int32(0):
-                    b_ = (sv - lo) >> shift
-                P.red_smem_add(hist_a + b_ * Int32(4), Int32(1))
-        self.cta_find_bin(score_hist, SCORE_BINS, Int32(K), found, 0, ctx)
-        b = found[0]
-        above = found[1]
-        m = found[2]
-        vth = lo + (b << shift)
-        if shift > Int32(0):
-            low = (Int32(1) << shift) - Int32(1)
-            for p in cutlass.range(self.kp2 // 2, unroll=1):
-                w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
-                for h in cutlass.range_constexpr(2):
-                    sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
-                    if sv != Int32(0) and ((sv - lo) >> shift) == b:
-                        cute.arch.atomic_add(score_hist2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
-                                             scope="cta")  # fmt: skip
-            self.cta_find_bin(score_hist2, SCORE_BINS2, Int32(K) - above, found, 3, ctx)
-            vth = vth + found[3]
-            above = above + found[4]
-            m = found[5]
-        return vth, above, m
-
-    @cute.jit
-    def r2_tie_break(self, vth: Int32, m: Int32, need: Int32, hbits: Uint32, qb0: Uint32, qb1: Uint32,
-                     slot: Int32, grp: Round2Smem, sm: MergeSmem, ctx: Launch) -> Int32:
-        """tie_break over the copy.  Where every key at score vth is selected (a rescued
-        K-list's lowest score is often the boundary) there is none (W = 8, N = 512: forced
-        rescue 40.8 -> 34.0 us)."""
-        W = self.world
-        G = self.gbits
-        gmax = Int32((1 << G) - 1)
-        npair = self.kp2 // 2
-        g_last = Int32(-1)
-        whole = Int32(need == m)
-        if whole != Int32(0):
-            g_last = gmax
-        elif m <= Int32(EQ_MAX):
-            tied = sm.tied
-            c = Int32(0)
-            for p in cutlass.range(npair, unroll=1):
-                w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
-                c = c + Int32(Int32(Uint32(w0) >> Uint32(16)) == vth) + Int32(Int32(Uint32(w1) >> Uint32(16)) == vth)
-            if c != Int32(0):
-                pos = cute.arch.atomic_add(sm.stats.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
-                                           scope="cta")  # fmt: skip
-                for p in cutlass.range(npair, unroll=1):
-                    w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
-                    q = self.r2_q(p, qb0, qb1)
-                    for h in cutlass.range_constexpr(2):
-                        w = Uint32((w0, w1)[h])
-                        if Int32(w >> Uint32(16)) == vth:
-                            tied[pos] = self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q
-                            pos = pos + Int32(1)
-            cute.arch.sync_threads()
-            g_last = self.rank_tied(tied, m, need, sm.found, ctx)
-        else:
-            u_last = Int32(0)
-            nd = need
-            for d in cutlass.range_constexpr(3):
-                hi_ = (G, G - 10, G - 16)[d]
-                lo_ = (G - 10, G - 16, 0)[d]
-                hist = (sm.g_hist, sm.g_hist2, sm.g_hist3)[d]
-                for p in cutlass.range(npair, unroll=1):
-                    w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
-                    q = self.r2_q(p, qb0, qb1)
-                    for h in cutlass.range_constexpr(2):
-                        w = Uint32((w0, w1)[h])
-                        if Int32(w >> Uint32(16)) == vth:
-                            u = gmax - (self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q)
-                            if (u >> Int32(hi_)) == (u_last >> Int32(hi_)):
-                                cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
-                                                     Int32(1), sem="relaxed", scope="cta")  # fmt: skip
-                self.cta_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, sm.found, 8, ctx)
-                u_last = u_last | (sm.found[8] << Int32(lo_))
-                nd = nd - sm.found[9]
-            g_last = gmax - u_last
-        return g_last
-
-    @cute.jit
-    def r2_selection(self, vth: Int32, g_last: Int32, hbits: Uint32, qb0: Uint32, qb1: Uint32, lt: Uint32,
-                     grp: Round2Smem, ctx: Launch):
+    def r2_selection(self, src: Words, vth: Int32, g_last: Int32, lt: Uint32, ctx: Launch):
         """(selection bits, the warp's selected keys own << 16 | all), as fast_round's."""
+        grp, hbits = src.grp, src.hbits
         sel_bits = Uint32(0)
         run = Int32(0)
         for p in cutlass.range(self.kp2 // 2, unroll=1):
             w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
-            q = self.r2_q(p, qb0, qb1)
+            q = self.r2_q(p, src.qb0, src.qb1)
             sp = Uint32(0)
             for h in cutlass.range_constexpr(2):
                 w = Uint32((w0, w1)[h])
                 sv = Int32(w >> Uint32(16))
                 tie = (Int32(sv == vth) & Int32(sv != Int32(0))
-                       & Int32(self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(self.world) + q <= g_last))  # fmt: skip
+                       & Int32(self.gid(w, hbits, Int32(2) * p + Int32(h), q) <= g_last))  # fmt: skip
                 sp = sp | (Uint32(Int32(sv > vth) | tie) << Uint32(h))
             sel_bits = sel_bits | (sp << (Uint32(2) * Uint32(p)))
             _, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == ctx.rank, lt)
@@ -1873,16 +1858,16 @@ class Merge:
         return sel_bits, run
 
     @cute.jit
-    def r2_store(self, sel_bits: Uint32, before: Int32, hbits: Uint32, qb0: Uint32, qb1: Uint32, lt: Uint32,
-                 grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
+    def r2_store(self, src: Words, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem, ctx: Launch,
+                 row: Row):
         """The outputs, an order-preserving compaction (places ascend with warp, group, lane,
         h), stores predicated."""
-        seg = sm.seg
+        seg, grp, hbits = sm.seg, src.grp, src.hbits
         trow = Int64(row.t) * Int64(self.topk)
         ids_on = Int32(ctx.ids != Int64(0))
         jmax = Int32(self.rw_k - 2)
         for p in cutlass.range(self.kp2 // 2, unroll=1):
-            q = self.r2_q(p, qb0, qb1)
+            q = self.r2_q(p, src.qb0, src.qb1)
             v = self.r2_pos(p, ctx)
             # (a group past nk: q = 0, no key selected; j clamped into buf for the unused reads)
             j = cutlass.min(cutlass.max(v - seg[q], Int32(0)), jmax)
@@ -1897,7 +1882,7 @@ class Merge:
             for h in cutlass.range_constexpr(2):
                 w = Uint32((w0, w1)[h])
                 sel = Int32((sp >> Uint32(h)) & Uint32(1))
-                lidx = self.lidx_at(w, hbits, Int32(2) * p + Int32(h))
+                lidx = self.lidx_of(w, hbits, Int32(2) * p + Int32(h))
                 P.st_u32_if(ctx.ids + (trow + Int64(pos)) * Int64(4), lidx * Int32(self.world) + q, sel & ids_on)
                 pos = pos + sel
                 own = sel & Int32(q == ctx.rank)

@@ -419,8 +419,7 @@ class Merge:
         """Round-1 key at owner-major position v = q * N + j (0 past the end)."""
         key = Uint64(0)
         if v < Int32(self.nk1):
-            q = v // Int32(self.n)
-            j = v - q * Int32(self.n)
+            q, j = self.owner(v, False, None)
             key = self.ll_key(row.ll0 + Int64(q) * ctx.ll_stride, q, j, wait, ctx, row)
         return key
 
@@ -430,11 +429,7 @@ class Merge:
         seg[17 + q] >= 0) or its round-1 list."""
         key = Uint64(0)
         if v < seg[self.world]:
-            q = Int32(0)
-            for r in cutlass.range_constexpr(1, self.world):
-                if seg[r] <= v:
-                    q = Int32(r)
-            j = v - seg[q]
+            q, j = self.owner(v, True, seg)
             s = seg[17 + q]
             if s >= Int32(0):
                 base = row.resc0 + Int64(s) * Int64(self.rescue_row_bytes)
@@ -669,6 +664,16 @@ class Merge:
         else:
             q, j = self.owner(self.pos1(ip, src.kp, ctx), False, seg)
         return q, j
+
+    @cute.jit
+    def tied_owner(self, ip: cutlass.Constexpr, src: Words, vth: Int32, seg: cute.Tensor, ctx: Launch) -> Int32:
+        """The segment of pair group ip where one of its words has score vth (else 0): the
+        owner is needed only there."""
+        q = Int32(0)
+        j = Int32(0)
+        if Int32(src.regs[2 * ip] >> Uint32(16)) == vth or Int32(src.regs[2 * ip + 1] >> Uint32(16)) == vth:
+            q, j = self.owner_p(ip, src, seg, ctx)
+        return q
 
     @cute.jit
     def gid(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32) -> Int32:
@@ -1193,10 +1198,7 @@ class Merge:
         if cutlass.const_expr(src.grp is None):
             words = src.regs
             for ip in cutlass.range_constexpr(src.kp // 2):
-                q = Int32(0)
-                j = Int32(0)
-                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                    q, j = self.owner_p(ip, src, sm.seg, ctx)
+                q = self.tied_owner(ip, src, vth, sm.seg, ctx)
                 for h in cutlass.range_constexpr(2):
                     if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
                         tied[pos] = self.gid(words[2 * ip + h], src.hbits, 2 * ip + h, q)
@@ -1258,10 +1260,7 @@ class Merge:
         if cutlass.const_expr(src.grp is None):
             words = src.regs
             for ip in cutlass.range_constexpr(src.kp // 2):
-                q = Int32(0)
-                j = Int32(0)
-                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                    q, j = self.owner_p(ip, src, sm.seg, ctx)
+                q = self.tied_owner(ip, src, vth, sm.seg, ctx)
                 for h in cutlass.range_constexpr(2):
                     if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
                         self.add_g(gmax - self.gid(words[2 * ip + h], src.hbits, 2 * ip + h, q), u_last, hi_, lo_,
@@ -1415,10 +1414,7 @@ class Merge:
         sel_bits = Uint32(0)
         for ip in cutlass.range_constexpr(src.kp // 2):
             if cutlass.const_expr(src.kp > BRANCH_FREE_KP):
-                q = Int32(0)
-                j = Int32(0)
-                if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                    q, j = self.owner_p(ip, src, seg, ctx)
+                q = self.tied_owner(ip, src, vth, seg, ctx)
                 for i in cutlass.range_constexpr(2 * ip, 2 * ip + 2):
                     sv = Int32(words[i] >> Uint32(16))
                     if sv > vth:

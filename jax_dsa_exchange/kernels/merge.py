@@ -118,24 +118,15 @@ def page_magic(block_size: int) -> int:
 
 
 EMPTY_BIN = SCORE_BINS  # the score histogram's extra bin: empty words count there (never read)
-FAST_WORDS = (SCORE_BINS + 16 + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # score histograms .. found
-              + SCORE_BINS + 2 * SCORE_BINS2)  # the g histograms
-
-
-def smem_bytes(topk: int) -> int:
-    """Shared memory of the MergeSmem parts every configuration allocates (+ slack)."""
-    rw = layout.row_words(topk)
-    return (S.smem_bytes(rw, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4
-            + FAST_WORDS * 4 + 7 * 16 + 128)
 
 
 class MergeSmem:
-    """The merge's shared memory, allocated in this order (smem_bytes, Merge._smem).  Inside a
+    """The merge's shared memory, allocated in this order (Merge._smem counts it).  Inside a
     dynamic if / loop the DSL carries tensors but not this object: stores go through a local
     name of the tensor."""
 
-    def __init__(self, rw: int, stage_words: int = 0, stage2_words: int = 0, r2m_words: int = 0,
-                 clus: bool = False):
+    def __init__(self, merge: "Merge"):
+        rw, stage_words, stage2_words, r2m_words = merge.rw_k, merge.stage_words, merge.stage2_words, merge.r2m_words
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K (the producer's select on one CTA); its row, buf, also holds
         # round 1's block-table entries by list index where registers do not
@@ -172,7 +163,7 @@ class MergeSmem:
         # mask words (roll2)
         self.stage2 = smem.allocate_tensor(Int32, cute.make_layout((max(stage2_words, 4),)), 16)
         self.r2m = smem.allocate_tensor(Int32, cute.make_layout((max(r2m_words, 4),)), 16)
-        if clus:
+        if merge.clus > 1:
             # a clustered row: the cluster's sum of a histogram and its tied keys' g, read by
             # this CTA only; this CTA's row totals, which the others read through DSMEM
             self.cluster_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
@@ -335,9 +326,11 @@ class Merge:
         self._compiled = {}
 
     def _smem(self) -> int:
-        """Launch shared memory (bytes) of the MergeSmem parts this configuration allocates."""
-        return (smem_bytes(self.topk) + 4 * max(self.stage_words, 4) + 16
-                + 4 * max(self.stage2_words, 4) + 16 + 4 * max(self.r2m_words, 4) + 16
+        """Launch shared memory (bytes): MergeSmem's parts in its order, 16-byte aligned, + slack."""
+        fast = 2 * SCORE_BINS + 16 + 3 * SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # score_hist .. g_hist3
+        return (S.smem_bytes(self.rw_k, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + fast * 4
+                + 7 * 16 + 128 + 4 * max(self.stage_words, 4) + 16 + 4 * max(self.stage2_words, 4) + 16
+                + 4 * max(self.r2m_words, 4) + 16
                 + (4 * (SCORE_BINS + EQ_MAX + CLUS_XC) + 32 if self.clus > 1 else 0))  # fmt: skip
 
     # ------------------------------------------------------------------ keys and waits
@@ -1899,13 +1892,13 @@ class Merge:
         t_owner = Int32(-1)
         if kth != Uint64(0):
             t_owner = Int32(Uint64((1 << self.gbits) - 1) - (kth & Uint64((1 << self.gbits) - 1))) % Int32(W)
-        ql = cutlass.min(lane, Int32(W - 1))
-        cq = Int32(0)
+        q = cutlass.min(lane, Int32(W - 1))
+        selected = Int32(0)
         if cutlass.const_expr(self.fast1 and self.clus == 1):
-            cq = sm.list_start[ql + Int32(1)] - sm.list_start[ql]
+            selected = sm.list_start[q + Int32(1)] - sm.list_start[q]
         else:
-            cq = sm.rank_counts[ql]
-        sat = Int32(lane < Int32(W)) & Int32(cq == Int32(self.n)) & Int32(t_owner != lane)
+            selected = sm.rank_counts[q]
+        sat = Int32(lane < Int32(W)) & Int32(selected == Int32(self.n)) & Int32(t_owner != lane)
         mask = Int32(cute.arch.vote_ballot_sync(sat != Int32(0)))
         nsat = Int32(cute.arch.popc(Uint32(mask)))
         if nsat > Int32(self.slots):
@@ -2008,7 +2001,7 @@ class Merge:
         tid = Int32(tid)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sm = MergeSmem(self.rw_k, self.stage_words, self.stage2_words, self.r2m_words, self.clus > 1)
+        sm = MergeSmem(self)
         # CTA b does rows b, b + G, ...; a clustered row t runs on cluster t, its CTAs in the
         # order of their rank crank in it
         nstep = nblk

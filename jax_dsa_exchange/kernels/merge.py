@@ -399,8 +399,7 @@ class Merge:
             P.st_volatile_u32(C.status_word(ctx.status, layout.STATUS_RANK), q)
 
     @cute.jit
-    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, wait: cutlass.Constexpr, ctx: Launch,
-               row: Row) -> Uint64:
+    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, wait: cutlass.Constexpr, ctx: Launch, row: Row) -> Uint64:
         """Key j of rank q's round-1 list, whose LL row is at ll_base."""
         w = self.ll_half(C.ll_word_addr(ll_base, j), wait, q, ctx, row)
         mj = Int32(self.n) + (j >> Int32(5))
@@ -852,8 +851,7 @@ class Merge:
         return mhalf, bad
 
     @cute.jit
-    def load_r2(self, words: cute.Tensor, hb: cute.Tensor, seg: cute.Tensor, qj: cute.Tensor,
-                ctx: Launch, row: Row):
+    def load_r2(self, words: cute.Tensor, hb: cute.Tensor, seg: cute.Tensor, qj: cute.Tensor, ctx: Launch, row: Row):
         """Round 2's words into registers: segment q is rank q's K-list (rescue slot
         seg[17 + q] >= 0, plain words) or its round-1 LL list (tags checked in round 1);
         qj[i] = q << 16 | j of pair group i (owner_p).  No branch per pair: both sources'
@@ -1663,8 +1661,7 @@ class Merge:
         return pos, kpos
 
     @cute.jit
-    def pad_row(self, all_run: Int32, own_run: Int32, first: Int32, step: cutlass.Constexpr, ctx: Launch,
-                row: Row):
+    def pad_row(self, all_run: Int32, own_run: Int32, first: Int32, step: cutlass.Constexpr, ctx: Launch, row: Row):
         """-1 past the row's selected keys (this thread: first, first + step, ...)."""
         trow = Int64(row.t) * Int64(self.topk)
         for i in cutlass.range(own_run + first, self.topk, step, unroll=1):
@@ -1793,8 +1790,7 @@ class Merge:
         return qb0, qb1
 
     @cute.jit
-    def r2_stats(self, nk: Int32, qb0: Uint32, qb1: Uint32, grp: Round2Smem, sm: MergeSmem, ctx: Launch,
-                 row: Row):
+    def r2_stats(self, nk: Int32, qb0: Uint32, qb1: Uint32, grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
         """(hbits, count, max, min) of this thread's words (word_stats), and the copies of this
         rank's block-table entries started."""
         seg = sm.seg
@@ -1847,8 +1843,7 @@ class Merge:
         return sel_bits, run
 
     @cute.jit
-    def r2_store(self, src: Words, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem, ctx: Launch,
-                 row: Row):
+    def r2_store(self, src: Words, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem, ctx: Launch, row: Row):
         """The outputs, an order-preserving compaction (places ascend with warp, group, lane,
         h), stores predicated."""
         seg, grp, hbits = sm.seg, src.grp, src.hbits
@@ -2180,8 +2175,7 @@ class Merge:
     # ------------------------------------------------------------------ row and launch ends
 
     @cute.jit
-    def row_epilogue(self, mask: Int32, plain: cutlass.Constexpr, epn: Int32, sm: MergeSmem, ctx: Launch,
-                     row: Row):
+    def row_epilogue(self, mask: Int32, plain: cutlass.Constexpr, epn: Int32, sm: MergeSmem, ctx: Launch, row: Row):
         """The row's end: its saturated mask, the next row's epoch loaded, the producer grid
         waited for, the row voided on a failure, the epoch bumped.  ``plain``: True for a row
         without a rescue, False for one with, None: decided by ``mask`` (a register-path row

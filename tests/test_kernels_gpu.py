@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from jax_dsa_exchange import layout, reference
+from jax_dsa_exchange.kernels.abi import MERGE_CLUS_WIDE as CLUS_WIDE
+from jax_dsa_exchange.kernels.abi import MERGE_EQ_MAX as EQ_MAX
 from jax_dsa_exchange.testing import cases
 
 from gpu import requires_gpu_stack
@@ -31,9 +33,6 @@ CONFIGS = ([(w, SMALL_K, SMALL_N) for w in WORLDS] + [(w, SMALL_K, SMALL_K) for 
 # merges whose row is split over a cluster of CTAs (kernels/merge.py Merge.clus): W = 16, N = 1024,
 # W = 8, N = 1024 and W = 16, N = 512 over 2 (16, 8 and 8 words per thread)
 CLUSTERED = [(16, 2048, 1024), (8, 2048, 1024), (16, 2048, 512)]
-# ... and the configuration a candidate build may cluster (merge.py ckp=4: W = 8, N = 512 over 2
-# CTAs of 4 words): the clustered tests run there where the build does, else skip
-MAYBE_CLUSTERED = [(8, 2048, 512)]
 # ... and those with a second merge image of wider clusters (kernels/cache.py OPTIONAL):
 # W = 16, N = 1024 over 4 CTAs of 8 words, W = 8, N = 1024 and W = 16, N = 512 over 4 of 4
 WIDE = [(16, 2048, 1024), (8, 2048, 1024), (16, 2048, 512)]
@@ -246,7 +245,7 @@ def test_failed_call_over_rescued_and_plain_rows_in_one_cta():
             assert right or empty, (q, r)
 
 
-@pytest.mark.parametrize("world,topk,n", CLUSTERED + MAYBE_CLUSTERED)
+@pytest.mark.parametrize("world,topk,n", CLUSTERED)
 def test_clustered_selection_in_one_cta(world, topk, n):
     """A clustered merge's rows whose selected keys all lie in one CTA of the cluster (the
     ranks it holds score high: CTA r % C at row r), then in two CTAs; bit-identical to the
@@ -254,8 +253,6 @@ def test_clustered_selection_in_one_cta(world, topk, n):
     the empty CTAs before it)."""
     sim = sim_for(world, topk, n)
     c = sim.merge_cluster
-    if (world, topk, n) in MAYBE_CLUSTERED and c == 1:
-        pytest.skip(f"W={world} N={n}: this build's merge is not clustered")
     assert c > 1, f"W={world} N={n}: expected a clustered merge, got cluster {c}"
     npc = world // c  # ranks per CTA
     rng = np.random.default_rng(41 + world)
@@ -273,7 +270,7 @@ def test_clustered_selection_in_one_cta(world, topk, n):
 
 
 @pytest.mark.parametrize("short_rank", ["first_cta", "last_cta"])
-@pytest.mark.parametrize("world,topk,n", CLUSTERED + MAYBE_CLUSTERED)
+@pytest.mark.parametrize("world,topk,n", CLUSTERED)
 def test_clustered_failed_call_rows_right_or_empty(world, topk, n, short_rank):
     """A rank of the first (or last) CTA of each cluster pushes only 3 of 8 rows: the
     others time out naming it, and every row of every rank is right or empty (a cluster
@@ -547,10 +544,6 @@ def test_out_of_range_lookups_give_minus_one():
 # merge.py's fast path: the boundary score from a histogram of (s - lo) >> shift (a
 # second histogram when the score range is >= SCORE_BINS), then the tie-break on g:
 # ranking when the boundary score holds <= EQ_MAX keys, else three histograms of g.
-
-
-EQ_MAX = 256  # merge.EQ_MAX (the GPU machine has no CuTe DSL to import merge.py; the compile test checks it)
-CLUS_WIDE = 4  # merge.CLUS_WIDE (likewise)
 
 
 def _tie_case(rng, world, topk, local_topk, cols, ms, tie_bits=0x3F80):

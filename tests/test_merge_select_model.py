@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 
 from jax_dsa_exchange import layout, reference
+from jax_dsa_exchange.kernels.abi import MERGE_EQ_MAX
 from jax_dsa_exchange.testing import cases
 
 NB = 1024  # bins of the first score histogram (kernels/merge.py SCORE_BINS)
-MMAX = 256  # most keys at the boundary score resolved by ranking (merge.py EQ_MAX)
+MMAX = MERGE_EQ_MAX  # most keys at the boundary score resolved by ranking
 
 
 def model_select(s, g, K, nb=NB, mmax=MMAX, G=None):
@@ -163,10 +164,9 @@ def test_model_small_bins_second_pass():
                                           (2, 512, 1), (3, 64, 1), (1, 256, 1), (16, 1024, 2), (16, 1024, 4),
                                           (8, 1024, 2), (8, 1024, 4), (16, 512, 2), (16, 512, 4)])
 def test_runs_layout_counts_every_position_in_order(world, n, clus):
-    """Merge.runs (clustered rows' layout; one CTA (clus = 1) is the twenty-eighth session's
-    measured candidate, kept here as the layout's simplest case): round 1's thread t = 32 w + l
-    of CTA c of a row's cluster of
-    ``clus`` holds positions c P + t kp .. + kp - 1 (P = 512 kp: Merge.pos1, pair i at + 2 i).  The
+    """Merge.runs (clustered rows' layout; one CTA (clus = 1), measured and not kept in the
+    kernel, is here as the layout's simplest case): round 1's thread t = 32 w + l of CTA c of a
+    row's cluster of ``clus`` holds positions c P + t kp .. + kp - 1 (P = 512 kp: Merge.pos1, pair i at + 2 i).  The
     formulas of the kernel, for every thread: each position once; a run in one list (kp divides N)
     and in one mask word (kp divides 32: load_r1_fast's vm, its word j >> 5), pair i's LL record
     at the run's first record + i (Merge.pair_addr); each warp holds the same 32 kp positions as

@@ -92,6 +92,8 @@ MERGE = KernelABI("merge", _params(
 
 KERNELS = {k.kernel: k for k in (SELECT_PUSH, MERGE)}
 
-# Timing-only builds (``prof=1``): the merge's clock marks of thread 0 over ids[0, K - this:]
-# (kernels/merge.py, tools/phase_profile.py)
-MERGE_PROF_MARKS = 20
+# Merge constants that tests need without the CuTe DSL (kernels/merge.py takes them from here):
+# the most keys at the boundary score tie-broken by ranking (more take three histograms of g),
+# and the merge_wide image's most CTAs per clustered row.
+MERGE_EQ_MAX = 256
+MERGE_CLUS_WIDE = 4

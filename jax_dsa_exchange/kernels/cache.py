@@ -217,11 +217,10 @@ def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_l
         from .select_push import SelectPush
 
         return SelectPush(world, local_topk, topk, rescue_list, lean=kernel == "select_push_lean")
-    from .merge import CLUS_WIDE, WIDE_KP, Merge
+    from .merge import Merge, MergeConfig
 
-    if kernel == "merge_wide":
-        return Merge(world, topk, local_topk, rescue_list, clus=CLUS_WIDE, min_kp=WIDE_KP)
-    return Merge(world, topk, local_topk, rescue_list)
+    config = MergeConfig(world, topk, local_topk, rescue_list)
+    return Merge(config.wide() if kernel == "merge_wide" else config)
 
 
 def has_lean_producer(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:

@@ -1,34 +1,41 @@
-"""Consumer kernel (docs/DESIGN.md §6.2-§6.7): wait for the W ranks' LL rows, exact
-top-K merge, saturation, rescue (round 2), outputs, epoch bump.
+"""The exchange merge (docs/DESIGN.md §6.2-§6.7): each rank's consumer kernel waits for the
+W ranks' local top-N lists of a row, selects their exact top-K, writes the outputs, rescues
+saturated ranks, and bumps the row's epoch.
 
-ABI: ``abi.MERGE`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry``
-spell it out and tests/test_kernels_compile.py checks them against it).
+ABI: ``abi.MERGE`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry`` spell it
+out, tests/test_kernels_compile.py checks them against it).
 
-grid = (G, 1, 1), G <= rows chosen by the host so that the W ranks' merge
-grids are co-resident: CTA b walks rows b, b + G, ... (the same order on
-every rank), so a CTA only ever waits for CTAs that already run (§6.7).
+Protocol, per row t with e = epoch[t] + 1 (grid = G CTAs, or G clusters of ``clus`` CTAs;
+CTA b walks rows b, b + G, ... in the same order on every rank, so a CTA only waits for CTAs
+that already run, §6.7):
 
-Per row t (e = epoch[t] + 1):
-  round 1  keys of the W lists of parity e & 1 in the LOCAL buffer, every
-           8-byte LL half trusted only once its tag is e (volatile spin with a
-           %globaltimer timeout -> status [1, row, epoch, rank]);
-           T = K-th largest key (0 if fewer than K);
-  outputs  order-preserving compaction of {key >= T} in owner-major order
-           (lists are ascending l), per-rank selected counts;
-  saturation  rank q saturated iff all its N keys are > T, i.e. N of them
-           selected and T is not q's (full keys, docs/DESIGN.md §6.4);
-  rescue   a saturated rank pushes its local top-K into slot s of every
-           rank's rescue region, then flags seq+1 (release, system scope);
-           every rank acquires the flags (timeout -> status [2, ...]), selects
-           round 2 over (non-saturated lists) + (K-lists) and rewrites the
-           outputs; seq[t] += 1;
-  finally  griddepcontrol.wait (the producer grid is complete), then
-           epoch[t] = e.
+  round 1     the W lists of parity e & 1 in this rank's own buffer, each 8-byte LL half
+              trusted once its tag is e (volatile polls under a %globaltimer timeout, which
+              records status [1, row, epoch, rank]);
+  select      T = the K-th largest key (ord16 score << G | 2^G - 1 - g, g = l W + q), 0 when
+              the row has fewer than K: the boundary score from a score histogram, then a
+              tie-break on g among the keys of that score;
+  outputs     the order-preserving compaction of {key >= T} (owner-major, lists ascend in
+              l): ids, this rank's kv_rows through the block table, counts, -1 padding;
+  saturation  rank q is saturated when all N of its keys were selected and T is not its
+              own: its list may have hidden keys above T (full keys, §6.4);
+  rescue      a saturated rank pushes its local top-K into slot s of every rank's rescue
+              region and releases flag seq + 1 (system scope); every rank acquires the flags
+              (timeout: status [2, ...]), selects round 2 over the non-saturated lists and
+              the K-lists, rewrites the outputs; seq[t] += 1;
+  row end     griddepcontrol.wait (the producer grid is complete), a failure anywhere voids
+              the row (empty outputs), then epoch[t] = e.
+
+Paths by configuration (``Merge.__init__`` decides them from a ``MergeConfig``): the keys of
+a row in registers (up to KP_MAX words per thread), else re-read from memory by a radix
+select; a row of many words per thread split over a cluster of CTAs whose sums travel
+through DSMEM; round 2 in registers, in loops rolled over shared memory, or by the radix
+select.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 
 import cutlass
 import cutlass.cute as cute
@@ -36,7 +43,6 @@ from cutlass import Int32, Int64, Uint32, Uint64
 
 from .. import layout
 from . import abi
-from . import cache
 from . import common as C
 from . import ptx as P
 from . import select as S
@@ -45,145 +51,59 @@ from .select_push import smem_bytes as select_push_smem
 
 ABI = abi.MERGE
 
-KP_MAX = 32  # candidate words per thread kept in registers by the fast path
+KP_MAX = 32  # candidate words per thread kept in registers
 SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
 SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
 LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
-PRE_BT_MAX = 8  # round-1 block-table entries prefetched when kp1 <= this (registers)
+PRE_BT_MAX = 8  # round-1 block-table entries prefetched into registers up to this many words
 # Up to this many words per thread the stats, histogram, selection and output stores have no
-# branch per word (predicated stores, a dummy bin): W = 8, N = 512: -0.4..-1.2 us; with more
-# (W = 16, N = 1024: 32) ptxas then spilled the words (45.7 -> 71.8 us), so those keep branches.
+# branch per word (predicated stores, a dummy bin): W = 8, N = 512: -0.4..-1.2 us; with 32
+# (W = 16, N = 1024) ptxas spilled the words (45.7 -> 71.8 us), so those keep branches.
 BRANCH_FREE_KP = 18
-# Above this many round-1 words per thread (W = 16, N = 1024: 32) the outputs loop is rolled
-# over a shared-memory copy of the words: ncu found that configuration waiting on instruction
-# fetch 53% of the time (105 KB of distinct SASS per row, the unrolled per-word code).
+# Above this many round-1 words per thread the outputs loop is rolled over a shared-memory copy
+# of the words: unrolled, W = 16, N = 1024 (32) waited on instruction fetch 53% of the time.
 ROLL_KP = 18
-# r2roll: round-2 pair groups (8 bytes) per thread held by the rescue select's hist1 and mask
-# (free in round 2); the rest go to the merge's own stage2 (4 KB per group)
+# Round 2 rolled: pair groups (8 bytes) per thread held by the rescue select's hist1 and mask
+# (free once its K-list is pushed); the rest go to the merge's own stage2.
 R2_H = S.NB1 // (2 * C.TB)
 R2_M = S.MASK_WORDS // (2 * C.TB)
-# A merge CTA must fit on an SM beside a producer CTA (its CTAs start under PDL while the
-# producer runs): r2roll only where the two kernels' shared memory, plus the 1 KB an SM
-# reserves per CTA, fit the H100 / H200's 228 KB per SM
+# A merge CTA must fit on an SM beside a producer CTA (it starts under PDL while the producer
+# runs): round 2 is rolled only where both kernels' shared memory, plus the 1 KB an SM reserves
+# per CTA, fit the H100 / H200's 228 KB.
 SM_SMEM_BYTES = 228 * 1024
 CTA_RESERVED_SMEM = 1024
-N_MARKS = abi.MERGE_PROF_MARKS  # prof=1: clock marks of thread 0, over ids[0, K - N_MARKS:]
-EQ_MAX = 256  # most keys at the boundary score tie-broken by ranking their g (one per thread)
-# A row of more than this many round-1 words per thread is split over a cluster of CTAs
-# (Merge.clus), each holding at least this many: the W = 8, N = 512 kernel's per-thread size,
-# whose code is branch-free with the block-table entries in registers
+EQ_MAX = abi.MERGE_EQ_MAX  # most keys at the boundary score tie-broken by ranking (one per thread)
+# A row of more than CLUS_KP round-1 words per thread is split over a cluster of at most
+# CLUS_MAX CTAs of at least CLUS_KP words each (8: W = 8, N = 512's branch-free size).  W = 16,
+# N = 1024 as 2 CTAs of 16 words beat 4 of 8 at R >= 64 (H200: 20.1 against 30.7 us at
+# R = 64, 55 against 96 at R = 256; one CTA 29 / 86) and lost at R = 16 (18.2 against 13.3).
 CLUS_KP = 8
-# ... of at most this many CTAs (the clus knob's default): W = 16, N = 1024 in 2 CTAs of 16
-# words per thread beat 4 of 8 at R >= 64 and lost at R <= 16 (a 4-CTA row's 256 CTAs at R = 64
-# do not fit the GPU at once; H200, nineteenth session: 20.1 against 30.7 us at R = 64, 18.2
-# against 13.3 at R = 16, 55 against 96 at R = 256; one CTA 29 / 28 / 86)
 CLUS_MAX = 2
-# ... and the launcher's second image of such a configuration (cache: "merge_wide"): clusters of
-# up to this many CTAs, launched instead when every row of the call has its own cluster at once
-# (layout.merge_uses_wide): 12.6 against 19.5 us at W = 16, N = 1024, R = 1 (twentieth session)
-CLUS_WIDE = 4
-# ... whose CTAs hold at least this many words per thread (fewer than the merge's CLUS_KP): W = 8,
-# N = 1024 over 4 CTAs of 4 words 10.8 / 11.5 us at R = 1 / 16 against 12.3 / 12.1 over 2 of 8;
-# only where the merge itself is clustered (W = 8, N = 512 over 2 CTAs of 4 words: 10.7 against
-# 10.0 on one CTA; twenty-first session)
+# The merge_wide image (kernels/cache.py): clusters of up to CLUS_WIDE CTAs of at least WIDE_KP
+# words, launched when every row of a call has its own cluster at once (layout.merge_uses_wide):
+# W = 16, N = 1024, R = 1: 12.6 against 19.5 us; W = 8, N = 1024 over 4 CTAs of 4 words: 10.8 /
+# 11.5 us at R = 1 / 16 against 12.3 / 12.1 over 2 of 8.
+CLUS_WIDE = abi.MERGE_CLUS_WIDE
 WIDE_KP = 4
-CLUS_XC = 16  # words of a clustered CTA's published row totals (Merge.clus: xc)
+CLUS_XC = 16  # words of a clustered CTA's published row totals (MergeSmem.xc)
 
-# Benchmark variants (kernels/NOTES.md "Merge variants"): "k=v,..." at build AND run time;
-# cache.source_hash() mixes the string into the cubins' tag (variants coexist in one dir).
-# Timing-only knobs (outputs WRONG; each leaves one stage out, never a store out of bounds),
-# except the two code-layout knobs marked exact:
-#   noload   round 1: synthetic words, no LL loads / tag checks (no rescue)
-#   nobt     no block-table loads (kv_rows use page 0's entry)
-#   nosel    no select: the first K positions are "selected" (no rescue)
-#   notie    no tie-break: no key at the boundary score is selected (no rescue)
-#   noout    no outputs (ballots, ids / kv_rows stores, padding; counts kept) (no rescue)
-#   rnosel   rescue: no local top-K select (the pushed K-list is whatever smem holds)
-#   rnopush  rescue: no K-list stores into the W ranks' rescue slots
-#   rnofence rescue: no fence.acq_rel.sys before the flags (flags still st.relaxed.sys)
-#   rnoflag  rescue: no fence, no flag stores, no wait for the flags
-#   rnowait  rescue: flags stored, but no wait for the saturated ranks' flags
-#   rnor2    rescue: no round 2 (the outputs stay round 1's)
-#   norescue no rescue at all: its code (the local select, round 2) compiled out, so the
-#            cubin holds the normal path alone (what the rescue's code costs the hot path:
-#            instruction fetch); outputs wrong only where a rank saturates
-#   epijump  (exact by construction: a code-layout comparison) one row end for every row,
-#            after the rescue's code (the layout before the eleventh session)
-#   tailout  (exact by construction: a code-layout comparison) the launch's end only after
-#            the row loop (after the rescue's code), not also after a CTA's last plain row
-#            (both in cache.MERGE_EXACT_KNOBS: the GPU tests accept them)
-#   r2radix  (exact) round 2 of a rescue by the radix walk (radix_select / emit) instead of the
-#            register fast path: less register pressure on the whole kernel, a slower rescue
-#   r2all=0  (exact; the default is 1) r2roll's round 2 also tie-breaks when the boundary
-#            score's keys are all selected (need == m); r2all=1 takes gT = every g then, as in
-#            the bench's forced rescue, where the rescued K-list's lowest score is the boundary
-#            (W = 8, N = 512: forced rescue 40.8 -> 34.0 us, the normal path unchanged;
-#            fifteenth session)
-#   clus=C   (exact; the default is CLUS_MAX) a row of more than CLUS_KP round-1 words per thread
-#            (W = 16, N = 1024: 32; W = 8, N = 1024: 16) split over a cluster of
-#            min(C, kp1 / CLUS_KP) CTAs (Merge.clus); clus=0 or 1: every row on one CTA, as
-#            before the nineteenth session
-#   ckp=K    (exact; the default is CLUS_KP) the fewest round-1 words per thread of a clustered
-#            CTA: ckp=4 splits W = 8, N = 512 (8 words) over 2 CTAs, ckp=4 clus=4 W = 8, N = 1024
-#            over 4 (a candidate, twenty-first session)
-#   r2roll=U (exact; the default is 1) round 2 of a rescue by the fast path's algorithm in loops
-#            rolled over a shared-memory copy of its words, unrolled U times (round2_rolled):
-#            a third of the register fast path's code, which a rescue fetches cold from HBM
-#            once per launch (W = 8, N = 512: forced rescue 49.2 -> 40.5 us, the normal path
-#            -0.3..-0.5 us; U = 2 no faster); r2roll=0: round 2 in registers (fast_round)
-# Measured and removed in the fourteenth session (exact, no faster; kernels/NOTES.md): rvpr (the
-# rescue select's vectors per round), r2tie (one loop over the g digits), r2agg (match.any reds);
-# in the fifteenth: r2list (a large tie-break over a shared list of the tied keys: -1 us where
-# it applies, +0.5 us beside r2all; its code: commit c6de557).
-# The exact candidates of the variant runs of 2026-12-01 (kernels/NOTES.md "Merge variants:
-# breakdown and candidates"): flags and own2 were adopted (their code is now the only one:
-# the rescue's flags released by lanes p < W of warp 0, each fence.acq_rel.sys +
-# st.relaxed.sys; round 2's (segment, index) of each pair computed once into registers);
-# fused, eqwarp, peers and r2batch were rejected and removed (their code: commit e8d324e).
-# The exact candidates of branch merge-fast3 (ostage, oball, tie=1/2; kernels/NOTES.md "Merge
-# variants, third round") were measured within noise and removed (their code: commit 08ca710).
-#   (reqlate=1, a twenty-sixth session candidate that tested the request id after round 1's
-#            loads, is removed without a GPU run: the PTX branched on the id before the loads, but
-#            ptxas if-converts that branch and issues the id's load before the records (SASS,
-#            tools/sass.py --prologue), so there was no round trip to save)
-#   (btq, fbrot, early, spread: candidates of the twenty-sixth / twenty-seventh sessions, measured in
-#            the twenty-ninth and removed; W = 8 N = 512 merge, CUPTI us at R = 1 / 16 / 64 / 256:
-#            default 6.40 / 6.69 / 7.39 / 22.93, btq 8.11 / 8.19 / 8.48 / 25.86, fbrot 6.43 / 7.01 /
-#            7.46 / 22.98, early 6.66 / 6.90 / 7.38 / 22.66 (default again 6.66 / 6.91 / 7.39 /
-#            23.30: no gain), spread 7.49 / 7.46 / 8.10 / 24.70)
-#   runs=1   (exact; the default since the twenty-ninth session, Merge.runs: clustered rows only)
-#            round 1's keys as contiguous runs, thread t holding positions
-#            t kp .. t kp + kp - 1 (+ the CTA's base), instead of pair groups over the lanes: the
-#            selected keys before each key come from a thread's own count (popc), one warp scan
-#            and the warp totals, where each pair group took four ballots and their popc twice.
-#            Clustered rows only: W = 16 N = 1024 gains 0.35-1.5 us (CUPTI, R = 1-64, one call),
-#            but R = 256 measured 56.1 against 51.7 us (two calls); on one CTA (W = 8 N = 512) it
-#            lost 0.5 us at R = 1 and 3 us at R = 256.  runs=0: the pair groups on clusters too
-#            (kept to compare the two at R = 256 in one call).  (wide2, merge_wide for two CTAs
-#            per SM, lost everywhere: 12.5 against 10.1 us at R = 1, 16.4 against 15.9 at R = 32,
-#            its fit; removed.)
-#   bpoll=1  (exact; the default) round 1's stale LL halves of a batch re-polled together, every
-#            load in flight at once, until none is stale (load_r1_fast); bpoll=0: each stale
-#            half waited for in turn, a round trip each once the data has landed (under PDL the
-#            merge starts while its producer runs, so all of its own list is stale; twenty-second
-#            session)
-TUNE_ENV = "JAX_DSA_EXCHANGE_MERGE_TUNE"
-TIMING_ONLY = ("noload", "nobt", "nosel", "notie", "noout", "rnosel", "rnopush", "rnofence",
-               "rnoflag", "rnowait", "rnor2", "norescue", "prof")
-TUNE = dict.fromkeys(TIMING_ONLY + cache.MERGE_EXACT_KNOBS, 0)
-TUNE["r2roll"] = 1  # (the defaults: see above)
-TUNE["r2all"] = 1
-TUNE["clus"] = CLUS_MAX
-TUNE["ckp"] = CLUS_KP
-TUNE["bpoll"] = 1
-TUNE["runs"] = 1
-for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
-    _k, _v = _kv.split("=")
-    if _k.strip() not in TUNE:
-        raise ValueError(f"{TUNE_ENV}: unknown knob {_k.strip()!r} (known: {sorted(TUNE)})")
-    TUNE[_k.strip()] = int(_v)
-# a normal-path skip makes the saturation test meaningless: no rescue then
-NO_RESCUE = any(TUNE[k] for k in ("noload", "nosel", "notie", "noout", "norescue"))
+
+@dataclasses.dataclass(frozen=True)
+class MergeConfig:
+    """What varies between merge images: the exchange's shape, the rescue list (a rescue pushes
+    the producer's K-list of the row instead of selecting it here), and the cluster a row of
+    many words per thread may be split over (the merge_wide image: ``wide()``)."""
+
+    world: int
+    topk: int
+    local_topk: int
+    rescue_list: bool = False
+    max_cluster: int = CLUS_MAX  # the most CTAs of a clustered row
+    min_cluster_words: int = CLUS_KP  # the fewest round-1 words per thread of a clustered CTA
+
+    def wide(self) -> "MergeConfig":
+        return dataclasses.replace(self, max_cluster=CLUS_WIDE, min_cluster_words=WIDE_KP)
+
 
 
 # page = (l * page_magic(B)) >> PAGE_SHIFT equals l // B for every 0 <= l < 2**17 and B >= 1:
@@ -197,182 +117,240 @@ def page_magic(block_size: int) -> int:
     return (1 << PAGE_SHIFT) // max(int(block_size), 1) + 1
 
 
-FH_DUMMY = SCORE_BINS  # fh's extra bin: the empty words' count (never read), so that every word counts unconditionally
-FAST_WORDS = (SCORE_BINS + 16 + SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # fh (+ dummy), fh2, eq, st, wt, pref, sc
-              + SCORE_BINS + 2 * SCORE_BINS2)  # fg, fg2, fg3
-
-
-def smem_bytes(topk: int) -> int:
-    rw = layout.row_words(topk)
-    # the rescue's select (its row is buf), hist, warp_totals, scalars, rcnt, seg
-    # (MergeSmem order), fast-path tensors + slack
-    return (S.smem_bytes(rw, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4
-            + FAST_WORDS * 4 + 7 * 16 + 128)
+EMPTY_BIN = SCORE_BINS  # the score histogram's extra bin: empty words count there (never read)
 
 
 class MergeSmem:
-    def __init__(self, rw: int, stage_words: int = 0, stage2_words: int = 0, r2m_words: int = 0,
-                 clus: bool = False):
+    """The merge's shared memory, allocated in this order (Merge._smem counts it).  Inside a
+    dynamic if / loop the DSL carries tensors but not this object: stores go through a local
+    name of the tensor."""
+
+    def __init__(self, merge: "Merge"):
+        rw, stage_words, stage2_words, r2m_words = merge.rw_k, merge.stage_words, merge.stage2_words, merge.r2m_words
         smem = cutlass.memory.SmemAllocator()
-        # the rescue's local top-K: the producer's select on one CTA (its row is buf)
+        # the rescue's local top-K (the producer's select on one CTA); its row, buf, also holds
+        # round 1's block-table entries by list index where registers do not
         self.sel = S.SelectSmem(smem, rw, False)
         self.buf = self.sel.row
+        # the radix select of rows read from memory
         self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
         self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.rcnt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        # seg_off[q] (q <= W) and seg_slot[q] of round 2's owner-major segments
+        self.rank_counts = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)  # selected keys per rank
+        # round 2's segments: seg[q] the first position of rank q's (q <= W), seg[17 + q] its
+        # rescue slot (-1: its round-1 list); seg[47]: failed()'s answer
         self.seg = smem.allocate_tensor(Int32, cute.make_layout((48,)), 16)
-        # fast path: score histograms, keys at the boundary score, stats (4 slots of
-        # [count, max, min, eq count]: row parity x round), warp totals, per-rank
-        # prefix of the selected counts, scalars
-        self.fh = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS + 16,)), 16)
-        self.fh2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        self.eq = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
-        self.st = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.wt = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.pref = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
-        self.sc = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        # tie-break histograms on g (many keys at the boundary score)
-        self.fg = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
-        self.fg2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        self.fg3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        # round 1's words, [word i][thread] (ROLL_KP: the outputs' loop rolled over them)
+        # the register path: score histograms (+ EMPTY_BIN), the g of the keys at the boundary
+        # score, stats slots ([count, max, min, tied count] per row parity and round), selected
+        # keys per warp (own << 16 | all), selected keys before each list (list_start[W]: all),
+        # and what the select found: [0..2] bin / keys above it / its keys of the first score
+        # histogram, [3..5] of the second, [6] the ranked g, [7] the row's failure flag,
+        # [8..10] a g histogram's bin
+        self.score_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS + 16,)), 16)
+        self.score_hist2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
+        self.tied = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
+        self.stats = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        self.warp_sel = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        self.list_start = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
+        self.found = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
+        # tie-break histograms of g (many keys at the boundary score)
+        self.g_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
+        self.g_hist2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
+        self.g_hist3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
+        # round 1's words, [word][thread], for the rolled outputs (roll1)
         self.stage = smem.allocate_tensor(Int32, cute.make_layout((max(stage_words, 4),)), 16)
-        # round 2's words past those the rescue select's hist1 and mask hold (r2roll)
+        # round 2's pair groups past those the rescue select's hist1 and mask hold, and the
+        # mask words (roll2)
         self.stage2 = smem.allocate_tensor(Int32, cute.make_layout((max(stage2_words, 4),)), 16)
-        self.r2m = smem.allocate_tensor(Int32, cute.make_layout((max(r2m_words, 4),)), 16)  # its mask words
-        if clus:
-            # a clustered row (Merge.clus): the cluster's sum of a histogram (or its tied keys'
-            # g, from EQ_MAX on) read by this CTA only, and this CTA's row totals that the
-            # others read through DSMEM (xc)
-            self.hs = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
-            self.he = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
-            self.xc = smem.allocate_tensor(Int32, cute.make_layout((CLUS_XC,)), 16)
+        self.r2m = smem.allocate_tensor(Int32, cute.make_layout((max(r2m_words, 4),)), 16)
+        if merge.clus > 1:
+            # a clustered row: the cluster's sum of a histogram and its tied keys' g, read by
+            # this CTA only; this CTA's row totals, which the others read through DSMEM
+            self.cluster_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
+            self.cluster_tied = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
+            self.cluster_totals = smem.allocate_tensor(Int32, cute.make_layout((CLUS_XC,)), 16)
 
-    def parts(self):
-        """The tensors as locals: the DSL cannot carry a Python object whose
-        attributes are written through a dynamic if / loop, but it carries
-        tensors fine."""
-        return self.buf, self.hist, self.warp_totals, self.scalars, self.rcnt, self.seg
 
-    def fparts(self):
-        return self.fh, self.fh2, self.eq, self.st, self.wt, self.pref, self.sc
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One thread's view of a launch: its coordinates, the arguments the stages read, values
+    derived once.  (Immutable: the DSL passes it into dynamic regions as a closure.)"""
+
+    tid: Int32
+    lane: Int32
+    warp: Int32
+    peers: Int64
+    local: Int64
+    state: Int64
+    logits: Int64
+    row_ends: Int64
+    kv_rows: Int64
+    counts: Int64
+    ids: Int64
+    saturated: Int64
+    rows: Int32
+    cols: Int32
+    bt_cols: Int32
+    block_size: Int32
+    rank: Int32
+    max_rows: Int32
+    rescue_off: Int64
+    flags_off: Int64
+    host_status: Int64
+    status: Int64  # this rank's status words
+    timeout_ns: Int64
+    ll_stride: Int64  # bytes from one source rank's LL rows to the next's
+    nstep: Int32  # rows between two of this CTA's (its grid's CTAs or clusters)
+    page_div: Uint64  # page_magic(block_size)
+    crank: Int32 = None  # (clustered rows) this CTA's rank in its cluster
+    cbase: Int32 = None  # (clustered rows) its first position of a row
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """The row a CTA merges now."""
+
+    t: Int32
+    ep: Int32  # the epoch this call writes
+    seq: Int32  # the row's rescues so far
+    ll0: Int64  # its LL row from source rank 0 (parity ep & 1)
+    resc0: Int64  # its rescue row, slot 0
+    bt_row: Int64  # its request's block-table row
+    req_ok: Int32  # 1 when the request is in the block table
+    slot: Int32  # its round 1's stats slot (round 2's: slot + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Round2Smem:
+    """This thread's shared addresses of round 2's rolled copy (Merge.r2_addr)."""
+
+    base: Int32  # its pair groups' place in stage2, less R2_H + R2_M groups
+    to_mask: Int32  # from there to the groups in the rescue select's mask
+    to_hist: Int32  # from those to the groups in its hist1
+    masks: Int32  # the mask words (r2m)
+    buf: Int32  # this rank's block-table entries by list index
+
+
+@dataclasses.dataclass(frozen=True)
+class Words:
+    """A round's candidate words as the select reads them: kp per thread in registers (regs;
+    for round 2 the segment and index of each pair group in qj), or round 2's rolled copy in
+    shared memory (grp; the segments of this thread's pair groups in qb0 / qb1)."""
+
+    kp: int
+    round2: bool
+    hbits: Uint32  # bit i: bit 16 of word i's l
+    regs: cute.Tensor = None
+    qj: cute.Tensor = None
+    grp: Round2Smem = None
+    qb0: Uint32 = None
+    qb1: Uint32 = None
 
 
 class Merge:
-    """Exchange merge for one static (world, topk, local_topk, rescue_list: a rescue pushes
-    the producer's K-list of the row instead of selecting the row itself)."""
+    """The exchange merge of one ``MergeConfig``; ``compile()`` builds its cubin (cached)."""
 
-    def __init__(self, world: int, topk: int, n: int, rescue_list: bool = False, clus: int | None = None,
-                 min_kp: int | None = None):
-        """``clus``: the most CTAs of a clustered row (None: the clus knob, CLUS_MAX); ``min_kp``:
-        the fewest round-1 words per thread of a clustered CTA (None: the ckp knob, CLUS_KP)."""
+    def __init__(self, config: MergeConfig):
+        world, topk, n = config.world, config.topk, config.local_topk
         layout.check_config(world, topk, n)
+        self.config = config
         self.world, self.topk, self.n = world, topk, n
         self.gbits = layout.gid_bits(world)
         self.keybits = 16 + self.gbits
-        self.rw_n = layout.row_words(n)
         self.rw_k = layout.row_words(topk)
-        self.klist = S.klist_n2(n, topk, rescue_list) > 0  # the rescue takes the producer's K-list
+        self.klist = S.klist_n2(n, topk, config.rescue_list) > 0  # a rescue pushes the producer's K-list
         self.rescue_row_bytes = layout.rescue_row_bytes(topk)
         self.ll_row_bytes = layout.ll_row_bytes(n)
         self.slots = layout.rescue_slots(topk, n, world)
+        # Round 1 in registers (fast1): kp1 words per thread, warp-interleaved pairs (position
+        # v = warp * 32 * kp1 + 64 i + 2 * lane + h), else the radix select from memory.
         self.nk1 = world * n
-        self.kpt = -(-self.nk1 // C.TB)
-        # fast path: candidate words in registers, warp-interleaved pairs
-        # (position v = warp * 32 * kp + i * 64 + 2 * lane + h)
         self.kp1 = 2 * -(-self.nk1 // (2 * C.TB))
         self.fast1 = self.kp1 <= KP_MAX
         self.kp1_row = self.kp1  # (the words per thread of a row on one CTA)
-        # clus: a row of more than CLUS_KP words per thread on one CTA is split over a cluster
-        # of C = min(TUNE clus, kp1 / CLUS_KP) CTAs of k = kp1 / C words per thread, CTA c
-        # holding owner-major positions [c P, (c + 1) P), P = TB * k: whole lists (W / C of
-        # them), each warp's inside one list.  Every
-        # sum the select takes (stats, histograms, tied keys, selected counts) is each CTA's
+        # A row of more than min_cluster_words words per thread is split over a cluster of
+        # clus CTAs of kp1 words each, CTA c holding the owner-major positions [c cp, (c + 1) cp):
+        # whole lists, each warp's inside one list.  Every sum the select takes is each CTA's
         # own, published by a cluster barrier and read through DSMEM, every decision computed
-        # alike in every CTA (so every CTA passes the same cluster barriers); a rescue runs on
-        # CTA 0 alone (kernel).  W = 16, N = 1024 on one CTA was 27 us, the per-key instruction
-        # volume of 32 words per thread on one SM (kernels/NOTES.md, eighteenth session).
+        # alike in every CTA (so all pass the same barriers); a rescue runs on CTA 0 alone.
         self.clus = 1
-        c = min(TUNE["clus"] if clus is None else clus, self.kp1 // max(2, TUNE["ckp"] if min_kp is None else min_kp),
-                S.CLUSTER_MAX)
-        ck = self.kp1 // c if c > 1 else 0  # words per thread of each CTA
+        c = min(config.max_cluster, self.kp1 // max(2, config.min_cluster_words), S.CLUSTER_MAX)
+        ck = self.kp1 // c if c > 1 else 0
         if (c > 1 and self.fast1 and ck % 2 == 0 and self.nk1 == c * C.TB * ck
                 and world % c == 0 and n % (32 * ck) == 0):
             self.clus = c
             self.kp1 = ck
         self.cp = self.nk1 // self.clus  # positions per CTA of a row
+        # Round 2 (a rescue) over the non-saturated lists and up to ``slots`` K-lists: in
+        # registers (fast2) where its words fit, else the radix select.
         self.nk2max = self.slots * topk + (world - self.slots) * n
         self.kp2 = 2 * -(-self.nk2max // (2 * C.TB))
-        # (r2radix=1, exact: round 2 by the radix walk from memory; W = 8 N = 512: 124 registers
-        # without a frame instead of 128 + 0 B at the cap, .text 93 instead of 150 KB; not measured)
-        self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX and not TUNE["r2radix"]
+        self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX
         self.kp = max([2] + [k for k, f in ((self.kp1, self.fast1), (self.kp2, self.fast2)) if f])
-        self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX  # block-table prefetch in round 1
-        self.use_regs = self.fast1  # round-1 keys in registers (else re-read from memory)
-        # more round-1 words per thread than ROLL_KP: the outputs walk them in a rolled loop
-        # from a shared-memory copy (the unrolled code waited on instruction fetch)
+        # Round 1's block-table entries prefetched (in flight during the select) into
+        # registers, or for more words per thread into shared memory.
+        self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX
+        # More round-1 words per thread than ROLL_KP: the outputs walk them in a rolled loop
+        # from a shared-memory copy (the unrolled code waited on instruction fetch).
         self.roll1 = self.fast1 and self.kp1 > ROLL_KP
         self.stage_words = self.kp1 * C.TB if self.roll1 else 0
-        # runs: a clustered row's round-1 positions t kp1 + i + the CTA's base, a thread's run in
-        # one list and one mask word; each warp holds the same 32 kp1 positions as with pair
-        # groups, so the warp totals (warp_prefix, clus_totals) mean what they did.  Clusters
-        # only: one CTA's pair groups were faster (the comment above the knobs)
-        self.runs = bool(TUNE["runs"] and self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
-                         and 32 % self.kp1 == 0)  # fmt: skip
-        # r2roll=U: round 2's pair groups go to shared memory, [group][thread]: groups
-        # 0 .. R2_H - 1 in the rescue select's hist1, then R2_M in its mask (both free after its
-        # push), the rest in stage2; at most 16 groups (the segments' 4-bit codes in two
-        # registers), and only where the merge still fits beside a producer CTA (else round 2
-        # stays in registers: e.g. W = 4, K = 4096, N = 2048, or W = 8, N = 256)
+        # Clustered rows hold round 1 as contiguous runs (thread t: positions t kp1 .. + kp1 - 1
+        # of its CTA): the selected keys before a key come from one warp scan, where pair groups
+        # take four ballots each.  W = 16, N = 1024: -0.35..-1.5 us at R = 1-64; on one CTA
+        # (W = 8, N = 512) it lost 0.5 us at R = 1 and 3 us at R = 256, so one CTA keeps pairs.
+        self.runs = (self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
+                     and 32 % self.kp1 == 0)  # fmt: skip
+        # Round 2 rolled over shared memory (round2_rolled): a third of the register path's code,
+        # which a rescue fetches cold once per launch (W = 8, N = 512: forced rescue 49.2 ->
+        # 40.5 us).  Its pair groups go to the rescue select's hist1 and mask, then stage2; at
+        # most 16 groups (4-bit segment codes in two registers), and only where the merge
+        # still fits beside a producer CTA (else round 2 stays in registers).
         self.roll2 = False
         self.stage2_words = self.r2m_words = 0
-        if self.fast2 and TUNE["r2roll"] > 0 and self.kp2 // 2 <= 16:
+        if self.fast2 and self.kp2 // 2 <= 16:
             self.stage2_words = max(0, self.kp2 // 2 - R2_H - R2_M) * 2 * C.TB
             self.r2m_words = (self.nk2max // 32 + 3) // 4 * 4
-            self.roll2 = (self._smem() + select_push_smem(n, topk, rescue_list) + 2 * CTA_RESERVED_SMEM
+            self.roll2 = (self._smem() + select_push_smem(n, topk, config.rescue_list) + 2 * CTA_RESERVED_SMEM
                           <= SM_SMEM_BYTES)  # fmt: skip
             if not self.roll2:
                 self.stage2_words = self.r2m_words = 0
         self.smem = self._smem()
-        # The rescue select's vectors per round: the producer's U1, except in the large
-        # configurations (kp1 > BRANCH_FREE_KP), where with U1 = 2 ptxas spilled the whole
-        # kernel (W = 16, N = 1024: 32 registers, 648 B of stack; merge 45.9 -> 72.1 us).
+        # The rescue select's vectors per round: the producer's, except for many words per
+        # thread, where ptxas then spilled the whole kernel (W = 16, N = 1024: 45.9 -> 72.1 us).
         self.rescue_u1 = 4 if self.kp1_row > BRANCH_FREE_KP else S.U1
         # A row without a rescue ends (and the launch after such a last row) before the
-        # rescue's code, not after its ~100 KB (W = 8, N = 512: -0.6..-0.9 us, cold instruction
-        # fetch); the large configurations keep one end after it (there ptxas then spilled
-        # more: W = 16, N = 1024 +3.5 us).
-        self.end_first = self.kp1 <= BRANCH_FREE_KP and not TUNE["epijump"]
+        # rescue's ~100 KB of code, which it then never fetches (W = 8, N = 512: -0.6..-0.9 us);
+        # for many words per thread one end after it (ptxas spilled more: W = 16, N = 1024
+        # +3.5 us).
+        self.end_first = self.kp1 <= BRANCH_FREE_KP
+        self._compiled = {}
 
     def _smem(self) -> int:
-        """Launch shared memory (bytes) of the MergeSmem parts this configuration allocates."""
-        return (smem_bytes(self.topk) + 4 * max(self.stage_words, 4) + 16
-                + 4 * max(self.stage2_words, 4) + 16 + 4 * max(self.r2m_words, 4) + 16
+        """Launch shared memory (bytes): MergeSmem's parts in its order, 16-byte aligned, + slack."""
+        fast = 2 * SCORE_BINS + 16 + 3 * SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # score_hist .. g_hist3
+        return (S.smem_bytes(self.rw_k, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + fast * 4
+                + 7 * 16 + 128 + 4 * max(self.stage_words, 4) + 16 + 4 * max(self.stage2_words, 4) + 16
+                + 4 * max(self.r2m_words, 4) + 16
                 + (4 * (SCORE_BINS + EQ_MAX + CLUS_XC) + 32 if self.clus > 1 else 0))  # fmt: skip
 
-    # ---------------------------------------------------------------- keys
+    # ------------------------------------------------------------------ keys and waits
 
     @cute.jit
     def make_key(self, w: Uint32, m: Uint32, j: Int32, q: Int32) -> Uint64:
-        """Packed word (+ its mask word) of list index j of rank q -> 64-bit
-        key ord16 << G | (2^G - 1 - g), g = l * W + q; 0 for an empty word."""
+        """Packed word (+ its mask word) of list index j of rank q -> 64-bit key
+        ord16 << G | (2^G - 1 - g), g = l * W + q; 0 for an empty word."""
         key = Uint64(0)
         if w != Uint32(0):
             hi = (m >> Uint32(j & Int32(31))) & Uint32(1)
             lidx = (Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (hi << Uint32(16))
             g = Uint64(lidx) * Uint64(self.world) + Uint64(q)
-            key = (Uint64(w >> Uint32(16)) << Uint64(self.gbits)) | (
-                Uint64((1 << self.gbits) - 1) - g
-            )
+            key = (Uint64(w >> Uint32(16)) << Uint64(self.gbits)) | (Uint64((1 << self.gbits) - 1) - g)
         return key
 
     @cute.jit
     def probe(self, addr: Int64, flag: cutlass.Constexpr) -> Uint64:
-        """One load of what a wait watches, tag in the high word: an LL half
-        (word | tag << 32, volatile load) or a rescue flag (acquire load at system
-        scope; the flag's value is its tag)."""
+        """One load of what a wait watches, tag in the high word: an LL half (word | tag << 32,
+        volatile load) or a rescue flag (acquire load at system scope; its value is its tag)."""
         h = Uint64(0)
         if cutlass.const_expr(flag):
             h = Uint64(Uint32(P.ld_acquire_sys(addr))) << Uint64(32)
@@ -381,11 +359,11 @@ class Merge:
         return h
 
     @cute.jit
-    def wait_tag(self, addr: Int64, want: Int32, flag: cutlass.Constexpr, status: Int64,
-                 code: cutlass.Constexpr, t: Int32, ep: Int32, q: Int32, timeout_ns: Int64) -> Uint64:
-        """probe(addr) once its tag is ``want``.  Spins with a %globaltimer timeout:
-        on timeout it records [code, row, epoch, rank] once (the first failure in
-        the whole grid wins); once status is set every wait gives up at once."""  # fmt: skip
+    def wait_tag(self, addr: Int64, want: Int32, flag: cutlass.Constexpr, code: cutlass.Constexpr,
+                 q: Int32, ctx: Launch, row: Row) -> Uint64:
+        """probe(addr) once its tag is ``want``.  Spins under a %globaltimer timeout, which
+        records [code, row, epoch, q] (the first failure in the grid wins); once the status is
+        set every wait gives up at once."""
         h = self.probe(addr, flag)
         if Int32(Uint32(h >> Uint64(32))) != want:
             start = P.globaltimer()
@@ -394,77 +372,69 @@ class Merge:
                 h = self.probe(addr, flag)
                 if Int32(Uint32(h >> Uint64(32))) == want:
                     go = Int32(0)
-                elif P.ld_volatile_u32(status) != Uint32(layout.STATUS_OK):
+                elif P.ld_volatile_u32(ctx.status) != Uint32(layout.STATUS_OK):
                     go = Int32(0)
-                elif P.globaltimer() - start > timeout_ns:
-                    self.record(status, Int32(code), t, ep, q)
+                elif P.globaltimer() - start > ctx.timeout_ns:
+                    self.record(Int32(code), q, ctx, row)
                     go = Int32(0)
         return h
 
     @cute.jit
-    def ll_half(self, addr: Int64, ep: Int32, wait: cutlass.Constexpr, status: Int64,
-                t: Int32, q: Int32, timeout_ns: Int64) -> Uint32:
-        """Word of the LL half at addr; with ``wait``, once its tag is ep."""
+    def ll_half(self, addr: Int64, wait: cutlass.Constexpr, q: Int32, ctx: Launch, row: Row) -> Uint32:
+        """Word of the LL half at addr; with ``wait``, once its tag is the row's epoch."""
         h = Uint64(0)
         if cutlass.const_expr(wait):
-            h = self.wait_tag(addr, ep, False, status, layout.STATUS_TIMEOUT_ROUND1, t, ep, q, timeout_ns)
+            h = self.wait_tag(addr, row.ep, False, layout.STATUS_TIMEOUT_ROUND1, q, ctx, row)
         else:
             h = P.ld_volatile_u64(addr)
         return Uint32(h & Uint64(0xFFFFFFFF))
 
     @cute.jit
-    def record(self, status: Int64, code: Int32, t: Int32, ep: Int32, q: Int32):
-        old = P.atom_cas_u32(C.status_word(status, layout.STATUS_CODE), Int32(layout.STATUS_OK), code)
+    def record(self, code: Int32, q: Int32, ctx: Launch, row: Row):
+        """The status [code, row, epoch, rank q], unless a failure was recorded before."""
+        old = P.atom_cas_u32(C.status_word(ctx.status, layout.STATUS_CODE), Int32(layout.STATUS_OK), code)
         if old == Int32(layout.STATUS_OK):
-            P.st_volatile_u32(C.status_word(status, layout.STATUS_ROW), t)
-            P.st_volatile_u32(C.status_word(status, layout.STATUS_EPOCH), ep)
-            P.st_volatile_u32(C.status_word(status, layout.STATUS_RANK), q)
+            P.st_volatile_u32(C.status_word(ctx.status, layout.STATUS_ROW), row.t)
+            P.st_volatile_u32(C.status_word(ctx.status, layout.STATUS_EPOCH), row.ep)
+            P.st_volatile_u32(C.status_word(ctx.status, layout.STATUS_RANK), q)
 
     @cute.jit
-    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, ep: Int32, wait: cutlass.Constexpr,
-               status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
-        """Key j of rank q's round-1 list; ll_base = this row's LL row of rank
-        0 (rank q's is ll_base + q * max_rows * row bytes, passed in)."""  # fmt: skip
-        w = self.ll_half(C.ll_word_addr(ll_base, j), ep, wait, status, t, q, timeout_ns)
+    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, wait: cutlass.Constexpr, ctx: Launch, row: Row) -> Uint64:
+        """Key j of rank q's round-1 list, whose LL row is at ll_base."""
+        w = self.ll_half(C.ll_word_addr(ll_base, j), wait, q, ctx, row)
         mj = Int32(self.n) + (j >> Int32(5))
-        m = self.ll_half(C.ll_word_addr(ll_base, mj), ep, wait, status, t, q, timeout_ns)
+        m = self.ll_half(C.ll_word_addr(ll_base, mj), wait, q, ctx, row)
         return self.make_key(w, m, j, q)
 
     @cute.jit
-    def key_r1(self, v: Int32, ll0: Int64, ll_stride: Int64, ep: Int32, wait: cutlass.Constexpr,
-               status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
-        """Round-1 key at owner-major index v = q * N + j (0 past the end)."""
+    def key_r1(self, v: Int32, wait: cutlass.Constexpr, ctx: Launch, row: Row) -> Uint64:
+        """Round-1 key at owner-major position v = q * N + j (0 past the end)."""
         key = Uint64(0)
         if v < Int32(self.nk1):
-            q = v // Int32(self.n)
-            j = v - q * Int32(self.n)
-            key = self.ll_key(ll0 + Int64(q) * ll_stride, q, j, ep, wait, status, t, timeout_ns)
+            q, j = self.owner(v, False, None)
+            key = self.ll_key(row.ll0 + Int64(q) * ctx.ll_stride, q, j, wait, ctx, row)
         return key
 
     @cute.jit
-    def key_r2(self, v: Int32, seg: cute.Tensor, ll0: Int64, ll_stride: Int64, resc0: Int64,
-               ep: Int32, status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
-        """Round-2 key at owner-major index v: segment q is rank q's K-list
-        (rescue slot seg[17 + q] >= 0) or its round-1 list."""  # fmt: skip
+    def key_r2(self, v: Int32, seg: cute.Tensor, ctx: Launch, row: Row) -> Uint64:
+        """Round-2 key at owner-major position v: segment q is rank q's K-list (rescue slot
+        seg[17 + q] >= 0) or its round-1 list."""
         key = Uint64(0)
         if v < seg[self.world]:
-            q = Int32(0)
-            for r in cutlass.range_constexpr(1, self.world):
-                if seg[r] <= v:
-                    q = Int32(r)
-            j = v - seg[q]
+            q, j = self.owner(v, True, seg)
             s = seg[17 + q]
             if s >= Int32(0):
-                base = resc0 + Int64(s) * Int64(self.rescue_row_bytes)
+                base = row.resc0 + Int64(s) * Int64(self.rescue_row_bytes)
                 w = P.ld_volatile_u32(base + Int64(j) * Int64(4))
                 m = P.ld_volatile_u32(base + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4))
                 key = self.make_key(w, m, j, q)
             else:
-                key = self.ll_key(ll0 + Int64(q) * ll_stride, q, j, ep, False, status, t,
-                                  timeout_ns)  # fmt: skip
+                key = self.ll_key(row.ll0 + Int64(q) * ctx.ll_stride, q, j, False, ctx, row)
         return key
 
-    # ------------------------------------------------------------- select
+    # ------------------------------------------------------------------ rows read from memory
+    # Where the words do not fit in registers (more than KP_MAX per thread): a radix select over
+    # the 64-bit keys, re-read from the LL buffer (and the rescue rows) on every pass.
 
     @cute.jit
     def hist_add(self, key: Uint64, hi: Int32, lo: Int32, prefix: Uint64, hist: cute.Tensor):
@@ -478,18 +448,25 @@ class Merge:
             scalars[9] = Int32(Uint32(key >> Uint64(32)))
 
     @cute.jit
-    def radix_select(self, keys: cute.Tensor, round2: cutlass.Constexpr,
-                     sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
-                     ep: Int32, status: Int64, t: Int32, timeout_ns: Int64) -> Uint64:
-        """T = the K-th largest nonzero key (0 if fewer than K), exact.
-        9-bit digits from the top; the bin holding the K-th key becomes the
-        prefix of the next pass; a bin of one key ends the search with one
-        extra read pass.  Uniform control flow (every value from smem)."""  # fmt: skip
+    def key_at(self, v: Int32, round2: cutlass.Constexpr, seg: cute.Tensor, ctx: Launch, row: Row) -> Uint64:
+        key = Uint64(0)
+        if cutlass.const_expr(round2):
+            key = self.key_r2(v, seg, ctx, row)
+        else:
+            key = self.key_r1(v, False, ctx, row)
+        return key
+
+    @cute.jit
+    def radix_select(self, round2: cutlass.Constexpr, sm: MergeSmem, ctx: Launch, row: Row) -> Uint64:
+        """The K-th largest nonzero key (0 if fewer than K), exact: 9-bit digits from the top,
+        the bin holding the K-th key the prefix of the next pass; a bin of one key ends the
+        search with one more read pass.  Uniform control flow (every value from smem)."""
+        tid = ctx.tid
         hist, scalars, seg, warp_totals = sm.hist, sm.scalars, sm.seg, sm.warp_totals
         hi = Int32(self.keybits)
         prefix = Uint64(0)
         need = Int32(self.topk)
-        T = Uint64(0)
+        kth = Uint64(0)
         done = Int32(0)
         first = Int32(1)
         nk = Int32(self.nk1)
@@ -502,17 +479,12 @@ class Merge:
             hist[tid] = Int32(0)
             cute.arch.sync_threads()
             for v in cutlass.range(tid, nk, C.TB, unroll=1):
-                key = Uint64(0)
-                if cutlass.const_expr(round2):
-                    key = self.key_r2(v, seg, ll0, ll_stride, resc0, ep, status, t, timeout_ns)
-                else:
-                    key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
-                self.hist_add(key, hi, lo, prefix, hist)
+                self.hist_add(self.key_at(v, round2, seg, ctx, row), hi, lo, prefix, hist)
             cute.arch.sync_threads()
             nb = Int32(1) << (hi - lo)
-            total = C.find_bin(hist, nb, need, tid, lane, warp, warp_totals, scalars, 0)
+            total = C.find_bin(hist, nb, need, tid, ctx.lane, ctx.warp, warp_totals, scalars, 0)
             if first == Int32(1) and total < Int32(self.topk):
-                done = Int32(1)  # fewer than K keys: all are selected, T = 0
+                done = Int32(1)  # fewer than K keys: all are selected
             else:
                 b = scalars[0]
                 cnt = scalars[2]
@@ -520,35 +492,25 @@ class Merge:
                 need = need - scalars[1]
                 hi = lo
                 if hi == Int32(0):
-                    T = prefix
+                    kth = prefix
                     done = Int32(1)
                 elif cnt == Int32(1):
                     for v in cutlass.range(tid, nk, C.TB, unroll=1):
-                        key = Uint64(0)
-                        if cutlass.const_expr(round2):
-                            key = self.key_r2(v, seg, ll0, ll_stride, resc0, ep, status,
-                                              t, timeout_ns)  # fmt: skip
-                        else:
-                            key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
-                        self.find_key(key, hi, prefix, scalars)
+                        self.find_key(self.key_at(v, round2, seg, ctx, row), hi, prefix, scalars)
                     cute.arch.sync_threads()
-                    T = (Uint64(Uint32(scalars[9])) << Uint64(32)) | Uint64(Uint32(scalars[8]))
+                    kth = (Uint64(Uint32(scalars[9])) << Uint64(32)) | Uint64(Uint32(scalars[8]))
                     done = Int32(1)
             first = Int32(0)
             cute.arch.sync_threads()
-        return T
-
-    # ------------------------------------------------------------ outputs
+        return kth
 
     @cute.jit
-    def emit_chunk(self, key: Uint64, T: Uint64, count_ranks: cutlass.Constexpr, sm: MergeSmem,
-                   tid, lane, warp, all_run: Int32, own_run: Int32, rank: Int32, t: Int32,
-                   ids: Int64, kv_rows: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
-                   block_size: Int32):
-        """One TB-chunk of the owner-major compaction of {key >= T}; returns
-        the updated (all_run, own_run)."""  # fmt: skip
-        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
-        sel = key != Uint64(0) and key >= T
+    def emit_chunk(self, key: Uint64, kth: Uint64, count_ranks: cutlass.Constexpr, sm: MergeSmem,
+                   all_run: Int32, own_run: Int32, ctx: Launch, row: Row):
+        """One TB-chunk of the owner-major compaction of {key >= kth}; returns the updated
+        (all_run, own_run)."""
+        rank_counts = sm.rank_counts
+        sel = key != Uint64(0) and key >= kth
         g = Int32(0)
         q = Int32(0)
         flag = Int32(0)
@@ -556,113 +518,114 @@ class Merge:
             g = Int32(Uint64((1 << self.gbits) - 1) - (key & Uint64((1 << self.gbits) - 1)))
             q = g % Int32(self.world)
             flag = Int32(1)
-            if q == rank:
+            if q == ctx.rank:
                 flag = Int32(1 + (1 << 16))
-        incl, tot = C.block_scan(flag, lane, warp, sm_warp_totals)
+        incl, tot = C.block_scan(flag, ctx.lane, ctx.warp, sm.warp_totals)
         excl = incl - flag
         if sel:
             pos = all_run + (excl & Int32(0xFFFF))
-            if ids != Int64(0):
-                P.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(pos)) * Int64(4), g)
+            if ctx.ids != Int64(0):
+                P.st_u32(ctx.ids + (Int64(row.t) * Int64(self.topk) + Int64(pos)) * Int64(4), g)
             if cutlass.const_expr(count_ranks):
-                cute.arch.atomic_add(sm_rcnt.iterator + q, Int32(1), sem="relaxed", scope="cta")
-            if q == rank:
+                cute.arch.atomic_add(rank_counts.iterator + q, Int32(1), sem="relaxed", scope="cta")
+            if q == ctx.rank:
                 kpos = own_run + (excl >> Int32(16))
-                slot = self.kv_slot(g // Int32(self.world), bt_row, req_ok, bt_cols, block_size)
-                P.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(kpos)) * Int64(4), slot)
+                slot = self.kv_slot(g // Int32(self.world), ctx, row)
+                P.st_u32(ctx.kv_rows + (Int64(row.t) * Int64(self.topk) + Int64(kpos)) * Int64(4), slot)
         return all_run + (tot & Int32(0xFFFF)), own_run + (tot >> Int32(16))
 
     @cute.jit
-    def page_of(self, lidx: Int32, block_size: Int32) -> Int32:
-        """lidx // block_size for 0 <= lidx < 2**17, by a multiply with the launch's
-        ``self.pdiv`` = page_magic(block_size) (no division per key, and no branch: a
-        uniform branch per key split the loops into a block per key)."""
-        return Int32((Uint64(lidx) * self.pdiv) >> Uint64(PAGE_SHIFT))
-
-    @cute.jit
-    def lidx_of(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr) -> Int32:
-        """Local index of word i (bit 16 from hbits)."""
-        return Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
-
-    @cute.jit
-    def kv_slot(self, lidx: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
-                block_size: Int32) -> Int32:
-        """block_table[req, l // B] * B + l % B; -1 if req or the page is out
-        of range (never reads out of bounds)."""
-        slot = Int32(-1)
-        if req_ok != Int32(0):
-            page = self.page_of(lidx, block_size)
-            if page < bt_cols:
-                blk = P.ld_u32(bt_row + Int64(page) * Int64(4))
-                slot = blk * block_size + (lidx - page * block_size)
-        return slot
-
-    @cute.jit
-    def emit(self, keys: cute.Tensor, round2: cutlass.Constexpr,
-             T: Uint64, sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64,
-             resc0: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32,
-             ids: Int64, kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32,
-             bt_cols: Int32, block_size: Int32):
-        """Outputs of row t from the selection {key >= T}: kv_rows (own
-        tokens, ascending l), ids (owner-major), counts; -1 padding.  Round 1
-        also counts the selected keys of every rank (sm_rcnt)."""  # fmt: skip
-        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
+    def emit(self, round2: cutlass.Constexpr, kth: Uint64, sm: MergeSmem, ctx: Launch, row: Row):
+        """Outputs of the row from the selection {key >= kth}: kv_rows (own tokens, ascending
+        l), ids (owner-major), counts; -1 padding.  Round 1 also counts every rank's selected
+        keys (rank_counts)."""
+        tid, t = ctx.tid, row.t
+        rank_counts, seg = sm.rank_counts, sm.seg
         if tid < Int32(16):
-            sm_rcnt[tid] = Int32(0)
+            rank_counts[tid] = Int32(0)
         cute.arch.sync_threads()
         all_run = Int32(0)
         own_run = Int32(0)
         nk = Int32(self.nk1)
         if cutlass.const_expr(round2):
-            nk = sm_seg[self.world]
+            nk = seg[self.world]
         for base in cutlass.range(0, nk, C.TB, unroll=1):
             v = base + tid
             key = Uint64(0)
             if cutlass.const_expr(round2):
                 if v < nk:
-                    key = self.key_r2(v, sm_seg, ll0, ll_stride, resc0, ep, status, t, timeout_ns)
+                    key = self.key_r2(v, seg, ctx, row)
             else:
-                key = self.key_r1(v, ll0, ll_stride, ep, False, status, t, timeout_ns)
-            all_run, own_run = self.emit_chunk(
-                key, T, not round2, sm, tid, lane, warp, all_run, own_run, rank, t, ids,
-                kv_rows, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
+                key = self.key_r1(v, False, ctx, row)
+            all_run, own_run = self.emit_chunk(key, kth, not round2, sm, all_run, own_run, ctx, row)
         # -1 padding (all_run, own_run are uniform: they come from block totals)
         for i in cutlass.range(own_run + tid, self.topk, C.TB, unroll=1):
-            P.st_u32(kv_rows + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
-        if ids != Int64(0):
+            P.st_u32(ctx.kv_rows + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
+        if ctx.ids != Int64(0):
             for i in cutlass.range(all_run + tid, self.topk, C.TB, unroll=1):
-                P.st_u32(ids + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
+                P.st_u32(ctx.ids + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
         if tid == Int32(0):
-            P.st_u32(counts + Int64(t) * Int64(4), own_run)
+            P.st_u32(ctx.counts + Int64(t) * Int64(4), own_run)
         cute.arch.sync_threads()
 
-    # ------------------------------------------------------ fast path
-    # Candidate words (32 bits: ord16 << 16 | 0xFFFF - (l & 0xFFFF)) in registers,
-    # warp-interleaved pairs: thread (warp, lane) holds positions
-    # v = warp * 32 * kp + i * 64 + 2 * lane + h (i < kp / 2, h < 2); bit i of hb[0]
-    # is bit 16 of l.  Select: the boundary score v from a histogram over
-    # (s - lo) >> shift (lo / hi / count from warp reductions), then the tie-break on
-    # g among the keys of score v only; outputs by warp ballots (the lists arrive in
-    # ascending l, so the selection is an order-preserving compaction).
+    # ------------------------------------------------------------------ the block table
 
     @cute.jit
-    def pair_pos(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp) -> Int32:
-        v = warp * Int32(32 * kp) + Int32(i * 64) + Int32(2) * lane
+    def page_of(self, lidx: Int32, ctx: Launch) -> Int32:
+        """lidx // block_size for 0 <= lidx < 2**17 by a multiply (page_magic): no division per
+        key, and no branch (a uniform branch per key split the loops into a block per key)."""
+        return Int32((Uint64(lidx) * ctx.page_div) >> Uint64(PAGE_SHIFT))
+
+    @cute.jit
+    def lidx_of(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr) -> Int32:
+        """Local index l of word i (bit 16 from hbits)."""
+        return Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
+
+    @cute.jit
+    def kv_slot(self, lidx: Int32, ctx: Launch, row: Row) -> Int32:
+        """block_table[req, l // B] * B + l % B; -1 if the request or the page is out of range
+        (never reads out of bounds)."""
+        slot = Int32(-1)
+        if row.req_ok != Int32(0):
+            page = self.page_of(lidx, ctx)
+            if page < ctx.bt_cols:
+                blk = P.ld_u32(row.bt_row + Int64(page) * Int64(4))
+                slot = blk * ctx.block_size + (lidx - page * ctx.block_size)
+        return slot
+
+    @cute.jit
+    def kv_slot_of(self, entry: Int32, lidx: Int32, ctx: Launch, row: Row) -> Int32:
+        """kv_slot from the block-table entry of l's page, loaded before (any value where the
+        request or the page is out of range)."""
+        page = self.page_of(lidx, ctx)
+        slot = entry * ctx.block_size + (lidx - page * ctx.block_size)
+        if row.req_ok == Int32(0) or page >= ctx.bt_cols:
+            slot = Int32(-1)
+        return slot
+
+    # ------------------------------------------------------------------ rows in registers
+    # Candidate words (ord16 << 16 | 0xFFFF - (l & 0xFFFF)) in registers, kp per thread, bit i of
+    # hbits bit 16 of word i's l.  Pair groups: thread (warp, lane) holds positions
+    # v = warp * 32 kp + 64 i + 2 lane + h (i < kp / 2, h < 2), so a warp's pair group is one
+    # 512-byte stretch of LL records; runs (clustered round 1): positions t kp .. t kp + kp - 1.
+
+    @cute.jit
+    def pair_pos(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, ctx: Launch) -> Int32:
+        v = ctx.warp * Int32(32 * kp) + Int32(i * 64) + Int32(2) * ctx.lane
         if cutlass.const_expr(self.clus > 1):
-            v = v + self.cbase  # (0 in CTA 0, the only one that runs a round 2)
+            v = v + ctx.cbase  # (0 in CTA 0, the only one that runs a round 2)
         return v
 
     @cute.jit
-    def pos1(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp) -> Int32:
-        """Round 1's position of pair group i of this lane: pair_pos, or with runs (a clustered
-        row) (32 warp + lane) kp + 2 i + the CTA's base."""
+    def pos1(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, ctx: Launch) -> Int32:
+        """Round 1's position of pair group i of this thread (pair groups or runs)."""
         v = Int32(0)
         if cutlass.const_expr(self.runs):
-            v = (warp * Int32(32) + lane) * Int32(kp) + Int32(2 * i)
+            v = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp) + Int32(2 * i)
             if cutlass.const_expr(self.clus > 1):
-                v = v + self.cbase
+                v = v + ctx.cbase
         else:
-            v = self.pair_pos(i, kp, lane, warp)
+            v = self.pair_pos(i, kp, ctx)
         return v
 
     @cute.jit
@@ -681,249 +644,235 @@ class Merge:
         return q, j
 
     @cute.jit
-    def owner_p(self, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
-                round2: cutlass.Constexpr, seg: cute.Tensor, qj: cute.Tensor):
-        """owner() of pair group ip of this lane; in round 2: from qj[ip] (q << 16 | j,
-        computed once by load_r2_fast), not W - 1 shared loads per call."""
+    def owner_p(self, ip: cutlass.Constexpr, src: Words, seg: cute.Tensor, ctx: Launch):
+        """owner() of pair group ip of this thread; in round 2 from qj[ip] (q << 16 | j, computed
+        once by load_r2), not W - 1 shared loads per call."""
         q = Int32(0)
         j = Int32(0)
-        if cutlass.const_expr(round2):
-            x = qj[ip]
+        if cutlass.const_expr(src.round2):
+            x = src.qj[ip]
             q = x >> Int32(16)
             j = x & Int32(0xFFFF)
         else:
-            q, j = self.owner(self.pos1(ip, kp, lane, warp), round2, seg)
+            q, j = self.owner(self.pos1(ip, src.kp, ctx), False, seg)
         return q, j
 
     @cute.jit
-    def ll_word_addr(self, base: Int64, j: Int32) -> Int64:
-        return C.ll_word_addr(base, j)
+    def tied_owner(self, ip: cutlass.Constexpr, src: Words, vth: Int32, seg: cute.Tensor, ctx: Launch) -> Int32:
+        """The segment of pair group ip where one of its words has score vth (else 0): the
+        owner is needed only there."""
+        q = Int32(0)
+        j = Int32(0)
+        if Int32(src.regs[2 * ip] >> Uint32(16)) == vth or Int32(src.regs[2 * ip + 1] >> Uint32(16)) == vth:
+            q, j = self.owner_p(ip, src, seg, ctx)
+        return q
 
     @cute.jit
-    def pair_addr(self, i: cutlass.Constexpr, v: Int32, ll0: Int64, ll_stride: Int64, lane,
-                  warp) -> Int64:
-        """Address of the LL record of round-1 pair group i of this lane (position v).
-        When a warp's positions lie in one list (N a multiple of 32 * kp), it is a
-        per-warp base plus i * 512 bytes (no per-pair address registers)."""
+    def gid(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32) -> Int32:
+        """g = l W + q of word i of segment q."""
+        return self.lidx_of(w, hbits, i) * Int32(self.world) + q
+
+    @cute.jit
+    def pair_addr(self, i: cutlass.Constexpr, v: Int32, ctx: Launch, row: Row) -> Int64:
+        """Address of the LL record of round-1 pair group i of this thread (position v).  Where
+        a warp's (or with runs a thread's) positions lie in one list it is a base plus a
+        constant offset: no address registers per pair."""
         kp = self.kp1
         a = Int64(0)
         if cutlass.const_expr(self.runs):
-            # (runs) this thread's run lies in one list: its first record, then 16 bytes a pair
-            v0 = (warp * Int32(32) + lane) * Int32(kp)
+            v0 = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp)
             if cutlass.const_expr(self.clus > 1):
-                v0 = v0 + self.cbase
+                v0 = v0 + ctx.cbase
             q0 = v0 // Int32(self.n)
             j0 = v0 - q0 * Int32(self.n)
-            a = ll0 + Int64(q0) * ll_stride + Int64(j0 >> Int32(1)) * Int64(16) + Int64(i * 16)
+            a = row.ll0 + Int64(q0) * ctx.ll_stride + Int64(j0 >> Int32(1)) * Int64(16) + Int64(i * 16)
         elif cutlass.const_expr(self.n % (32 * kp) == 0):
-            v0 = warp * Int32(32 * kp)
+            v0 = ctx.warp * Int32(32 * kp)
             if cutlass.const_expr(self.clus > 1):
-                v0 = v0 + self.cbase
+                v0 = v0 + ctx.cbase
             q0 = v0 // Int32(self.n)
             j0 = v0 - q0 * Int32(self.n)
-            a = ll0 + Int64(q0) * ll_stride + Int64((j0 >> Int32(1)) + lane) * Int64(16) + Int64(i * 512)
+            a = row.ll0 + Int64(q0) * ctx.ll_stride + Int64((j0 >> Int32(1)) + ctx.lane) * Int64(16) + Int64(i * 512)
         else:
             q, j = self.owner(v, False, None)
-            a = self.ll_word_addr(ll0 + Int64(q) * ll_stride, j)
+            a = C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, j)
         return a
 
     @cute.jit
-    def mask_half(self, vm: Int32, ll0: Int64, ll_stride: Int64) -> Uint64:
-        """The LL half (word, tag) of the mask word that holds bit 16 of l for position vm."""
-        q, j = self.owner(vm, False, None)
-        return P.ld_volatile_u64(self.ll_word_addr(ll0 + Int64(q) * ll_stride, Int32(self.n) + (j >> Int32(5))))
+    def mask_addr(self, v: Int32, ctx: Launch, row: Row) -> Int64:
+        """Address of the LL half of the mask word that holds bit 16 of l for position v."""
+        q, j = self.owner(v, False, None)
+        return C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, Int32(self.n) + (j >> Int32(5)))
 
     @cute.jit
-    def load_r1_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, ll0: Int64,
-                     ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64):
-        """Round-1 words into registers.  Every 16-byte LL record (a pair of words) of a
-        batch, and the mask halves, are loaded before any tag is checked (loads in
-        flight together); then only halves whose tag is not ep are spun on (8-byte
-        volatile loads).  Mask words: the 32 positions of a half-warp in a pair group
-        share one mask word, so lane k < kp loads the one of (group k >> 1, half
-        k & 1) and the warp shuffles it to the lanes that need it."""
+    def stale(self, half: Uint64, ep: Int32):
+        """Whether an LL half (word | tag << 32) is not yet the row's (tag ep)."""
+        return Int32(Uint32(half >> Uint64(32))) != ep
+
+    @cute.jit
+    def load_r1(self, words: cute.Tensor, hb: cute.Tensor, ctx: Launch, row: Row):
+        """Round 1's words into registers.  Every 16-byte LL record (a pair of words) of a batch,
+        and the mask halves, are loaded before any tag is checked (loads in flight together);
+        stale halves are then polled together (poll_batch).  Mask words: the 32 positions of a
+        half-warp in a pair group share one, so lane k < kp loads the one of (group k >> 1,
+        half k & 1) and the warp shuffles it to the lanes that need it (with runs each thread
+        loads its own)."""
         kp = self.kp1
-        np_ = kp // 2
-        B = min(np_, LOAD_BATCH)
-        d0 = cute.make_rmem_tensor((B,), Uint64)
-        d1 = cute.make_rmem_tensor((B,), Uint64)
-        good = Uint64(ep) << Uint64(32)  # past the end: an empty word with the right tag
-        # the mask half of this lane (k = lane < kp)
-        mh = good
-        vm = warp * Int32(32 * kp) + (lane >> Int32(1)) * Int32(64) + (lane & Int32(1)) * Int32(32)
+        npairs = kp // 2
+        batch = min(npairs, LOAD_BATCH)
+        half0 = cute.make_rmem_tensor((batch,), Uint64)
+        half1 = cute.make_rmem_tensor((batch,), Uint64)
+        good = Uint64(row.ep) << Uint64(32)  # past the end: an empty word with the right tag
+        mhalf = good
+        mpos = ctx.warp * Int32(32 * kp) + (ctx.lane >> Int32(1)) * Int32(64) + (ctx.lane & Int32(1)) * Int32(32)
         if cutlass.const_expr(self.runs):
-            vm = (warp * Int32(32) + lane) * Int32(kp)  # (runs) the mask word of this thread's own run
+            mpos = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp)
         if cutlass.const_expr(self.clus > 1):
-            vm = vm + self.cbase
+            mpos = mpos + ctx.cbase
         if cutlass.const_expr(self.runs):
-            if vm < Int32(self.nk1):  # (runs) every lane, its own run's
-                mh = self.mask_half(vm, ll0, ll_stride)
-        elif lane < Int32(kp) and vm < Int32(self.nk1):
-            mh = self.mask_half(vm, ll0, ll_stride)
+            if mpos < Int32(self.nk1):
+                mhalf = P.ld_volatile_u64(self.mask_addr(mpos, ctx, row))
+        elif ctx.lane < Int32(kp) and mpos < Int32(self.nk1):
+            mhalf = P.ld_volatile_u64(self.mask_addr(mpos, ctx, row))
         hbits = Uint32(0)
         mword = Uint32(0)
-        for b0 in cutlass.range_constexpr(0, np_, B):
-            for k in cutlass.range_constexpr(B):
-                if cutlass.const_expr(b0 + k < np_):
-                    v = self.pos1(b0 + k, kp, lane, warp)
-                    d0[k] = good
-                    d1[k] = good
-                    if v < Int32(self.nk1):
-                        a, c = P.ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp))
-                        d0[k] = a
-                        d1[k] = c
-            # One test of every tag of the batch; the waits (spin code per half) sit behind one
-            # rarely taken branch, not inline after each record: the hot path stays short
-            # and straight (cold instruction fetch was a measured stall of this kernel).
-            bad = Int32(0)
+        for b0 in cutlass.range_constexpr(0, npairs, batch):
+            for k in cutlass.range_constexpr(min(batch, npairs - b0)):
+                v = self.pos1(b0 + k, kp, ctx)
+                half0[k] = good
+                half1[k] = good
+                if v < Int32(self.nk1):
+                    a, c = P.ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ctx, row))
+                    half0[k] = a
+                    half1[k] = c
+            mhalf = self.settle_batch(half0, half1, mhalf, mpos, b0, batch, ctx, row)
             if cutlass.const_expr(b0 == 0):
-                bad = Int32(Int32(Uint32(mh >> Uint64(32))) != ep)
-            for k in cutlass.range_constexpr(B):
-                if cutlass.const_expr(b0 + k < np_):
-                    bad = bad | Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep) | Int32(
-                        Int32(Uint32(d1[k] >> Uint64(32))) != ep)
-            if cutlass.const_expr(TUNE["bpoll"]):
-                if bad != Int32(0):
-                    mh, bad = self.poll_batch(d0, d1, mh, vm, b0, B, np_, kp, lane, warp, ll0, ll_stride,
-                                              ep, status, t, timeout_ns)  # fmt: skip
-            if bad != Int32(0):
-                # (bpoll: only after a timeout or a failure elsewhere; each wait then gives up at once)
-                if cutlass.const_expr(b0 == 0):
-                    if Int32(Uint32(mh >> Uint64(32))) != ep:
-                        q, j = self.owner(vm, False, None)
-                        mh = Uint64(self.ll_half(self.ll_word_addr(ll0 + Int64(q) * ll_stride,
-                                                                   Int32(self.n) + (j >> Int32(5))),
-                                                 ep, True, status, t, q, timeout_ns))  # fmt: skip
-                for k in cutlass.range_constexpr(B):
-                    if cutlass.const_expr(b0 + k < np_):
-                        i = b0 + k
-                        v = self.pos1(i, kp, lane, warp)
-                        q, j = self.owner(v, False, None)
-                        if Int32(Uint32(d0[k] >> Uint64(32))) != ep:
-                            d0[k] = Uint64(self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp), ep,
-                                                        True, status, t, q, timeout_ns))  # fmt: skip
-                        if Int32(Uint32(d1[k] >> Uint64(32))) != ep:
-                            d1[k] = Uint64(self.ll_half(self.pair_addr(i, v, ll0, ll_stride, lane, warp)
-                                                        + Int64(layout.LL_HALF_BYTES), ep, True, status, t, q,
-                                                        timeout_ns))  # fmt: skip
-            if cutlass.const_expr(b0 == 0):
-                mword = Uint32(mh & Uint64(0xFFFFFFFF))
-            for k in cutlass.range_constexpr(B):
-                if cutlass.const_expr(b0 + k < np_):
-                    i = b0 + k
-                    v = self.pos1(i, kp, lane, warp)
-                    q, j = self.owner(v, False, None)
-                    w0 = Uint32(d0[k] & Uint64(0xFFFFFFFF))
-                    w1 = Uint32(d1[k] & Uint64(0xFFFFFFFF))
-                    m = mword  # (runs: this thread's own mask word)
-                    if cutlass.const_expr(not self.runs):
-                        m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (lane >> Int32(4)))
-                    words[2 * i] = w0
-                    words[2 * i + 1] = w1
-                    sh = Uint32(j & Int32(31))
-                    hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
-                        ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
+                mword = Uint32(mhalf & Uint64(0xFFFFFFFF))
+            for k in cutlass.range_constexpr(min(batch, npairs - b0)):
+                i = b0 + k
+                q, j = self.owner(self.pos1(i, kp, ctx), False, None)
+                w0 = Uint32(half0[k] & Uint64(0xFFFFFFFF))
+                w1 = Uint32(half1[k] & Uint64(0xFFFFFFFF))
+                m = mword
+                if cutlass.const_expr(not self.runs):
+                    m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (ctx.lane >> Int32(4)))
+                words[2 * i] = w0
+                words[2 * i + 1] = w1
+                sh = Uint32(j & Int32(31))
+                hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
+                    ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
         hb[0] = hbits
 
     @cute.jit
-    def poll_batch(self, d0: cute.Tensor, d1: cute.Tensor, mh: Uint64, vm: Int32, b0: cutlass.Constexpr,
-                   B: cutlass.Constexpr, np_: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
-                   ll0: Int64, ll_stride: Int64, ep: Int32, status: Int64, t: Int32, timeout_ns: Int64):
-        """(bpoll) Re-load every stale half of a round-1 batch (and, in batch 0, the mask half)
-        together, predicated, until none is stale; returns (mh, bad).  A merge that starts
-        under PDL while its producer runs finds all of its own list stale: waiting for the
-        halves one at a time then cost a round trip per half after the data had landed.  The
-        timeout (from the first poll) is recorded here, for the owner of a half still stale;
-        once the status is set (here or by another wait) it returns with bad != 0 and the
-        per-half waits after it give up at once."""
+    def settle_batch(self, half0: cute.Tensor, half1: cute.Tensor, mhalf: Uint64, mpos: Int32,
+                     b0: cutlass.Constexpr, batch: cutlass.Constexpr, ctx: Launch, row: Row) -> Uint64:
+        """Every half of a loaded batch (and in batch 0 the mask half) with the row's tag;
+        returns the mask half.  One test of every tag, and the polls behind one rarely taken
+        branch, keep the hot path short and straight (cold instruction fetch was a measured
+        stall).  After a timeout or a failure elsewhere each remaining half is waited for in
+        turn, each wait giving up at once."""
+        ep = row.ep
+        npairs = self.kp1 // 2
+        bad = Int32(0)
+        if cutlass.const_expr(b0 == 0):
+            bad = Int32(self.stale(mhalf, ep))
+        for k in cutlass.range_constexpr(min(batch, npairs - b0)):
+            bad = bad | Int32(self.stale(half0[k], ep)) | Int32(self.stale(half1[k], ep))
+        if bad != Int32(0):
+            mhalf, bad = self.poll_batch(half0, half1, mhalf, mpos, b0, batch, ctx, row)
+        if bad != Int32(0):
+            if cutlass.const_expr(b0 == 0):
+                if self.stale(mhalf, ep):
+                    q, j = self.owner(mpos, False, None)
+                    mhalf = Uint64(self.ll_half(self.mask_addr(mpos, ctx, row), True, q, ctx, row))
+            for k in cutlass.range_constexpr(min(batch, npairs - b0)):
+                i = b0 + k
+                v = self.pos1(i, self.kp1, ctx)
+                q, j = self.owner(v, False, None)
+                if self.stale(half0[k], ep):
+                    half0[k] = Uint64(self.ll_half(self.pair_addr(i, v, ctx, row), True, q, ctx, row))
+                if self.stale(half1[k], ep):
+                    half1[k] = Uint64(self.ll_half(self.pair_addr(i, v, ctx, row) + Int64(layout.LL_HALF_BYTES),
+                                                   True, q, ctx, row))  # fmt: skip
+        return mhalf
+
+    @cute.jit
+    def poll_batch(self, half0: cute.Tensor, half1: cute.Tensor, mhalf: Uint64, mpos: Int32,
+                   b0: cutlass.Constexpr, batch: cutlass.Constexpr, ctx: Launch, row: Row):
+        """Re-load every stale half of a round-1 batch (and in batch 0 the mask half) together,
+        predicated, until none is stale; returns (mhalf, bad).  A merge that starts under PDL
+        while its producer runs finds all of its own list stale: waiting for the halves one at
+        a time cost a round trip per half once the data had landed.  The timeout (from the first
+        poll) is recorded here for the owner of a half still stale; once the status is set it
+        returns with bad != 0."""
+        ep = row.ep
+        kp = self.kp1
+        npairs = kp // 2
         start = P.globaltimer()
         bad = Int32(1)
         go = Int32(1)
         while go != Int32(0):
-            stw = P.ld_volatile_u32(status)
+            status_word = P.ld_volatile_u32(ctx.status)
             qbad = Int32(-1)
             if cutlass.const_expr(b0 == 0):
-                sm_ = Int32(Int32(Uint32(mh >> Uint64(32))) != ep)
-                qm, jm = self.owner(vm, False, None)
-                nm = P.ld_volatile_u64_if(self.ll_word_addr(ll0 + Int64(qm) * ll_stride,
-                                                            Int32(self.n) + (jm >> Int32(5))), sm_)  # fmt: skip
-                if sm_ != Int32(0):
-                    mh = nm
-            for k in cutlass.range_constexpr(B):
-                if cutlass.const_expr(b0 + k < np_):
-                    v = self.pos1(b0 + k, kp, lane, warp)
-                    a0 = self.pair_addr(b0 + k, v, ll0, ll_stride, lane, warp)
-                    s0 = Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep)
-                    s1 = Int32(Int32(Uint32(d1[k] >> Uint64(32))) != ep)
-                    n0 = P.ld_volatile_u64_if(a0, s0)
-                    n1 = P.ld_volatile_u64_if(a0 + Int64(layout.LL_HALF_BYTES), s1)
-                    if s0 != Int32(0):
-                        d0[k] = n0
-                    if s1 != Int32(0):
-                        d1[k] = n1
+                stale = Int32(self.stale(mhalf, ep))
+                fresh = P.ld_volatile_u64_if(self.mask_addr(mpos, ctx, row), stale)
+                if stale != Int32(0):
+                    mhalf = fresh
+            for k in cutlass.range_constexpr(min(batch, npairs - b0)):
+                v = self.pos1(b0 + k, kp, ctx)
+                a0 = self.pair_addr(b0 + k, v, ctx, row)
+                s0 = Int32(self.stale(half0[k], ep))
+                s1 = Int32(self.stale(half1[k], ep))
+                n0 = P.ld_volatile_u64_if(a0, s0)
+                n1 = P.ld_volatile_u64_if(a0 + Int64(layout.LL_HALF_BYTES), s1)
+                if s0 != Int32(0):
+                    half0[k] = n0
+                if s1 != Int32(0):
+                    half1[k] = n1
             bad = Int32(0)
             if cutlass.const_expr(b0 == 0):
-                if Int32(Uint32(mh >> Uint64(32))) != ep:
+                if self.stale(mhalf, ep):
                     bad = Int32(1)
-                    qm, jm = self.owner(vm, False, None)
+                    qm, jm = self.owner(mpos, False, None)
                     qbad = qm
-            for k in cutlass.range_constexpr(B):
-                if cutlass.const_expr(b0 + k < np_):
-                    if Int32(Int32(Uint32(d0[k] >> Uint64(32))) != ep) | Int32(
-                            Int32(Uint32(d1[k] >> Uint64(32))) != ep) != Int32(0):  # fmt: skip
-                        bad = Int32(1)
-                        q, j = self.owner(self.pos1(b0 + k, kp, lane, warp), False, None)
-                        qbad = q
+            for k in cutlass.range_constexpr(min(batch, npairs - b0)):
+                if Int32(self.stale(half0[k], ep)) | Int32(self.stale(half1[k], ep)) != Int32(0):
+                    bad = Int32(1)
+                    q, j = self.owner(self.pos1(b0 + k, kp, ctx), False, None)
+                    qbad = q
             if bad == Int32(0):
                 go = Int32(0)
-            elif stw != Uint32(layout.STATUS_OK):
+            elif status_word != Uint32(layout.STATUS_OK):
                 go = Int32(0)
-            elif P.globaltimer() - start > timeout_ns:
-                self.record(status, Int32(layout.STATUS_TIMEOUT_ROUND1), t, ep, qbad)
+            elif P.globaltimer() - start > ctx.timeout_ns:
+                self.record(Int32(layout.STATUS_TIMEOUT_ROUND1), qbad, ctx, row)
                 go = Int32(0)
-        return mh, bad
+        return mhalf, bad
 
     @cute.jit
-    def fake_r1(self, words: cute.Tensor, hb: cute.Tensor, lane, warp):
-        """Timing only (noload): synthetic round-1 words (hashed scores 0x3000..0x6FFF,
-        ascending l per list), no loads, no waits."""
-        kp = self.kp1
-        for i in cutlass.range_constexpr(kp // 2):
-            for h in cutlass.range_constexpr(2):
-                v = self.pos1(i, kp, lane, warp) + Int32(h)
-                w = Uint32(0)
-                if v < Int32(self.nk1):
-                    q, j = self.owner(v, False, None)
-                    sv = Uint32(0x3000) + ((Uint32(v) * Uint32(2654435761)) >> Uint32(18))
-                    w = (sv << Uint32(16)) | (Uint32(0xFFFF) - Uint32(j))
-                words[2 * i + h] = w
-        hb[0] = Uint32(0)
-
-    @cute.jit
-    def load_r2_fast(self, words: cute.Tensor, hb: cute.Tensor, lane, warp, seg: cute.Tensor,
-                     ll0: Int64, ll_stride: Int64, resc0: Int64, qj: cute.Tensor):
-        """Round-2 words into registers: segment q is rank q's K-list (rescue slot
-        seg[17 + q] >= 0, plain words) or its round-1 LL list (tags already checked);
-        qj[i] = q << 16 | j of pair group i (for owner_p)."""
+    def load_r2(self, words: cute.Tensor, hb: cute.Tensor, seg: cute.Tensor, qj: cute.Tensor, ctx: Launch, row: Row):
+        """Round 2's words into registers: segment q is rank q's K-list (rescue slot
+        seg[17 + q] >= 0, plain words) or its round-1 LL list (tags checked in round 1);
+        qj[i] = q << 16 | j of pair group i (owner_p).  No branch per pair: both sources'
+        loads predicated, so every pair's loads are in flight together."""
         kp = self.kp2
         nk = seg[self.world]
         hbits = Uint32(0)
         for i in cutlass.range_constexpr(kp // 2):
-            # no branch per pair: both sources' loads predicated (P.ld_u32_if), so every
-            # pair's loads are in flight together
-            v = self.pair_pos(i, kp, lane, warp)
+            v = self.pair_pos(i, kp, ctx)
             inr = Int32(v < nk)
             q, j = self.owner(v, True, seg)
             qj[i] = ((q << Int32(16)) | j) & (Int32(0) - inr)
             s = seg[17 + q]
-            pr = inr & Int32(s >= Int32(0))  # a rescued rank: its K-list, plain words
-            pl = inr & Int32(s < Int32(0))  # else its round-1 LL list (tags checked in round 1)
-            rbase = resc0 + Int64(cutlass.max(s, Int32(0))) * Int64(self.rescue_row_bytes)
-            lbase = ll0 + Int64(q) * ll_stride
+            pr = inr & Int32(s >= Int32(0))
+            pl = inr & Int32(s < Int32(0))
+            rbase = row.resc0 + Int64(cutlass.max(s, Int32(0))) * Int64(self.rescue_row_bytes)
+            lbase = row.ll0 + Int64(q) * ctx.ll_stride
             d = P.ld_volatile_u64_if(rbase + Int64(j) * Int64(4), pr)
             mr = P.ld_volatile_u32_if(rbase + Int64(Int32(self.topk) + (j >> Int32(5))) * Int64(4), pr)
-            a, c = P.ld_volatile_v2_u64_if(self.ll_word_addr(lbase, j), pl)
-            ml = Uint32(P.ld_volatile_u64_if(self.ll_word_addr(lbase, Int32(self.n) + (j >> Int32(5))), pl)
+            a, c = P.ld_volatile_v2_u64_if(C.ll_word_addr(lbase, j), pl)
+            ml = Uint32(P.ld_volatile_u64_if(C.ll_word_addr(lbase, Int32(self.n) + (j >> Int32(5))), pl)
                         & Uint64(0xFFFFFFFF))  # fmt: skip
             # (a predicated-off load leaves 0, so the two sources can be or-ed)
             w0 = Uint32(d & Uint64(0xFFFFFFFF)) | Uint32(a & Uint64(0xFFFFFFFF))
@@ -937,18 +886,56 @@ class Merge:
         hb[0] = hbits
 
     @cute.jit
-    def gid(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32) -> Int32:
-        lidx = Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
-        return lidx * Int32(self.world) + q
+    def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, ctx: Launch, row: Row):
+        """Block-table entries of this rank's round-1 keys (their l is known once the words are
+        in), loaded now, in flight during the select, by predicated loads (no branch)."""
+        kp = self.kp1
+        hbits = hb[0]
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pos1(ip, kp, ctx), False, None)
+            for h in cutlass.range_constexpr(2):
+                i = 2 * ip + h
+                page = self.page_of(self.lidx_of(words[i], hbits, i), ctx)
+                ok = Int32(q == ctx.rank) & Int32(words[i] != Uint32(0)) & row.req_ok & Int32(page < ctx.bt_cols)
+                btp[i] = P.ld_u32_if(row.bt_row + Int64(page) * Int64(4), ok)
+
+    @cute.jit
+    def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, ctx: Launch, row: Row):
+        """prefetch_bt for many words per thread: the entries go to buf[j] (j: index in this
+        rank's list; buf is free until a rescue), loads first, then the stores."""
+        kp = self.kp1
+        hbits = hb[0]
+        entries = cute.make_rmem_tensor((kp,), Int32)
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pos1(ip, kp, ctx), False, None)
+            entries[2 * ip] = Int32(0)
+            entries[2 * ip + 1] = Int32(0)
+            if q == ctx.rank:  # (warp-uniform where a warp's positions lie in one list)
+                for h in cutlass.range_constexpr(2):
+                    i = 2 * ip + h
+                    page = self.page_of(self.lidx_of(words[i], hbits, i), ctx)
+                    ok = Int32(words[i] != Uint32(0)) & row.req_ok & Int32(page < ctx.bt_cols)
+                    entries[i] = P.ld_u32_if(row.bt_row + Int64(page) * Int64(4), ok)
+        for ip in cutlass.range_constexpr(kp // 2):
+            q, j = self.owner(self.pos1(ip, kp, ctx), False, None)
+            if q == ctx.rank:
+                buf[j] = entries[2 * ip]
+                buf[j + Int32(1)] = entries[2 * ip + 1]
+
+    # ------------------------------------------------------------------ the score select
+    # The boundary score from a histogram of (s - lo) >> shift (lo, the range and the count from
+    # warp reductions), a second one over the low shift bits where the range is wide, then the
+    # tie-break on g among the keys of that score only.  Every sum is the CTA's, or for a
+    # clustered round 1 the cluster's (each CTA's read through DSMEM after a cluster barrier).
+    # The words are in registers or, for a rolled round 2, in shared memory (Words).
 
     @cute.jit
     def warp_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
-                      sc: cute.Tensor, slot: cutlass.Constexpr):
-        """One warp: bins scanned from the top, the bin holding the need-th element
-        (need <= total) -> sc[slot] = bin, sc[slot + 1] = elements above it,
-        sc[slot + 2] = its count.  Lane k sums the nb / 32 bins ranked k * per ..
-        from the top; a warp scan finds the lane, whose bins the warp then scans
-        (one per lane)."""
+                      found: cute.Tensor, slot: cutlass.Constexpr):
+        """One warp: the bin holding the need-th element from the top (need <= total) ->
+        found[slot] = bin, found[slot + 1] = elements above it, found[slot + 2] = its count.
+        Lane k sums the nb / 32 bins ranked k * per .. from the top; a warp scan finds the lane,
+        whose bins the warp then scans (one per lane)."""
         per = nb // 32
         assert per * 32 == nb and per & (per - 1) == 0, nb
         s = Int32(0)
@@ -966,234 +953,29 @@ class Merge:
         incl2 = C.warp_incl_scan(x, lane) + base
         excl2 = incl2 - x
         if lane < Int32(per) and x > Int32(0) and excl2 < need and incl2 >= need:
-            sc[slot] = b
-            sc[slot + 1] = excl2
-            sc[slot + 2] = x
+            found[slot] = b
+            found[slot + 1] = excl2
+            found[slot + 2] = x
 
     @cute.jit
-    def cta_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane, warp,
-                     sc: cute.Tensor, slot: cutlass.Constexpr):
+    def cta_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, found: cute.Tensor,
+                     slot: cutlass.Constexpr, ctx: Launch):
         """warp_find_bin by warp 0 between two block barriers (the histogram complete before,
-        sc[slot ..] visible to every thread after)."""
+        found[slot ..] visible to every thread after)."""
         cute.arch.sync_threads()
-        if warp == Int32(0):
-            self.warp_find_bin(hist, nb, need, lane, sc, slot)
+        if ctx.warp == Int32(0):
+            self.warp_find_bin(hist, nb, need, ctx.lane, found, slot)
         cute.arch.sync_threads()
 
     @cute.jit
-    def pair_counts(self, selm: Uint32, ip: cutlass.Constexpr, kp: cutlass.Constexpr, lane, warp,
-                    round2: cutlass.Constexpr, seg: cute.Tensor, rank: Int32, lt: Uint32,
-                    qj: cute.Tensor):
-        """Selected keys (own << 16 | all) of pair group ip of this warp: (of the lanes
-        below this one, of the whole warp (warp-uniform)), from four ballots."""
-        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-        s0 = ((selm >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
-        s1 = ((selm >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
-        return self.ballot_counts(s0, s1, q == rank, lt)
-
-    @cute.jit
-    def ballot_counts(self, s0, s1, own, lt: Uint32):
-        """(selected keys of the lanes below this one, of the whole warp), own << 16 | all,
-        of a pair group whose two keys' selection bits are s0, s1 (own: this rank's)."""
-        b0 = Uint32(cute.arch.vote_ballot_sync(s0))
-        b1 = Uint32(cute.arch.vote_ballot_sync(s1))
-        o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
-        o1 = Uint32(cute.arch.vote_ballot_sync(s1 and own))
-        before = Int32(cute.arch.popc(b0 & lt)) + Int32(cute.arch.popc(b1 & lt)) + (
-            (Int32(cute.arch.popc(o0 & lt)) + Int32(cute.arch.popc(o1 & lt))) << Int32(16))
-        total = Int32(cute.arch.popc(b0)) + Int32(cute.arch.popc(b1)) + (
-            (Int32(cute.arch.popc(o0)) + Int32(cute.arch.popc(o1))) << Int32(16))
-        return before, total
-
-    @cute.jit
-    def pair_counts_dyn(self, selm: Uint32, ip: Int32, kp: cutlass.Constexpr, lane, warp, rank: Int32,
-                        lt: Uint32):
-        """pair_counts of round 1 for a pair group ip known at run time (the rolled loops)."""
-        v = warp * Int32(32 * kp) + ip * Int32(64) + Int32(2) * lane
-        own = (v // Int32(self.n)) == rank
-        s0 = ((selm >> (Uint32(2) * Uint32(ip))) & Uint32(1)) != Uint32(0)
-        s1 = ((selm >> (Uint32(2) * Uint32(ip) + Uint32(1))) & Uint32(1)) != Uint32(0)
-        return self.ballot_counts(s0, s1, own, lt)
-
-    @cute.jit
-    def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, lane, warp,
-                    rank: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32):
-        """Block-table entries of this rank's round-1 keys (their l is known once the
-        words are in), loaded now so that they are in flight during the select instead
-        of after it."""
-        kp = self.kp1
-        hbits = hb[0]
-        for ip in cutlass.range_constexpr(kp // 2):
-            q, j = self.owner(self.pos1(ip, kp, lane, warp), False, None)
-            for h in cutlass.range_constexpr(2):
-                # no branch: predicated loads, all in flight together (P.ld_u32_if)
-                i = 2 * ip + h
-                page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
-                ok = Int32(q == rank) & Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
-                btp[i] = P.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
-
-    @cute.jit
-    def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, lane, warp,
-                         rank: Int32, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
-                         block_size: Int32):
-        """prefetch_bt for many words per thread: the entries go to buf[j] (j = index in
-        this rank's list; buf is free until a rescue), loads first, then the stores."""
-        kp = self.kp1
-        hbits = hb[0]
-        btv = cute.make_rmem_tensor((kp,), Int32)
-        for ip in cutlass.range_constexpr(kp // 2):
-            q, j = self.owner(self.pos1(ip, kp, lane, warp), False, None)
-            btv[2 * ip] = Int32(0)
-            btv[2 * ip + 1] = Int32(0)
-            if q == rank:  # (warp-uniform when a warp's positions lie in one list)
-                for h in cutlass.range_constexpr(2):
-                    i = 2 * ip + h  # predicated loads, in flight together (prefetch_bt)
-                    page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
-                    ok = Int32(words[i] != Uint32(0)) & req_ok & Int32(page < bt_cols)
-                    btv[i] = P.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
-        for ip in cutlass.range_constexpr(kp // 2):
-            q, j = self.owner(self.pos1(ip, kp, lane, warp), False, None)
-            if q == rank:
-                buf[j] = btv[2 * ip]
-                buf[j + Int32(1)] = btv[2 * ip + 1]
-
-    @cute.jit
-    def rank_eq(self, eqb: cute.Tensor, m: Int32, need: Int32, tid, sc: cute.Tensor) -> Int32:
-        """The need-th smallest of the m distinct values eqb[0..m) (stored, barrier passed):
-        thread tid < m ranks eqb[tid], the winner writes sc[6], one barrier."""
-        if tid < m:
-            my = eqb[tid]
-            r = Int32(0)
-            for jj in cutlass.range(m, unroll=4):
-                if eqb[jj] < my:
-                    r = r + Int32(1)
-            if r == need - Int32(1):
-                sc[6] = my
-        cute.arch.sync_threads()
-        return sc[6]
-
-    @cute.jit
-    def tie_break(self, words: cute.Tensor, hbits: Uint32, kp: cutlass.Constexpr,
-                  round2: cutlass.Constexpr, vth: Int32, m: Int32, need: Int32, slot: Int32,
-                  sm: MergeSmem, tid, lane, warp, qj: cute.Tensor, cl: cutlass.Constexpr = False) -> Int32:
-        """gT: the need-th smallest g among the m keys of score vth (their order in the
-        selection: smaller g first).  ``cl``: m, need are the cluster's; the tied keys
-        (or their g histograms) are summed over the cluster."""
-        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
-        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
-        seg = sm.seg
-        G = self.gbits
-        gmax = Int32((1 << G) - 1)
-        gT = Int32(-1)
-        if cutlass.const_expr(TUNE["notie"]):
-            gT = Int32(-1)  # timing only: no key at the boundary score selected
-        else:
-            if m <= Int32(EQ_MAX):
-                # the g of every key at score vth into eqb, then each one's rank
-                c = Int32(0)
-                for i in cutlass.range_constexpr(kp):
-                    if Int32(words[i] >> Uint32(16)) == vth:
-                        c = c + Int32(1)
-                if c != Int32(0):
-                    pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
-                                               scope="cta")  # fmt: skip
-                    for ip in cutlass.range_constexpr(kp // 2):
-                        q = Int32(0)
-                        j = Int32(0)
-                        if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        for h in cutlass.range_constexpr(2):
-                            if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
-                                eqb[pos] = self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                                pos = pos + Int32(1)
-                if cutlass.const_expr(cl):
-                    gT = self.rank_eq(self.clus_gather_eq(eqb, m, slot, sm, tid), m, need, tid, sc)
-                else:
-                    cute.arch.sync_threads()
-                    gT = self.rank_eq(eqb, m, need, tid, sc)
-            else:
-                # many keys at the boundary score: the need-th smallest g among them by
-                # three histograms of u = gmax - g (larger u = smaller g): the top 10 bits,
-                # the next 6, the last G - 16 (G >= 17), as the score select does
-                uT = Int32(0)
-                nd = need
-                for d in cutlass.range_constexpr(3):
-                    hi_ = (G, G - 10, G - 16)[d]
-                    lo_ = (G - 10, G - 16, 0)[d]
-                    hist = (fg, fg2, fg3)[d]
-                    for ip in cutlass.range_constexpr(kp // 2):
-                        q = Int32(0)
-                        j = Int32(0)
-                        if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                            q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        for h in cutlass.range_constexpr(2):
-                            if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
-                                u = gmax - self.gid(words[2 * ip + h], hbits, 2 * ip + h, q)
-                                if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
-                                    cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
-                                                         Int32(1), sem="relaxed", scope="cta")  # fmt: skip
-                    self.find_bin_x(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, tid, lane, warp, sc, 8,
-                                    cl, sm)  # fmt: skip
-                    uT = uT | (sc[8] << Int32(lo_))
-                    nd = nd - sc[9]
-                gT = gmax - uT
-        return gT
-
-    @cute.jit
-    def publish_stats(self, cnt: Int32, mx: Int32, mn: Int32, slot: Int32, sm: MergeSmem, tid, lane,
-                      cl: cutlass.Constexpr = False):
-        """This thread's count / max / min score of its nonzero words -> the CTA's (warp
-        reductions, one atomic each per warp into stats slot ``slot``), the fast path's
-        histograms cleared, one barrier; returns (count, min, max - min).  ``cl``: the
-        barrier is a cluster barrier and the result the cluster's (every CTA's slot read
-        through DSMEM)."""
-        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
-        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
-        cnt = cute.arch.warp_redux_sync(cnt, "add")
-        mx = cute.arch.warp_redux_sync(mx, "max")
-        mn = cute.arch.warp_redux_sync(mn, "min")
-        if lane == Int32(0):
-            cute.arch.atomic_add(st.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
-            cute.arch.atomic_max(st.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
-            cute.arch.atomic_min(st.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
-        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-            fh[tid + Int32(u * C.TB)] = Int32(0)
-        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
-            fg[tid + Int32(u * C.TB)] = Int32(0)
-        if tid < Int32(SCORE_BINS2):
-            fh2[tid] = Int32(0)
-            fg2[tid] = Int32(0)
-            fg3[tid] = Int32(0)
-        tot = Int32(0)
-        lo = Int32(0)
-        hi = Int32(0)
+    def find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, slot: cutlass.Constexpr,
+                 cl: cutlass.Constexpr, sm: MergeSmem, ctx: Launch):
+        """cta_find_bin into sm.found; ``cl``: over the cluster's sum of ``hist`` (a cluster
+        barrier publishes every CTA's, thread k < nb / 4 sums bins 4k .. 4k + 3 over the CTAs by
+        16-byte DSMEM loads, all in flight, into cluster_hist, where warp 0 finds the bin)."""
+        tid = ctx.tid
         if cutlass.const_expr(cl):
-            P.cluster_sync_local()
-            self.mk(4)
-            st_a = P.smem_addr(st) + slot * Int32(16)
-            lo = Int32(0xFFFF)
-            for r in cutlass.range_constexpr(self.clus):
-                a, b, c, _ = P.ld_dsmem_v4(P.mapa(st_a, Int32(r)))
-                tot = tot + a
-                hi = cutlass.max(hi, b)
-                lo = cutlass.min(lo, c)
-        else:
-            cute.arch.sync_threads()
-            self.mk(4)
-            lo = st[slot * Int32(4) + Int32(2)]
-            tot = st[slot * Int32(4)]
-            hi = st[slot * Int32(4) + Int32(1)]
-        return tot, lo, hi - lo
-
-    @cute.jit
-    def find_bin_x(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, tid, lane, warp,
-                   sc: cute.Tensor, slot: cutlass.Constexpr, cl: cutlass.Constexpr, sm: MergeSmem):
-        """cta_find_bin; ``cl``: over the cluster's sum of ``hist`` -- a cluster barrier
-        publishes every CTA's histogram, thread k < nb / 4 sums bins 4k .. 4k + 3 over the
-        C CTAs (16-byte DSMEM loads, all in flight) into this CTA's hs, warp 0 finds the
-        bin there."""
-        if cutlass.const_expr(cl):
-            hs = sm.hs
+            summed = sm.cluster_hist
             P.cluster_sync_local()
             h_a = P.smem_addr(hist) + tid * Int32(16)
             if tid < Int32(nb // 4):
@@ -1207,422 +989,697 @@ class Merge:
                     g1 = g1 + b
                     g2 = g2 + c
                     g3 = g3 + d
-                hs[Int32(4) * tid] = g0
-                hs[Int32(4) * tid + Int32(1)] = g1
-                hs[Int32(4) * tid + Int32(2)] = g2
-                hs[Int32(4) * tid + Int32(3)] = g3
+                summed[Int32(4) * tid] = g0
+                summed[Int32(4) * tid + Int32(1)] = g1
+                summed[Int32(4) * tid + Int32(2)] = g2
+                summed[Int32(4) * tid + Int32(3)] = g3
             cute.arch.sync_threads()
-            if warp == Int32(0):
-                self.warp_find_bin(hs, nb, need, lane, sc, slot)
+            if ctx.warp == Int32(0):
+                self.warp_find_bin(summed, nb, need, ctx.lane, sm.found, slot)
             cute.arch.sync_threads()
         else:
-            self.cta_find_bin(hist, nb, need, lane, warp, sc, slot)
+            self.cta_find_bin(hist, nb, need, sm.found, slot, ctx)
 
     @cute.jit
-    def clus_gather_eq(self, eqb: cute.Tensor, m: Int32, slot: Int32, sm: MergeSmem, tid) -> cute.Tensor:
-        """The cluster's m keys at the boundary score (each CTA's in its eqb, counted in its
-        stats slot word 3) gathered into this CTA's he after a cluster barrier (which
-        replaces the block barrier after the local gather); returns he."""
-        he = sm.he
+    def word_stats(self, words: cute.Tensor, kp: cutlass.Constexpr):
+        """(count, max, min) of this thread's nonzero word scores.  Branch-free up to
+        BRANCH_FREE_KP words (a per-word `if` is a branch and a convergence barrier): an empty
+        word leaves the max alone and counts as 0xFFFF for the min."""
+        cnt = Int32(0)
+        mx = Int32(0)
+        mn = Int32(0xFFFF)
+        for i in cutlass.range_constexpr(kp):
+            sv = Int32(words[i] >> Uint32(16))
+            if cutlass.const_expr(kp > BRANCH_FREE_KP):
+                if sv != Int32(0):
+                    cnt = cnt + Int32(1)
+                    mx = cutlass.max(mx, sv)
+                    mn = cutlass.min(mn, sv)
+            else:
+                nz = Int32(sv != Int32(0))
+                cnt = cnt + nz
+                mx = cutlass.max(mx, sv)
+                mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
+        return cnt, mx, mn
+
+    @cute.jit
+    def publish_stats(self, cnt: Int32, mx: Int32, mn: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
+                      cl: cutlass.Constexpr = False):
+        """This thread's count / max / min -> the CTA's (warp reductions, one atomic each per
+        warp into stats slot ``slot``), the histograms cleared, one barrier; returns (count,
+        min, max - min).  ``cl``: a cluster barrier, and the cluster's stats."""
+        tid = ctx.tid
+        stats, score_hist, score_hist2 = sm.stats, sm.score_hist, sm.score_hist2
+        g_hist, g_hist2, g_hist3 = sm.g_hist, sm.g_hist2, sm.g_hist3
+        cnt = cute.arch.warp_redux_sync(cnt, "add")
+        mx = cute.arch.warp_redux_sync(mx, "max")
+        mn = cute.arch.warp_redux_sync(mn, "min")
+        if ctx.lane == Int32(0):
+            cute.arch.atomic_add(stats.iterator + slot * Int32(4), cnt, sem="relaxed", scope="cta")
+            cute.arch.atomic_max(stats.iterator + slot * Int32(4) + Int32(1), mx, sem="relaxed", scope="cta")
+            cute.arch.atomic_min(stats.iterator + slot * Int32(4) + Int32(2), mn, sem="relaxed", scope="cta")
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            score_hist[tid + Int32(u * C.TB)] = Int32(0)
+        for u in cutlass.range_constexpr(SCORE_BINS // C.TB):
+            g_hist[tid + Int32(u * C.TB)] = Int32(0)
+        if tid < Int32(SCORE_BINS2):
+            score_hist2[tid] = Int32(0)
+            g_hist2[tid] = Int32(0)
+            g_hist3[tid] = Int32(0)
+        tot = Int32(0)
+        lo = Int32(0)
+        hi = Int32(0)
+        if cutlass.const_expr(cl):
+            P.cluster_sync_local()
+            stats_a = P.smem_addr(stats) + slot * Int32(16)
+            lo = Int32(0xFFFF)
+            for r in cutlass.range_constexpr(self.clus):
+                a, b, c, _ = P.ld_dsmem_v4(P.mapa(stats_a, Int32(r)))
+                tot = tot + a
+                hi = cutlass.max(hi, b)
+                lo = cutlass.min(lo, c)
+        else:
+            cute.arch.sync_threads()
+            lo = stats[slot * Int32(4) + Int32(2)]
+            tot = stats[slot * Int32(4)]
+            hi = stats[slot * Int32(4) + Int32(1)]
+        return tot, lo, hi - lo
+
+    @cute.jit
+    def score_boundary(self, src: Words, lo: Int32, rng: Int32, sm: MergeSmem, ctx: Launch,
+                       cl: cutlass.Constexpr = False):
+        """(boundary score, keys above it, keys at it) of a row of at least K keys."""
+        K = self.topk
+        found = sm.found
+        shift = Int32(0)
+        while (rng >> shift) >= Int32(SCORE_BINS):
+            shift = shift + Int32(1)
+        self.fill_score_hist(src, lo, shift, P.smem_addr(sm.score_hist))
+        self.find_bin(sm.score_hist, SCORE_BINS, Int32(K), 0, cl, sm, ctx)
+        b = found[0]
+        above = found[1]
+        m = found[2]
+        vth = lo + (b << shift)
+        if shift > Int32(0):
+            self.fill_score_hist2(src, lo, shift, b, (Int32(1) << shift) - Int32(1), sm.score_hist2)
+            self.find_bin(sm.score_hist2, SCORE_BINS2, Int32(K) - above, 3, cl, sm, ctx)
+            vth = vth + found[3]
+            above = above + found[4]
+            m = found[5]
+        return vth, above, m
+
+    @cute.jit
+    def add_score(self, sv: Int32, lo: Int32, shift: Int32, hist_a: Int32):
+        """Count score sv in the score histogram (an empty word in EMPTY_BIN: no branch)."""
+        b_ = Int32(EMPTY_BIN)
+        if sv != Int32(0):
+            b_ = (sv - lo) >> shift
+        P.red_smem_add(hist_a + b_ * Int32(4), Int32(1))
+
+    @cute.jit
+    def add_score2(self, sv: Int32, lo: Int32, shift: Int32, b: Int32, low: Int32, hist2: cute.Tensor):
+        """Count score sv in the second histogram if it lies in bin b of the first."""
+        if sv != Int32(0) and ((sv - lo) >> shift) == b:
+            cute.arch.atomic_add(hist2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed", scope="cta")
+
+    @cute.jit
+    def fill_score_hist(self, src: Words, lo: Int32, shift: Int32, hist_a: Int32):
+        if cutlass.const_expr(src.grp is None):
+            for i in cutlass.range_constexpr(src.kp):
+                sv = Int32(src.regs[i] >> Uint32(16))
+                if cutlass.const_expr(src.kp > BRANCH_FREE_KP):
+                    if sv != Int32(0):
+                        P.red_smem_add(hist_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
+                else:
+                    self.add_score(sv, lo, shift, hist_a)
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                for h in cutlass.range_constexpr(2):
+                    self.add_score(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, hist_a)
+
+    @cute.jit
+    def fill_score_hist2(self, src: Words, lo: Int32, shift: Int32, b: Int32, low: Int32, hist2: cute.Tensor):
+        if cutlass.const_expr(src.grp is None):
+            for i in cutlass.range_constexpr(src.kp):
+                self.add_score2(Int32(src.regs[i] >> Uint32(16)), lo, shift, b, low, hist2)
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                for h in cutlass.range_constexpr(2):
+                    self.add_score2(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, b, low, hist2)
+
+    @cute.jit
+    def tie_break(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
+                  cl: cutlass.Constexpr = False) -> Int32:
+        """The need-th smallest g among the m keys of score vth (the selection takes smaller g
+        first).  In a rolled round 2, where every key at vth is selected (a rescued K-list's
+        lowest score is often the boundary), none is needed (W = 8, N = 512: forced rescue
+        40.8 -> 34.0 us)."""
+        g_last = Int32(-1)
+        if cutlass.const_expr(src.grp is None):
+            g_last = self.tie_search(src, vth, m, need, slot, sm, ctx, cl)
+        else:
+            whole = Int32(need == m)
+            if whole != Int32(0):
+                g_last = Int32((1 << self.gbits) - 1)
+            else:
+                g_last = self.tie_search(src, vth, m, need, slot, sm, ctx, cl)
+        return g_last
+
+    @cute.jit
+    def tie_search(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
+                   cl: cutlass.Constexpr) -> Int32:
+        """tie_break: up to EQ_MAX keys ranked one per thread, more by three histograms of g.
+        ``cl``: m and need are the cluster's, and so are the tied keys (or their histograms)."""
+        g_last = Int32(-1)
+        if m <= Int32(EQ_MAX):
+            # the g of every key at score vth into sm.tied, at places taken from the stats
+            # slot's tied count, then each one's rank
+            c = self.count_tied(src, vth)
+            if c != Int32(0):
+                pos = cute.arch.atomic_add(sm.stats.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
+                                           scope="cta")  # fmt: skip
+                self.store_tied(src, vth, pos, sm, ctx)
+            if cutlass.const_expr(cl):
+                g_last = self.rank_tied(self.gather_cluster_tied(m, slot, sm, ctx), m, need, sm.found, ctx)
+            else:
+                cute.arch.sync_threads()
+                g_last = self.rank_tied(sm.tied, m, need, sm.found, ctx)
+        else:
+            g_last = self.tie_by_histograms(src, vth, need, sm, ctx, cl)
+        return g_last
+
+    @cute.jit
+    def count_tied(self, src: Words, vth: Int32) -> Int32:
+        c = Int32(0)
+        if cutlass.const_expr(src.grp is None):
+            for i in cutlass.range_constexpr(src.kp):
+                if Int32(src.regs[i] >> Uint32(16)) == vth:
+                    c = c + Int32(1)
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                c = c + Int32(Int32(Uint32(w0) >> Uint32(16)) == vth) + Int32(Int32(Uint32(w1) >> Uint32(16)) == vth)
+        return c
+
+    @cute.jit
+    def store_tied(self, src: Words, vth: Int32, pos: Int32, sm: MergeSmem, ctx: Launch):
+        tied = sm.tied
+        if cutlass.const_expr(src.grp is None):
+            words = src.regs
+            for ip in cutlass.range_constexpr(src.kp // 2):
+                q = self.tied_owner(ip, src, vth, sm.seg, ctx)
+                for h in cutlass.range_constexpr(2):
+                    if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                        tied[pos] = self.gid(words[2 * ip + h], src.hbits, 2 * ip + h, q)
+                        pos = pos + Int32(1)
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                q = self.r2_q(p, src.qb0, src.qb1)
+                for h in cutlass.range_constexpr(2):
+                    w = Uint32((w0, w1)[h])
+                    if Int32(w >> Uint32(16)) == vth:
+                        tied[pos] = self.gid(w, src.hbits, Int32(2) * p + Int32(h), q)
+                        pos = pos + Int32(1)
+
+    @cute.jit
+    def rank_tied(self, tied: cute.Tensor, m: Int32, need: Int32, found: cute.Tensor, ctx: Launch) -> Int32:
+        """The need-th smallest of the m distinct values tied[0..m) (stored, barrier passed):
+        thread tid < m ranks tied[tid], the winner writes found[6], one barrier."""
+        if ctx.tid < m:
+            my = tied[ctx.tid]
+            r = Int32(0)
+            for jj in cutlass.range(m, unroll=4):
+                if tied[jj] < my:
+                    r = r + Int32(1)
+            if r == need - Int32(1):
+                found[6] = my
+        cute.arch.sync_threads()
+        return found[6]
+
+    @cute.jit
+    def tie_by_histograms(self, src: Words, vth: Int32, need: Int32, sm: MergeSmem, ctx: Launch,
+                          cl: cutlass.Constexpr) -> Int32:
+        """tie_break of many keys: three histograms of u = 2^G - 1 - g (a larger u is a smaller
+        g) over its top 10 bits, the next 6 and the last G - 16 (G >= 17)."""
+        G = self.gbits
+        gmax = Int32((1 << G) - 1)
+        u_last = Int32(0)
+        nd = need
+        for d in cutlass.range_constexpr(3):
+            hi_ = (G, G - 10, G - 16)[d]
+            lo_ = (G - 10, G - 16, 0)[d]
+            hist = (sm.g_hist, sm.g_hist2, sm.g_hist3)[d]
+            self.fill_g_hist(src, vth, gmax, u_last, hi_, lo_, hist, sm, ctx)
+            self.find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, 8, cl, sm, ctx)
+            u_last = u_last | (sm.found[8] << Int32(lo_))
+            nd = nd - sm.found[9]
+        return gmax - u_last
+
+    @cute.jit
+    def add_g(self, u: Int32, u_last: Int32, hi_: cutlass.Constexpr, lo_: cutlass.Constexpr, hist: cute.Tensor):
+        """Count u's bits [lo_, hi_) if its bits above hi_ are those found so far."""
+        if (u >> Int32(hi_)) == (u_last >> Int32(hi_)):
+            cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)), Int32(1),
+                                 sem="relaxed", scope="cta")  # fmt: skip
+
+    @cute.jit
+    def fill_g_hist(self, src: Words, vth: Int32, gmax: Int32, u_last: Int32, hi_: cutlass.Constexpr,
+                    lo_: cutlass.Constexpr, hist: cute.Tensor, sm: MergeSmem, ctx: Launch):
+        if cutlass.const_expr(src.grp is None):
+            words = src.regs
+            for ip in cutlass.range_constexpr(src.kp // 2):
+                q = self.tied_owner(ip, src, vth, sm.seg, ctx)
+                for h in cutlass.range_constexpr(2):
+                    if Int32(words[2 * ip + h] >> Uint32(16)) == vth:
+                        self.add_g(gmax - self.gid(words[2 * ip + h], src.hbits, 2 * ip + h, q), u_last, hi_, lo_,
+                                   hist)  # fmt: skip
+        else:
+            for p in cutlass.range(src.kp // 2, unroll=1):
+                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
+                q = self.r2_q(p, src.qb0, src.qb1)
+                for h in cutlass.range_constexpr(2):
+                    w = Uint32((w0, w1)[h])
+                    if Int32(w >> Uint32(16)) == vth:
+                        self.add_g(gmax - self.gid(w, src.hbits, Int32(2) * p + Int32(h), q), u_last, hi_, lo_, hist)
+
+    # ------------------------------------------------------------------ a clustered row's sums
+
+    @cute.jit
+    def gather_cluster_tied(self, m: Int32, slot: Int32, sm: MergeSmem, ctx: Launch) -> cute.Tensor:
+        """The cluster's m keys at the boundary score (each CTA's in its tied, counted in its
+        stats slot word 3) into this CTA's cluster_tied after a cluster barrier (which replaces
+        the block barrier after the local gather); returns cluster_tied."""
+        tid = ctx.tid
+        gathered = sm.cluster_tied
         P.cluster_sync_local()
-        st_a = P.smem_addr(sm.st) + slot * Int32(16) + Int32(12)
-        e_a = P.smem_addr(eqb)
+        stats_a = P.smem_addr(sm.stats) + slot * Int32(16) + Int32(12)
+        tied_a = P.smem_addr(sm.tied)
         if tid < m:
             off = Int32(0)
             val = Int32(0)
             for r in cutlass.range_constexpr(self.clus):
-                c = P.ld_dsmem_u32(P.mapa(st_a, Int32(r)))
+                c = P.ld_dsmem_u32(P.mapa(stats_a, Int32(r)))
                 if tid >= off and tid < off + c:
-                    val = P.ld_dsmem_u32(P.mapa(e_a + (tid - off) * Int32(4), Int32(r)))
+                    val = P.ld_dsmem_u32(P.mapa(tied_a + (tid - off) * Int32(4), Int32(r)))
                 off = off + c
-            he[tid] = val
+            gathered[tid] = val
         cute.arch.sync_threads()
-        return he
+        return gathered
 
     @cute.jit
-    def clus_totals(self, wt: cute.Tensor, tot: Int32, flag: Int32, sm: MergeSmem, tid, rank: Int32):
-        """A clustered row's selected counts: this CTA's total, its ranks' counts (their
-        warps' totals: a warp's positions lie in one list) and its failure flag into xc, a
-        cluster barrier, then from every CTA's xc (DSMEM): the selected keys of the CTAs
-        before this one, of the row, of this rank; rcnt[q] = rank q's count (the
-        saturation test); sc[7] = 1 when any CTA saw a failure recorded after its waits."""
-        xc = sm.xc
-        rcnt = sm.rcnt
-        sc = sm.sc
+    def cluster_counts(self, tot: Int32, failed_here: Int32, sm: MergeSmem, ctx: Launch):
+        """A clustered row's selected counts: this CTA's total, its ranks' counts (their warps'
+        totals: a warp's positions lie in one list) and its failure flag into cluster_totals, a
+        cluster barrier, then from every CTA's (DSMEM): the selected keys (own << 16 | all) of
+        the CTAs before this one, of the row, of this rank; rank_counts[q] (the saturation test);
+        found[7] = 1 when any CTA saw a failure recorded after its waits."""
+        tid = ctx.tid
+        totals, rank_counts, found, warp_sel = sm.cluster_totals, sm.rank_counts, sm.found, sm.warp_sel
         npc = self.world // self.clus  # ranks per CTA
         wpr = self.n // (32 * self.kp1)  # warps per rank
         if tid < Int32(npc):
             x = Int32(0)
             for u in cutlass.range_constexpr(wpr):
-                x = x + (wt[tid * Int32(wpr) + Int32(u)] & Int32(0xFFFF))
-            xc[Int32(1) + tid] = x
+                x = x + (warp_sel[tid * Int32(wpr) + Int32(u)] & Int32(0xFFFF))
+            totals[Int32(1) + tid] = x
         if tid == Int32(0):
-            xc[0] = tot & Int32(0xFFFF)
-            xc[15] = flag
+            totals[0] = tot & Int32(0xFFFF)
+            totals[15] = failed_here
         P.cluster_sync_local()
-        xa = P.smem_addr(xc)
+        xa = P.smem_addr(totals)
         base = Int32(0)
         allr = Int32(0)
         for r in cutlass.range_constexpr(self.clus):
             x = P.ld_dsmem_u32(P.mapa(xa, Int32(r)))
             allr = allr + x
-            if Int32(r) < self.crank:
+            if Int32(r) < ctx.crank:
                 base = base + x
-        own = P.ld_dsmem_u32(P.mapa(xa + (Int32(1) + rank % Int32(npc)) * Int32(4), rank // Int32(npc)))
+        own = P.ld_dsmem_u32(P.mapa(xa + (Int32(1) + ctx.rank % Int32(npc)) * Int32(4), ctx.rank // Int32(npc)))
         if tid < Int32(self.world):
-            rcnt[tid] = P.ld_dsmem_u32(P.mapa(xa + (Int32(1) + tid % Int32(npc)) * Int32(4), tid // Int32(npc)))
+            rank_counts[tid] = P.ld_dsmem_u32(P.mapa(xa + (Int32(1) + tid % Int32(npc)) * Int32(4), tid // Int32(npc)))
         if tid == Int32(0):
             f = Int32(0)
             for r in cutlass.range_constexpr(self.clus):
                 f = f | P.ld_dsmem_u32(P.mapa(xa + Int32(60), Int32(r)))
-            sc[7] = f
+            found[7] = f
         return base, allr, own
 
-    @cute.jit
-    def warp_prefix(self, wt: cute.Tensor, warp):
-        """(the selected counts of the warps before this one, of all), own << 16 | all, from
-        the warp totals wt (stored, barrier passed)."""
-        wbase = Int32(0)
-        tot = Int32(0)
-        for w in cutlass.range_constexpr(C.NWARPS):
-            x = wt[w]
-            if Int32(w) < warp:
-                wbase = wbase + x
-            tot = tot + x
-        return wbase, tot
+    # ------------------------------------------------------------------ a round in registers
 
     @cute.jit
     def fast_round(self, words: cute.Tensor, hb: cute.Tensor, round2: cutlass.Constexpr, slot: Int32,
-                   sm: MergeSmem, tid, lane, warp, ll0: Int64, ll_stride: Int64, resc0: Int64,
-                   ep: Int32, status: Int64, t: Int32, timeout_ns: Int64, rank: Int32, ids: Int64,
-                   kv_rows: Int64, counts: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
-                   block_size: Int32, keys: cute.Tensor, btp: cute.Tensor,
-                   pre_bt: cutlass.Constexpr, qj: cute.Tensor) -> Uint64:
-        """Exact top-K of the words in registers and the outputs; returns T (the K-th
-        key, 0 if fewer than K).  Round 1 also leaves pref[q] = selected keys before
-        rank q's list (pref[W] = all).  ``pre_bt``: 1: btp[i] holds the block-table
-        entry of own key i (prefetch_bt), 2: sm.buf[j] that of own list index j
-        (prefetch_bt_smem), 0: loaded here.  stats slot ``slot`` was reset before (and
-        fh / fh2 cleared here, before the first barrier)."""
-        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
-        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
-        seg = sm.seg
-        kp = self.kp2 if round2 else self.kp1
-        cl = self.clus > 1 and not round2  # round 1 of a clustered row (a round 2 runs on CTA 0 alone)
-        rn = self.runs and not round2  # round 1's keys as contiguous runs per thread (runs)
-        fl = Int32(0)  # (cl) a failure recorded once this CTA's waits were over
+                   sm: MergeSmem, ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr,
+                   qj: cute.Tensor) -> Uint64:
+        """Exact top-K of the words in registers and the row's outputs; returns the K-th key (0
+        if fewer than K).  Round 1 also leaves list_start[q] = the selected keys before rank
+        q's list.  ``pre_bt``: 1: btp[i] holds the block-table entry of own key i
+        (prefetch_bt), 2: sm.buf[j] that of own list index j (prefetch_bt_smem), 0: loaded
+        here.  Stats slot ``slot`` was reset before."""
+        cl = self.clus > 1 and not round2  # a clustered round 1 (a round 2 runs on CTA 0 alone)
+        src = Words(self.kp2 if round2 else self.kp1, round2, hb[0], regs=words, qj=qj)
+        vth, g_last, kth, failed_here = self.fast_select(src, slot, sm, ctx)
+        # Round 1: the status word, read once every wait of the row is over (barriers above), in
+        # flight during the outputs: found[7] = 1 when a timeout was recorded (the row is then
+        # voided, row_epilogue).
+        status_word = Uint32(0)
+        if cutlass.const_expr(not round2 and not cl):
+            if ctx.tid == Int32(0):
+                status_word = P.ld_volatile_u32(ctx.status)
+        sel_bits = self.selection(src, vth, g_last, sm.seg, ctx)
+        all_run, own_run = self.fast_outputs(src, sel_bits, failed_here, sm, ctx, row, btp, pre_bt)
+        list_start, found = sm.list_start, sm.found
+        if cutlass.const_expr(cl):
+            # (found[7] set by cluster_counts; the padding shared by the cluster's CTAs)
+            if ctx.tid == Int32(0):
+                list_start[self.world] = all_run
+                if ctx.crank == Int32(0):
+                    P.st_u32(ctx.counts + Int64(row.t) * Int64(4), own_run)
+            self.pad_row(all_run, own_run, ctx.crank * Int32(C.TB) + ctx.tid, C.TB * self.clus, ctx, row)
+        else:
+            if ctx.tid == Int32(0):
+                list_start[self.world] = all_run
+                P.st_u32(ctx.counts + Int64(row.t) * Int64(4), own_run)
+                if cutlass.const_expr(not round2):
+                    found[7] = Int32(0)
+                    if (status_word == Uint32(layout.STATUS_TIMEOUT_ROUND1)
+                            or status_word == Uint32(layout.STATUS_TIMEOUT_RESCUE)):  # fmt: skip
+                        found[7] = Int32(1)
+            self.pad_row(all_run, own_run, ctx.tid, C.TB, ctx, row)
+        cute.arch.sync_threads()
+        return kth
+
+    @cute.jit
+    def fast_select(self, src: Words, slot: Int32, sm: MergeSmem, ctx: Launch):
+        """(boundary score vth, the largest selected g at vth, the K-th key, this CTA's failure
+        flag): the selection is s > vth, or s == vth and g <= that g."""
+        cl = self.clus > 1 and not src.round2
         K = self.topk
         G = self.gbits
         gmax = Int32((1 << G) - 1)
-        hbits = hb[0]
-        vth = Int32(0)  # boundary score
-        gT = Int32(-1)  # largest selected g at score vth
-        T = Uint64(0)
-        if cutlass.const_expr(TUNE["nosel"]):
-            T = Uint64(0)  # timing only: the selection is the first K positions (below)
-        else:
-            # ---- stats: count, max and min score over the nonzero words
-            cnt = Int32(0)
-            mx = Int32(0)
-            mn = Int32(0xFFFF)
-            for i in cutlass.range_constexpr(kp):
-                # branch-free (a per-word `if` compiles to a branch + convergence barrier):
-                # an empty word (sv = 0) leaves the max alone and counts as 0xFFFF for the min
-                sv = Int32(words[i] >> Uint32(16))
-                if cutlass.const_expr(kp > BRANCH_FREE_KP):
-                    if sv != Int32(0):
-                        cnt = cnt + Int32(1)
-                        mx = cutlass.max(mx, sv)
-                        mn = cutlass.min(mn, sv)
-                else:
-                    nz = Int32(sv != Int32(0))
-                    cnt = cnt + nz
-                    mx = cutlass.max(mx, sv)
-                    mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
-            total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane, cl)
-            if cutlass.const_expr(cl):
-                # every wait of this CTA is over (the barrier above): its status word, in flight
-                # during the select, published with the counts (clus_totals)
-                if tid == Int32(0):
-                    sw0 = P.ld_volatile_u32(status)
-                    if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
-                        fl = Int32(1)
-            if total >= Int32(K):
-                shift = Int32(0)
-                while (rng >> shift) >= Int32(SCORE_BINS):
-                    shift = shift + Int32(1)
-                fh_a = P.smem_addr(fh)
-                for i in cutlass.range_constexpr(kp):
-                    sv = Int32(words[i] >> Uint32(16))
-                    if cutlass.const_expr(kp > BRANCH_FREE_KP):
-                        if sv != Int32(0):
-                            P.red_smem_add(fh_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
-                    else:
-                        b_ = Int32(FH_DUMMY)
-                        if sv != Int32(0):
-                            b_ = (sv - lo) >> shift
-                        P.red_smem_add(fh_a + b_ * Int32(4), Int32(1))  # unconditional (see the stats)
-                self.find_bin_x(fh, SCORE_BINS, Int32(K), tid, lane, warp, sc, 0, cl, sm)
-                self.mk(5)
-                b = sc[0]
-                above = sc[1]
-                m = sc[2]
-                vth = lo + (b << shift)
-                if shift > Int32(0):
-                    low = (Int32(1) << shift) - Int32(1)
-                    for i in cutlass.range_constexpr(kp):
-                        sv = Int32(words[i] >> Uint32(16))
-                        if sv != Int32(0) and ((sv - lo) >> shift) == b:
-                            cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
-                                                 scope="cta")  # fmt: skip
-                    self.find_bin_x(fh2, SCORE_BINS2, Int32(K) - above, tid, lane, warp, sc, 3, cl, sm)
-                    vth = vth + sc[3]
-                    above = above + sc[4]
-                    m = sc[5]
-                need = Int32(K) - above
-                self.mk(6)
-                gT = self.tie_break(words, hbits, kp, round2, vth, m, need, slot, sm, tid, lane, warp, qj, cl)
-                self.mk(7)
-                T = (Uint64(vth) << Uint64(G)) | Uint64(gmax - gT)
-        # ---- outputs: selection = s > vth or (s == vth and g <= gT)
-        # Round 1: the status word, read once every wait of the row is over (barriers
-        # above), in flight during the outputs: sc[7] = 1 when a timeout was recorded
-        # (the row is then voided, see kernel), for rows without a rescue.
-        stw = Uint32(0)
-        if cutlass.const_expr(not round2 and not cl):
-            if tid == Int32(0):
-                stw = P.ld_volatile_u32(status)
-        all_run = Int32(0)
-        own_run = Int32(0)
-        if cutlass.const_expr(not TUNE["noout"]):  # (noout: timing only)
-            selm = Uint32(0)
-            if cutlass.const_expr(TUNE["nosel"]):
-                q = Int32(0)
-                j = Int32(0)
-                for i in cutlass.range_constexpr(kp):  # timing only: positions < K
-                    if words[i] != Uint32(0) and self.pos1(i // 2, kp, lane, warp) + Int32(i % 2) < Int32(K):
-                        selm = selm | Uint32(1 << i)
-            elif cutlass.const_expr(kp > BRANCH_FREE_KP):
-                for ip in cutlass.range_constexpr(kp // 2):
-                    q = Int32(0)
-                    j = Int32(0)
-                    if Int32(words[2 * ip] >> Uint32(16)) == vth or Int32(words[2 * ip + 1] >> Uint32(16)) == vth:
-                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                    for h in cutlass.range_constexpr(2):
-                        i = 2 * ip + h
-                        sv = Int32(words[i] >> Uint32(16))
-                        if sv > vth:
-                            selm = selm | Uint32(1 << i)
-                        elif sv == vth and sv != Int32(0):
-                            if self.gid(words[i], hbits, i, q) <= gT:
-                                selm = selm | Uint32(1 << i)
-            else:
-                # branch-free: selected = s > vth, or s == vth != 0 and g <= gT
-                for ip in cutlass.range_constexpr(kp // 2):
-                    q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                    for h in cutlass.range_constexpr(2):
-                        i = 2 * ip + h
-                        sv = Int32(words[i] >> Uint32(16))
-                        tie = Int32(sv == vth) & Int32(sv != Int32(0)) & Int32(self.gid(words[i], hbits, i, q) <= gT)
-                        selm = selm | (Uint32(Int32(sv > vth) | tie) << Uint32(i))
-            lt = cute.arch.lanemask_lt()
-            run = Int32(0)  # warp-uniform: own << 16 | all (ballots are recomputed below)
-            roll = cutlass.const_expr(not round2 and self.roll1)
-            if cutlass.const_expr(roll):
-                sw = sm.stage
-                for i in cutlass.range_constexpr(kp):  # read back by this thread only
-                    sw[Int32(i * C.TB) + tid] = Int32(words[i])
-                for rip0 in cutlass.range(kp // 2, unroll=1):
-                    _, rc20 = self.pair_counts_dyn(selm, rip0, kp, lane, warp, rank, lt)
-                    run = run + rc20
-            elif cutlass.const_expr(rn):
-                # (runs) this thread's selected keys (own << 16 | all), the lanes' before it by one
-                # warp scan, the warp's total in every lane
-                q0, _ = self.owner_p(0, kp, lane, warp, round2, seg, qj)
-                xa = Int32(cute.arch.popc(selm))
-                xr = xa + ((xa * Int32(q0 == rank)) << Int32(16))
-                xi = C.warp_incl_scan(xr, lane)
-                tex = xi - xr  # (names of their own: the rolled outputs loop carries rex / rpos / rkpos,
-                # and the DSL finds a loop's carried values by name, whichever branch is traced)
-                run = cute.arch.shuffle_sync(xi, Int32(31))
-            else:
-                for ip in cutlass.range_constexpr(kp // 2):
-                    _, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-                    run = run + c2
-            if lane == Int32(0):
-                wt[warp] = run
-            cute.arch.sync_threads()
-            self.mk(8)
-            wbase, tot = self.warp_prefix(wt, warp)
-            all_run = tot & Int32(0xFFFF)
-            own_run = tot >> Int32(16)
-            if cutlass.const_expr(cl):
-                # the row's positions of this CTA's selected keys start after the CTAs' before
-                # it (its own rank's, if any, are all here: their kv_rows prefix is local)
-                cb, all_run, own_run = self.clus_totals(wt, tot, fl, sm, tid, rank)
-                wbase = wbase + cb
-            trow = Int64(t) * Int64(K)
-            ids_row = ids + trow * Int64(4)
-            kv_row = kv_rows + trow * Int64(4)
-            ids_on = Int32(ids != Int64(0))
-            blks = cute.make_rmem_tensor((8,), Int32)
-            if cutlass.const_expr(roll):
-                # one pair group per iteration, stores predicated (no branch per word); the
-                # block-table entry of list index rj was prefetched into sm.buf[rj] (pre_bt 2)
-                for rip in cutlass.range(kp // 2, unroll=1):
-                    rv = warp * Int32(32 * kp) + rip * Int32(64) + Int32(2) * lane
-                    rq = rv // Int32(self.n)
-                    rj = rv - rq * Int32(self.n)
-                    rc1, rc2 = self.pair_counts_dyn(selm, rip, kp, lane, warp, rank, lt)
-                    rex = wbase + rc1
-                    wbase = wbase + rc2
-                    rpos = rex & Int32(0xFFFF)
-                    rkpos = rex >> Int32(16)
-                    if rj == Int32(0) and rv < Int32(self.nk1):
-                        pref[rq] = rpos
-                    for h in cutlass.range_constexpr(2):
-                        ri = Int32(2) * rip + Int32(h)
-                        rw = Uint32(sw[ri * Int32(C.TB) + tid])
-                        rsel = Int32((selm >> Uint32(ri)) & Uint32(1))
-                        rlidx = Int32(Uint32(0xFFFF) - (rw & Uint32(0xFFFF))) | (
-                            Int32((hbits >> Uint32(ri)) & Uint32(1)) << Int32(16))
-                        rg = rlidx * Int32(self.world) + rq
-                        P.st_u32_if(ids + (trow + Int64(rpos)) * Int64(4), rg, rsel & ids_on)
-                        rpos = rpos + rsel
-                        rown = rsel & Int32(rq == rank)
-                        rpage = self.page_of(rlidx, block_size)
-                        rslot = sm.buf[rj + Int32(h)] * block_size + (rlidx - rpage * block_size)
-                        if req_ok == Int32(0) or rpage >= bt_cols:
-                            rslot = Int32(-1)
-                        P.st_u32_if(kv_rows + (trow + Int64(rkpos)) * Int64(4), rslot, rown)
-                        rkpos = rkpos + rown
-            tpos = Int32(0)  # (runs) the next output positions of this thread's run
-            tkpos = Int32(0)
-            if cutlass.const_expr(rn):
-                tpos = (wbase + tex) & Int32(0xFFFF)
-                tkpos = (wbase + tex) >> Int32(16)
-            for b0 in cutlass.range_constexpr(0, 0 if roll else kp // 2, 4):
-                # block-table loads of this batch's own selected tokens first (in flight
-                # together), then the stores
-                for k in cutlass.range_constexpr(8):
-                    blks[k] = Int32(0)
-                    if cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 1):
-                        blks[k] = btp[b0 * 2 + k]
-                    elif cutlass.const_expr(b0 * 2 + k < kp and pre_bt == 2):
-                        if cutlass.const_expr(kp > BRANCH_FREE_KP):
-                            if ((selm >> Uint32(b0 * 2 + k)) & Uint32(1)) != Uint32(0):
-                                q, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
-                                if q == rank:
-                                    blks[k] = sm.buf[j + Int32(k % 2)]
-                        else:
-                            # read for every key (j < n: in bounds), used for own selected ones only
-                            _, j = self.owner_p((b0 * 2 + k) // 2, kp, lane, warp, round2, seg, qj)
-                            blks[k] = sm.buf[j + Int32(k % 2)]
-                    elif cutlass.const_expr(b0 * 2 + k < kp):
-                        # predicated loads of this batch's own selected keys, all in flight
-                        i = b0 * 2 + k
-                        q, j = self.owner_p(i // 2, kp, lane, warp, round2, seg, qj)
-                        page = self.page_of(self.lidx_of(words[i], hbits, i), block_size)
-                        ok = (Int32((selm >> Uint32(i)) & Uint32(1)) & Int32(q == rank) & req_ok
-                              & Int32(page < bt_cols))  # fmt: skip
-                        blks[k] = P.ld_u32_if(bt_row + Int64(page) * Int64(4), ok)
-                for kk in cutlass.range_constexpr(4):
-                    ip = b0 + kk
-                    if cutlass.const_expr(ip < kp // 2):
-                        v = self.pos1(ip, kp, lane, warp)
-                        q, j = self.owner_p(ip, kp, lane, warp, round2, seg, qj)
-                        pos = tpos
-                        kpos = tkpos
-                        if cutlass.const_expr(not rn):
-                            c1, c2 = self.pair_counts(selm, ip, kp, lane, warp, round2, seg, rank, lt, qj)
-                            e = wbase + c1
-                            wbase = wbase + c2
-                            pos = e & Int32(0xFFFF)
-                            kpos = e >> Int32(16)
-                        if cutlass.const_expr(not round2):
-                            if j == Int32(0) and v < Int32(self.nk1):
-                                pref[q] = pos
-                        for h in cutlass.range_constexpr(2 if kp > BRANCH_FREE_KP else 0):
-                            i = 2 * ip + h
-                            if ((selm >> Uint32(i)) & Uint32(1)) != Uint32(0):
-                                lidx = self.lidx_of(words[i], hbits, i)
-                                g = lidx * Int32(self.world) + q
-                                if ids != Int64(0):
-                                    P.st_u32(ids + (trow + Int64(pos)) * Int64(4), g)
-                                pos = pos + Int32(1)
-                                if q == rank:
-                                    page = self.page_of(lidx, block_size)
-                                    slot_ = Int32(-1)
-                                    if req_ok != Int32(0) and page < bt_cols:
-                                        slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                                    P.st_u32(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_)
-                                    kpos = kpos + Int32(1)
-                        for h in cutlass.range_constexpr(0 if kp > BRANCH_FREE_KP else 2):
-                            # predicated stores, no branch per key (as the selection)
-                            # (l first and g = l W + q: the old g // W was a signed division
-                            # per key; the row bases are computed once: fewer instructions in
-                            # a stage that issues ~450 per warp)
-                            i = 2 * ip + h
-                            sel = Int32((selm >> Uint32(i)) & Uint32(1))
-                            lidx = self.lidx_of(words[i], hbits, i)
-                            g = lidx * Int32(self.world) + q
-                            P.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
-                            pos = pos + sel
-                            own = sel & Int32(q == rank)
-                            page = self.page_of(lidx, block_size)
-                            slot_ = blks[2 * kk + h] * block_size + (lidx - page * block_size)
-                            if req_ok == Int32(0) or page >= bt_cols:
-                                slot_ = Int32(-1)
-                            P.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot_, own)
-                            kpos = kpos + own
-                        if cutlass.const_expr(rn):
-                            tpos = pos
-                            tkpos = kpos
-        self.mk(9)
+        failed_here = Int32(0)  # (cl) a failure recorded once this CTA's waits were over
+        vth = Int32(0)
+        g_last = Int32(-1)
+        kth = Uint64(0)
+        cnt, mx, mn = self.word_stats(src.regs, src.kp)
+        total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx, cl)
         if cutlass.const_expr(cl):
-            # (sc[7] set by clus_totals; the padding shared by the cluster's CTAs)
-            if tid == Int32(0):
-                pref[self.world] = all_run
-                if self.crank == Int32(0):
-                    P.st_u32(counts + Int64(t) * Int64(4), own_run)
-        elif tid == Int32(0):
-            pref[self.world] = all_run
-            P.st_u32(counts + Int64(t) * Int64(4), own_run)
-            if cutlass.const_expr(not round2):
-                sc[7] = Int32(0)
-                if stw == Uint32(layout.STATUS_TIMEOUT_ROUND1) or stw == Uint32(layout.STATUS_TIMEOUT_RESCUE):
-                    sc[7] = Int32(1)
-        if cutlass.const_expr(not TUNE["noout"]):
-            trow = Int64(t) * Int64(K)
-            p0 = tid  # first padding index of this thread, step
-            pstep = C.TB
-            if cutlass.const_expr(cl):
-                p0 = self.crank * Int32(C.TB) + tid
-                pstep = C.TB * self.clus
-            for i in cutlass.range(own_run + p0, K, pstep, unroll=1):
-                P.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
-            if ids != Int64(0):
-                for i in cutlass.range(all_run + p0, K, pstep, unroll=1):
-                    P.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+            # every wait of this CTA is over (the barrier above): its status word, in flight
+            # during the select, published with the counts (cluster_counts)
+            if ctx.tid == Int32(0):
+                sw0 = P.ld_volatile_u32(ctx.status)
+                if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
+                    failed_here = Int32(1)
+        if total >= Int32(K):
+            vth, above, m = self.score_boundary(src, lo, rng, sm, ctx, cl)
+            g_last = self.tie_break(src, vth, m, Int32(K) - above, slot, sm, ctx, cl)
+            kth = (Uint64(vth) << Uint64(G)) | Uint64(gmax - g_last)
+        return vth, g_last, kth, failed_here
+
+    @cute.jit
+    def selection(self, src: Words, vth: Int32, g_last: Int32, seg: cute.Tensor, ctx: Launch) -> Uint32:
+        """Bit i: word i is selected (s > vth, or s == vth != 0 and g <= g_last)."""
+        words, hbits = src.regs, src.hbits
+        sel_bits = Uint32(0)
+        for ip in cutlass.range_constexpr(src.kp // 2):
+            if cutlass.const_expr(src.kp > BRANCH_FREE_KP):
+                q = self.tied_owner(ip, src, vth, seg, ctx)
+                for i in cutlass.range_constexpr(2 * ip, 2 * ip + 2):
+                    sv = Int32(words[i] >> Uint32(16))
+                    if sv > vth:
+                        sel_bits = sel_bits | Uint32(1 << i)
+                    elif sv == vth and sv != Int32(0):
+                        if self.gid(words[i], hbits, i, q) <= g_last:
+                            sel_bits = sel_bits | Uint32(1 << i)
+            else:
+                q, j = self.owner_p(ip, src, seg, ctx)
+                for i in cutlass.range_constexpr(2 * ip, 2 * ip + 2):
+                    sv = Int32(words[i] >> Uint32(16))
+                    tie = Int32(sv == vth) & Int32(sv != Int32(0)) & Int32(self.gid(words[i], hbits, i, q) <= g_last)
+                    sel_bits = sel_bits | (Uint32(Int32(sv > vth) | tie) << Uint32(i))
+        return sel_bits
+
+    @cute.jit
+    def ballot_counts(self, s0, s1, own, lt: Uint32):
+        """(selected keys of the lanes below this one, of the whole warp), own << 16 | all, of a
+        pair group whose two keys' selection bits are s0, s1 (own: this rank's), by four ballots."""
+        b0 = Uint32(cute.arch.vote_ballot_sync(s0))
+        b1 = Uint32(cute.arch.vote_ballot_sync(s1))
+        o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
+        o1 = Uint32(cute.arch.vote_ballot_sync(s1 and own))
+        before = Int32(cute.arch.popc(b0 & lt)) + Int32(cute.arch.popc(b1 & lt)) + (
+            (Int32(cute.arch.popc(o0 & lt)) + Int32(cute.arch.popc(o1 & lt))) << Int32(16))
+        total = Int32(cute.arch.popc(b0)) + Int32(cute.arch.popc(b1)) + (
+            (Int32(cute.arch.popc(o0)) + Int32(cute.arch.popc(o1))) << Int32(16))
+        return before, total
+
+    @cute.jit
+    def pair_counts(self, sel_bits: Uint32, ip: cutlass.Constexpr, src: Words, lt: Uint32, seg: cute.Tensor,
+                    ctx: Launch):
+        """ballot_counts of pair group ip."""
+        q, j = self.owner_p(ip, src, seg, ctx)
+        s0 = ((sel_bits >> Uint32(2 * ip)) & Uint32(1)) != Uint32(0)
+        s1 = ((sel_bits >> Uint32(2 * ip + 1)) & Uint32(1)) != Uint32(0)
+        return self.ballot_counts(s0, s1, q == ctx.rank, lt)
+
+    @cute.jit
+    def pair_counts_dyn(self, sel_bits: Uint32, ip: Int32, kp: cutlass.Constexpr, lt: Uint32, ctx: Launch):
+        """pair_counts of round 1 for a pair group known at run time (the rolled loops)."""
+        v = ctx.warp * Int32(32 * kp) + ip * Int32(64) + Int32(2) * ctx.lane
+        own = (v // Int32(self.n)) == ctx.rank
+        s0 = ((sel_bits >> (Uint32(2) * Uint32(ip))) & Uint32(1)) != Uint32(0)
+        s1 = ((sel_bits >> (Uint32(2) * Uint32(ip) + Uint32(1))) & Uint32(1)) != Uint32(0)
+        return self.ballot_counts(s0, s1, own, lt)
+
+    @cute.jit
+    def warp_prefix(self, warp_sel: cute.Tensor, warp):
+        """(the selected keys of the warps before this one, of all), own << 16 | all, from the
+        warp totals (stored, barrier passed)."""
+        before = Int32(0)
+        tot = Int32(0)
+        for w in cutlass.range_constexpr(C.NWARPS):
+            x = warp_sel[w]
+            if Int32(w) < warp:
+                before = before + x
+            tot = tot + x
+        return before, tot
+
+    @cute.jit
+    def fast_outputs(self, src: Words, sel_bits: Uint32, failed_here: Int32, sm: MergeSmem, ctx: Launch, row: Row,
+                     btp: cute.Tensor, pre_bt: cutlass.Constexpr):
+        """The selected keys' output places (an order-preserving compaction: each warp's total,
+        then each key's place in its warp) and the stores; returns the row's (all, own)
+        selected counts."""
+        tid, lane, warp, kp = ctx.tid, ctx.lane, ctx.warp, src.kp
+        roll = cutlass.const_expr(not src.round2 and self.roll1)
+        warp_sel = sm.warp_sel
+        lt = cute.arch.lanemask_lt()
+        run = Int32(0)  # warp-uniform: own << 16 | all (the ballots are recomputed by the stores)
+        run_before = Int32(0)  # (runs) the lanes' before this one
+        if cutlass.const_expr(roll):
+            stage = sm.stage
+            for i in cutlass.range_constexpr(kp):  # read back by this thread only
+                stage[Int32(i * C.TB) + tid] = Int32(src.regs[i])
+            for ip in cutlass.range(kp // 2, unroll=1):
+                _, c2 = self.pair_counts_dyn(sel_bits, ip, kp, lt, ctx)
+                run = run + c2
+        elif cutlass.const_expr(self.runs and not src.round2):
+            # this thread's selected keys, the lanes' before it by one warp scan, the warp's
+            # total in every lane
+            q0, _ = self.owner_p(0, src, sm.seg, ctx)
+            xa = Int32(cute.arch.popc(sel_bits))
+            xr = xa + ((xa * Int32(q0 == ctx.rank)) << Int32(16))
+            xi = C.warp_incl_scan(xr, lane)
+            run_before = xi - xr
+            run = cute.arch.shuffle_sync(xi, Int32(31))
+        else:
+            for ip in cutlass.range_constexpr(kp // 2):
+                _, c2 = self.pair_counts(sel_bits, ip, src, lt, sm.seg, ctx)
+                run = run + c2
+        if lane == Int32(0):
+            warp_sel[warp] = run
         cute.arch.sync_threads()
-        self.mk(10)
-        return T
-
-    # ------------------------------------------------------ round 2, rolled (r2roll)
+        before, tot = self.warp_prefix(warp_sel, warp)
+        all_run = tot & Int32(0xFFFF)
+        own_run = tot >> Int32(16)
+        if cutlass.const_expr(self.clus > 1 and not src.round2):
+            # the row's places of this CTA's selected keys start after the CTAs' before it (its
+            # own rank's, if any, are all here: their kv_rows prefix is local)
+            cb, all_run, own_run = self.cluster_counts(tot, failed_here, sm, ctx)
+            before = before + cb
+        if cutlass.const_expr(roll):
+            self.store_rolled(src.hbits, sel_bits, before, lt, sm, ctx, row)
+        else:
+            self.store_unrolled(src, sel_bits, before, run_before, lt, sm, ctx, row, btp, pre_bt)
+        return all_run, own_run
 
     @cute.jit
-    def r2_addr(self, p: Int32, ax: Int32, d1: Int32, d2: Int32) -> Int32:
-        """Shared address of this thread's round-2 pair group p (8 bytes: its two words):
-        groups [0, R2_H) in the rescue select's hist1, [R2_H, R2_H + R2_M) in its mask, the
-        rest in stage2, each [group][thread] (ax: stage2's base for this thread less
-        R2_H + R2_M rows; d1, d2: the steps to the mask's and hist1's bases)."""
-        return (p * Int32(8 * C.TB) + ax + (d1 & (Int32(0) - Int32(p < Int32(R2_H + R2_M))))
-                + (d2 & (Int32(0) - Int32(p < Int32(R2_H)))))  # fmt: skip
+    def store_rolled(self, hbits: Uint32, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem,
+                     ctx: Launch, row: Row):
+        """The stores of a row of more than ROLL_KP words per thread: one pair group per
+        iteration over the words' shared-memory copy, stores predicated; the block-table entry
+        of list index j was prefetched into buf[j]."""
+        tid, kp = ctx.tid, self.kp1
+        trow = Int64(row.t) * Int64(self.topk)
+        ids_on = Int32(ctx.ids != Int64(0))
+        stage, list_start = sm.stage, sm.list_start
+        for ip in cutlass.range(kp // 2, unroll=1):
+            v = ctx.warp * Int32(32 * kp) + ip * Int32(64) + Int32(2) * ctx.lane
+            q = v // Int32(self.n)
+            j = v - q * Int32(self.n)
+            c1, c2 = self.pair_counts_dyn(sel_bits, ip, kp, lt, ctx)
+            e = before + c1
+            before = before + c2
+            pos = e & Int32(0xFFFF)
+            kpos = e >> Int32(16)
+            if j == Int32(0) and v < Int32(self.nk1):
+                list_start[q] = pos
+            for h in cutlass.range_constexpr(2):
+                i = Int32(2) * ip + Int32(h)
+                w = Uint32(stage[i * Int32(C.TB) + tid])
+                sel = Int32((sel_bits >> Uint32(i)) & Uint32(1))
+                lidx = self.lidx_of(w, hbits, i)
+                g = lidx * Int32(self.world) + q
+                P.st_u32_if(ctx.ids + (trow + Int64(pos)) * Int64(4), g, sel & ids_on)
+                pos = pos + sel
+                own = sel & Int32(q == ctx.rank)
+                page = self.page_of(lidx, ctx)
+                slot = sm.buf[j + Int32(h)] * ctx.block_size + (lidx - page * ctx.block_size)
+                if row.req_ok == Int32(0) or page >= ctx.bt_cols:
+                    slot = Int32(-1)
+                P.st_u32_if(ctx.kv_rows + (trow + Int64(kpos)) * Int64(4), slot, own)
+                kpos = kpos + own
 
     @cute.jit
-    def lidx_at(self, w: Uint32, hbits: Uint32, i: Int32) -> Int32:
-        """lidx_of for a word index known at run time."""
-        return Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
+    def bt_entries(self, entries: cute.Tensor, b0: cutlass.Constexpr, src: Words, sel_bits: Uint32, sm: MergeSmem,
+                   ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr):
+        """The block-table entries of pair groups b0 .. b0 + 3 (fast_round's pre_bt), before
+        their stores (loads in flight together)."""
+        kp = src.kp
+        for k in cutlass.range_constexpr(8):
+            i = b0 * 2 + k
+            entries[k] = Int32(0)
+            if cutlass.const_expr(i < kp and pre_bt == 1):
+                entries[k] = btp[i]
+            elif cutlass.const_expr(i < kp and pre_bt == 2 and kp > BRANCH_FREE_KP):
+                if ((sel_bits >> Uint32(i)) & Uint32(1)) != Uint32(0):
+                    q, j = self.owner_p(i // 2, src, sm.seg, ctx)
+                    if q == ctx.rank:
+                        entries[k] = sm.buf[j + Int32(k % 2)]
+            elif cutlass.const_expr(i < kp and pre_bt == 2):
+                # read for every key (j < n: in bounds), used for own selected ones only
+                _, j = self.owner_p(i // 2, src, sm.seg, ctx)
+                entries[k] = sm.buf[j + Int32(k % 2)]
+            elif cutlass.const_expr(i < kp):
+                # predicated loads of this batch's own selected keys, all in flight
+                q, j = self.owner_p(i // 2, src, sm.seg, ctx)
+                page = self.page_of(self.lidx_of(src.regs[i], src.hbits, i), ctx)
+                ok = (Int32((sel_bits >> Uint32(i)) & Uint32(1)) & Int32(q == ctx.rank) & row.req_ok
+                      & Int32(page < ctx.bt_cols))  # fmt: skip
+                entries[k] = P.ld_u32_if(row.bt_row + Int64(page) * Int64(4), ok)
+
+    @cute.jit
+    def store_unrolled(self, src: Words, sel_bits: Uint32, before: Int32, run_before: Int32, lt: Uint32,
+                       sm: MergeSmem, ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr):
+        """The stores, four pair groups at a time: ids at the key's place among all selected,
+        kv_rows (this rank's keys) at its place among this rank's; round 1 also list_start."""
+        kp = src.kp
+        runs = cutlass.const_expr(self.runs and not src.round2)
+        trow = Int64(row.t) * Int64(self.topk)
+        ids_row = ctx.ids + trow * Int64(4)
+        kv_row = ctx.kv_rows + trow * Int64(4)
+        ids_on = Int32(ctx.ids != Int64(0))
+        list_start = sm.list_start
+        entries = cute.make_rmem_tensor((8,), Int32)
+        tpos = Int32(0)  # (runs) the next output places of this thread's run
+        tkpos = Int32(0)
+        if cutlass.const_expr(runs):
+            tpos = (before + run_before) & Int32(0xFFFF)
+            tkpos = (before + run_before) >> Int32(16)
+        for b0 in cutlass.range_constexpr(0, kp // 2, 4):
+            self.bt_entries(entries, b0, src, sel_bits, sm, ctx, row, btp, pre_bt)
+            for ip in cutlass.range_constexpr(b0, min(b0 + 4, kp // 2)):
+                v = self.pos1(ip, kp, ctx)
+                q, j = self.owner_p(ip, src, sm.seg, ctx)
+                pos = tpos
+                kpos = tkpos
+                if cutlass.const_expr(not runs):
+                    c1, c2 = self.pair_counts(sel_bits, ip, src, lt, sm.seg, ctx)
+                    e = before + c1
+                    before = before + c2
+                    pos = e & Int32(0xFFFF)
+                    kpos = e >> Int32(16)
+                if cutlass.const_expr(not src.round2):
+                    if j == Int32(0) and v < Int32(self.nk1):
+                        list_start[q] = pos
+                for i in cutlass.range_constexpr(2 * ip, 2 * ip + 2):
+                    entry = entries[i - 2 * b0]
+                    if cutlass.const_expr(kp > BRANCH_FREE_KP):
+                        pos, kpos = self.store_key_branchy(src.regs[i], src.hbits, i, q, sel_bits, pos, kpos, entry,
+                                                           trow, ctx, row)  # fmt: skip
+                    else:
+                        pos, kpos = self.store_key(src.regs[i], src.hbits, i, q, sel_bits, pos, kpos, entry, ids_row,
+                                                   kv_row, ids_on, ctx, row)  # fmt: skip
+                if cutlass.const_expr(runs):
+                    tpos = pos
+                    tkpos = kpos
+
+    @cute.jit
+    def store_key(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32, sel_bits: Uint32, pos: Int32,
+                  kpos: Int32, entry: Int32, ids_row: Int64, kv_row: Int64, ids_on: Int32, ctx: Launch, row: Row):
+        """Word i's outputs by predicated stores (no branch per key); returns the next places."""
+        sel = Int32((sel_bits >> Uint32(i)) & Uint32(1))
+        lidx = self.lidx_of(w, hbits, i)
+        g = lidx * Int32(self.world) + q
+        P.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
+        pos = pos + sel
+        own = sel & Int32(q == ctx.rank)
+        slot = self.kv_slot_of(entry, lidx, ctx, row)
+        P.st_u32_if(kv_row + Int64(kpos) * Int64(4), slot, own)
+        return pos, kpos + own
+
+    @cute.jit
+    def store_key_branchy(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32, sel_bits: Uint32,
+                          pos: Int32, kpos: Int32, entry: Int32, trow: Int64, ctx: Launch, row: Row):
+        """store_key behind a branch per key (many words per thread, where branch-free code
+        made ptxas spill the words)."""
+        if ((sel_bits >> Uint32(i)) & Uint32(1)) != Uint32(0):
+            lidx = self.lidx_of(w, hbits, i)
+            g = lidx * Int32(self.world) + q
+            if ctx.ids != Int64(0):
+                P.st_u32(ctx.ids + (trow + Int64(pos)) * Int64(4), g)
+            pos = pos + Int32(1)
+            if q == ctx.rank:
+                page = self.page_of(lidx, ctx)
+                slot = Int32(-1)
+                if row.req_ok != Int32(0) and page < ctx.bt_cols:
+                    slot = entry * ctx.block_size + (lidx - page * ctx.block_size)
+                P.st_u32(ctx.kv_rows + (trow + Int64(kpos)) * Int64(4), slot)
+                kpos = kpos + Int32(1)
+        return pos, kpos
+
+    @cute.jit
+    def pad_row(self, all_run: Int32, own_run: Int32, first: Int32, step: cutlass.Constexpr, ctx: Launch, row: Row):
+        """-1 past the row's selected keys (this thread: first, first + step, ...)."""
+        trow = Int64(row.t) * Int64(self.topk)
+        for i in cutlass.range(own_run + first, self.topk, step, unroll=1):
+            P.st_u32(ctx.kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
+        if ctx.ids != Int64(0):
+            for i in cutlass.range(all_run + first, self.topk, step, unroll=1):
+                P.st_u32(ctx.ids + (trow + Int64(i)) * Int64(4), Int32(-1))
+
+    # ------------------------------------------------------------------ round 2 rolled
+    # fast_round's selection and outputs, bit for bit, in loops rolled over a shared-memory copy
+    # of the words (roll2): the register path unrolls every pass over its words (W = 8, N = 512:
+    # 18 a thread, ~66 KB of SASS fetched cold once per rescue); here each pass is one loop body.
+
+    @cute.jit
+    def r2_addr(self, p: Int32, grp: Round2Smem) -> Int32:
+        """Shared address of this thread's round-2 pair group p (8 bytes: its two words)."""
+        return (p * Int32(8 * C.TB) + grp.base + (grp.to_mask & (Int32(0) - Int32(p < Int32(R2_H + R2_M))))
+                + (grp.to_hist & (Int32(0) - Int32(p < Int32(R2_H)))))  # fmt: skip
 
     @cute.jit
     def r2_q(self, p: Int32, qb0: Uint32, qb1: Uint32) -> Int32:
@@ -1640,66 +1697,85 @@ class Merge:
         return q
 
     @cute.jit
-    def round2_rolled(self, slot: Int32, sm: MergeSmem, tid, lane, warp, rank: Int32, t: Int32,
-                      ll0: Int64, ll_stride: Int64, resc0: Int64, ids: Int64, kv_rows: Int64,
-                      counts: Int64, bt_row: Int64, req_ok: Int32, bt_cols: Int32,
-                      block_size: Int32):
-        """Round 2 of a rescue: fast_round's selection and outputs, bit for bit, in loops
-        rolled (unroll r2roll) over a shared-memory copy of the words.  The register fast
-        path unrolls every pass over its 18 words per thread (W = 8, N = 512: ~66 KB of SASS,
-        fetched cold from HBM once per rescue); here each pass is one loop body.  The words
-        come in by cp.async (no register waits for them, so a rolled loop keeps every copy in
-        flight): pair group p of this thread (positions v, v + 1, v = warp * 32 * kp + 64 p
-        + 2 lane, as fast_round) to its 8-byte slot; the mask words of every segment (word u:
-        positions 32 u .. 32 u + 31, segments start at multiples of 32) to r2m; the
-        block-table entries of this rank's keys to buf[j] (j: index in this rank's list, as
+    def r2_pos(self, p: Int32, ctx: Launch) -> Int32:
+        return ctx.warp * Int32(32 * self.kp2) + p * Int32(64) + Int32(2) * ctx.lane
+
+    @cute.jit
+    def round2_rolled(self, slot: Int32, sm: MergeSmem, ctx: Launch, row: Row):
+        """Round 2 of a rescue over shared memory.  The words come in by cp.async (no register
+        waits, so a rolled loop keeps every copy in flight): pair group p of this thread
+        (positions v, v + 1, v = warp * 32 kp + 64 p + 2 lane, as fast_round) to its 8-byte
+        slot, groups [0, R2_H) in the rescue select's hist1, [R2_H, R2_H + R2_M) in its mask
+        (both free once the K-list is pushed), the rest in stage2, each [group][thread]; the
+        mask words of every segment (word u: positions 32 u .. 32 u + 31, segments start at
+        multiples of 32) to r2m; the block-table entries of this rank's keys to buf[j] (as
         prefetch_bt_smem), in flight during the select."""
-        fh, fh2, eqb, st, wt, pref, sc = sm.fparts()
-        fg, fg2, fg3 = sm.fg, sm.fg2, sm.fg3
-        seg = sm.seg
-        U = TUNE["r2roll"]
+        tid, TB = ctx.tid, C.TB
         W = self.world
-        kp = self.kp2
-        npair = kp // 2
         K = self.topk
-        G = self.gbits
-        TB = C.TB
-        gmax = Int32((1 << G) - 1)
+        seg = sm.seg
         nk = seg[W]
         ah = P.smem_addr(sm.sel.hist1) + tid * Int32(8)
         am = P.smem_addr(sm.sel.mask) + tid * Int32(8) - Int32(R2_H * 8 * TB)
         ax = P.smem_addr(sm.stage2) + tid * Int32(8) - Int32((R2_H + R2_M) * 8 * TB)
-        d1 = am - ax
-        d2 = ah - am
-        ma = P.smem_addr(sm.r2m)
-        buf_a = P.smem_addr(sm.buf)
-        self.mk(2)  # (a rescue's marks 2-10 are round 2's: 2 the select, push and flags done)
+        grp = Round2Smem(ax, am - ax, ah - am, P.smem_addr(sm.r2m), P.smem_addr(sm.buf))
         segr = cute.make_rmem_tensor((W,), Int32)
         for r in cutlass.range_constexpr(W):
             segr[r] = seg[r]
-        # ---- copies: the mask words, then the words
-        for u in cutlass.range(tid, (nk + Int32(31)) >> Int32(5), TB, unroll=1):
+        qb0, qb1 = self.r2_copy(nk, segr, grp, sm, ctx, row)
+        hbits, cnt, mx, mn = self.r2_stats(nk, qb0, qb1, grp, sm, ctx, row)
+        src = Words(self.kp2, True, hbits, grp=grp, qb0=qb0, qb1=qb1)
+        total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx)
+        vth = Int32(0)  # boundary score (0: fewer than K keys, every one selected)
+        g_last = Int32(-1)  # largest selected g at score vth
+        if total >= Int32(K):
+            vth, above, m = self.score_boundary(src, lo, rng, sm, ctx)
+            g_last = self.tie_break(src, vth, m, Int32(K) - above, slot, sm, ctx)
+        lt = cute.arch.lanemask_lt()
+        sel_bits, run = self.r2_selection(src, vth, g_last, lt, ctx)
+        if ctx.lane == Int32(0):
+            warp_sel = sm.warp_sel
+            warp_sel[ctx.warp] = run
+        P.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
+        cute.arch.sync_threads()
+        before, tot = self.warp_prefix(sm.warp_sel, ctx.warp)
+        all_run = tot & Int32(0xFFFF)
+        own_run = tot >> Int32(16)
+        self.r2_store(src, sel_bits, before, lt, sm, ctx, row)
+        if tid == Int32(0):
+            list_start = sm.list_start
+            list_start[W] = all_run
+            P.st_u32(ctx.counts + Int64(row.t) * Int64(4), own_run)
+        self.pad_row(all_run, own_run, tid, C.TB, ctx, row)
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def r2_copy(self, nk: Int32, segr: cute.Tensor, grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
+        """The mask words, then the words, copied in (cp.async, waited for); returns the
+        segments of this thread's pair groups, 4 bits each (r2_q)."""
+        seg = sm.seg
+        for u in cutlass.range(ctx.tid, (nk + Int32(31)) >> Int32(5), C.TB, unroll=1):
             q = self.r2_owner(u << Int32(5), segr)
             s = seg[17 + q]
             jm = (u - (seg[q] >> Int32(5)))
-            src = C.ll_word_addr(ll0 + Int64(q) * ll_stride, Int32(self.n) + jm)
+            src = C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, Int32(self.n) + jm)
             if s >= Int32(0):
-                src = resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(Int32(K) + jm) * Int64(4)
-            P.cp_async(ma + u * Int32(4), src, 4)
+                src = row.resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(Int32(self.topk) + jm) * Int64(4)
+            P.cp_async(grp.masks + u * Int32(4), src, 4)
         qb0 = Uint32(0)
         qb1 = Uint32(0)
-        for p in cutlass.range(npair, unroll=U):
-            v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
-            dst = self.r2_addr(p, ax, d1, d2)
+        for p in cutlass.range(self.kp2 // 2, unroll=1):
+            v = self.r2_pos(p, ctx)
+            dst = self.r2_addr(p, grp)
             q = Int32(0)
             if v < nk:
                 q = self.r2_owner(v, segr)
                 j = v - seg[q]
                 s = seg[17 + q]
                 if s >= Int32(0):  # a rescued rank: its K-list, plain words
-                    P.cp_async(dst, resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(j) * Int64(4), 8)
+                    P.cp_async(dst, row.resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(j) * Int64(4), 8)
                 else:  # its round-1 LL list (tags checked in round 1): each record's two words
-                    a = C.ll_word_addr(ll0 + Int64(q) * ll_stride, j)
+                    a = C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, j)
                     P.cp_async(dst, a, 4)
                     P.cp_async(dst + Int32(4), a + Int64(layout.LL_HALF_BYTES), 4)
             else:
@@ -1711,18 +1787,22 @@ class Merge:
                 qb1 = qb1 | qs
         P.cp_async_wait_all()
         cute.arch.sync_threads()
-        self.mk(3)
-        # ---- bit 16 of each l; this rank's block-table entries (copies in flight during
-        # the select); the stats
+        return qb0, qb1
+
+    @cute.jit
+    def r2_stats(self, nk: Int32, qb0: Uint32, qb1: Uint32, grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
+        """(hbits, count, max, min) of this thread's words (word_stats), and the copies of this
+        rank's block-table entries started."""
+        seg = sm.seg
         hbits = Uint32(0)
         cnt = Int32(0)
         mx = Int32(0)
         mn = Int32(0xFFFF)
         nmw = (nk + Int32(31)) >> Int32(5)
-        for p in cutlass.range(npair, unroll=U):
-            v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
-            m = Uint32(P.ld_smem_u32(ma + cutlass.min(v >> Int32(5), nmw - Int32(1)) * Int32(4)))
-            w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
+        for p in cutlass.range(self.kp2 // 2, unroll=1):
+            v = self.r2_pos(p, ctx)
+            m = Uint32(P.ld_smem_u32(grp.masks + cutlass.min(v >> Int32(5), nmw - Int32(1)) * Int32(4)))
+            w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
             hp = (m >> Uint32(v & Int32(31))) & Uint32(3)
             if v >= nk:
                 hp = Uint32(0)
@@ -1735,162 +1815,174 @@ class Merge:
                 cnt = cnt + nz
                 mx = cutlass.max(mx, sv)
                 mn = cutlass.min(mn, sv | ((nz - Int32(1)) & Int32(0xFFFF)))
-                lidx = Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hp >> Uint32(h)) & Uint32(1)) << Int32(16))
-                page = self.page_of(lidx, block_size)
-                if q == rank and nz != Int32(0) and req_ok != Int32(0) and page < bt_cols:
-                    P.cp_async(buf_a + (v - seg[q] + Int32(h)) * Int32(4), bt_row + Int64(page) * Int64(4), 4)
-        total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, tid, lane)
-        vth = Int32(0)  # boundary score (0: fewer than K keys, every one selected)
-        gT = Int32(-1)  # largest selected g at score vth
-        if total >= Int32(K):
-            shift = Int32(0)
-            while (rng >> shift) >= Int32(SCORE_BINS):
-                shift = shift + Int32(1)
-            fh_a = P.smem_addr(fh)
-            for p in cutlass.range(npair, unroll=U):
-                w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-                for h in cutlass.range_constexpr(2):
-                    sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
-                    b_ = Int32(FH_DUMMY)
-                    if sv != Int32(0):
-                        b_ = (sv - lo) >> shift
-                    P.red_smem_add(fh_a + b_ * Int32(4), Int32(1))
-            self.cta_find_bin(fh, SCORE_BINS, Int32(K), lane, warp, sc, 0)
-            self.mk(5)
-            b = sc[0]
-            above = sc[1]
-            m = sc[2]
-            vth = lo + (b << shift)
-            if shift > Int32(0):
-                low = (Int32(1) << shift) - Int32(1)
-                for p in cutlass.range(npair, unroll=U):
-                    w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-                    for h in cutlass.range_constexpr(2):
-                        sv = Int32(Uint32((w0, w1)[h]) >> Uint32(16))
-                        if sv != Int32(0) and ((sv - lo) >> shift) == b:
-                            cute.arch.atomic_add(fh2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed",
-                                                 scope="cta")  # fmt: skip
-                self.cta_find_bin(fh2, SCORE_BINS2, Int32(K) - above, lane, warp, sc, 3)
-                vth = vth + sc[3]
-                above = above + sc[4]
-                m = sc[5]
-            self.mk(6)
-            need = Int32(K) - above
-            # ---- gT: the need-th smallest g among the m keys at score vth (tie_break)
-            whole = Int32(0)  # (r2all) every key at score vth is selected: no tie-break
-            if cutlass.const_expr(TUNE["r2all"]):
-                whole = Int32(need == m)
-            if whole != Int32(0):
-                gT = gmax
-            elif m <= Int32(EQ_MAX):
-                c = Int32(0)
-                for p in cutlass.range(npair, unroll=U):
-                    w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-                    c = c + Int32(Int32(Uint32(w0) >> Uint32(16)) == vth) + Int32(Int32(Uint32(w1) >> Uint32(16)) == vth)
-                if c != Int32(0):
-                    pos = cute.arch.atomic_add(st.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
-                                               scope="cta")  # fmt: skip
-                    for p in cutlass.range(npair, unroll=U):
-                        w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-                        q = self.r2_q(p, qb0, qb1)
-                        for h in cutlass.range_constexpr(2):
-                            w = Uint32((w0, w1)[h])
-                            if Int32(w >> Uint32(16)) == vth:
-                                eqb[pos] = self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q
-                                pos = pos + Int32(1)
-                cute.arch.sync_threads()
-                gT = self.rank_eq(eqb, m, need, tid, sc)
-            else:
-                uT = Int32(0)
-                nd = need
-                for d in cutlass.range_constexpr(3):
-                    hi_ = (G, G - 10, G - 16)[d]
-                    lo_ = (G - 10, G - 16, 0)[d]
-                    hist = (fg, fg2, fg3)[d]
-                    for p in cutlass.range(npair, unroll=U):
-                        w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-                        q = self.r2_q(p, qb0, qb1)
-                        for h in cutlass.range_constexpr(2):
-                            w = Uint32((w0, w1)[h])
-                            if Int32(w >> Uint32(16)) == vth:
-                                u = gmax - (self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q)
-                                if (u >> Int32(hi_)) == (uT >> Int32(hi_)):
-                                    cute.arch.atomic_add(hist.iterator + ((u >> Int32(lo_)) & Int32((1 << (hi_ - lo_)) - 1)),
-                                                         Int32(1), sem="relaxed", scope="cta")  # fmt: skip
-                    self.cta_find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, lane, warp, sc, 8)
-                    uT = uT | (sc[8] << Int32(lo_))
-                    nd = nd - sc[9]
-                gT = gmax - uT
-            self.mk(7)
-        # ---- selection = s > vth or (s == vth != 0 and g <= gT); per pair group, then the
-        # warp's counts (own << 16 | all)
-        selm = Uint32(0)
-        lt = cute.arch.lanemask_lt()
+                lidx = self.lidx_of(w, hp, h)
+                page = self.page_of(lidx, ctx)
+                if q == ctx.rank and nz != Int32(0) and row.req_ok != Int32(0) and page < ctx.bt_cols:
+                    P.cp_async(grp.buf + (v - seg[q] + Int32(h)) * Int32(4), row.bt_row + Int64(page) * Int64(4), 4)
+        return hbits, cnt, mx, mn
+
+    @cute.jit
+    def r2_selection(self, src: Words, vth: Int32, g_last: Int32, lt: Uint32, ctx: Launch):
+        """(selection bits, the warp's selected keys own << 16 | all), as fast_round's."""
+        grp, hbits = src.grp, src.hbits
+        sel_bits = Uint32(0)
         run = Int32(0)
-        for p in cutlass.range(npair, unroll=U):
-            w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-            q = self.r2_q(p, qb0, qb1)
+        for p in cutlass.range(self.kp2 // 2, unroll=1):
+            w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
+            q = self.r2_q(p, src.qb0, src.qb1)
             sp = Uint32(0)
             for h in cutlass.range_constexpr(2):
                 w = Uint32((w0, w1)[h])
                 sv = Int32(w >> Uint32(16))
                 tie = (Int32(sv == vth) & Int32(sv != Int32(0))
-                       & Int32(self.lidx_at(w, hbits, Int32(2) * p + Int32(h)) * Int32(W) + q <= gT))  # fmt: skip
+                       & Int32(self.gid(w, hbits, Int32(2) * p + Int32(h), q) <= g_last))  # fmt: skip
                 sp = sp | (Uint32(Int32(sv > vth) | tie) << Uint32(h))
-            selm = selm | (sp << (Uint32(2) * Uint32(p)))
-            _, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == rank, lt)
+            sel_bits = sel_bits | (sp << (Uint32(2) * Uint32(p)))
+            _, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == ctx.rank, lt)
             run = run + c2
-        if lane == Int32(0):
-            wt[warp] = run
-        P.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
-        cute.arch.sync_threads()
-        self.mk(8)
-        wbase, tot = self.warp_prefix(wt, warp)
-        all_run = tot & Int32(0xFFFF)
-        own_run = tot >> Int32(16)
-        # ---- outputs: order-preserving compaction (positions ascend with warp, group, lane, h)
-        trow = Int64(t) * Int64(K)
-        ids_on = Int32(ids != Int64(0))
+        return sel_bits, run
+
+    @cute.jit
+    def r2_store(self, src: Words, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem, ctx: Launch, row: Row):
+        """The outputs, an order-preserving compaction (places ascend with warp, group, lane,
+        h), stores predicated."""
+        seg, grp, hbits = sm.seg, src.grp, src.hbits
+        trow = Int64(row.t) * Int64(self.topk)
+        ids_on = Int32(ctx.ids != Int64(0))
         jmax = Int32(self.rw_k - 2)
-        for p in cutlass.range(npair, unroll=U):
-            q = self.r2_q(p, qb0, qb1)
-            v = warp * Int32(32 * kp) + p * Int32(64) + Int32(2) * lane
+        for p in cutlass.range(self.kp2 // 2, unroll=1):
+            q = self.r2_q(p, src.qb0, src.qb1)
+            v = self.r2_pos(p, ctx)
             # (a group past nk: q = 0, no key selected; j clamped into buf for the unused reads)
             j = cutlass.min(cutlass.max(v - seg[q], Int32(0)), jmax)
-            sp = (selm >> (Uint32(2) * Uint32(p))) & Uint32(3)
-            c1, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == rank, lt)
-            e = wbase + c1
-            wbase = wbase + c2
+            sp = (sel_bits >> (Uint32(2) * Uint32(p))) & Uint32(3)
+            c1, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == ctx.rank, lt)
+            e = before + c1
+            before = before + c2
             pos = e & Int32(0xFFFF)
             kpos = e >> Int32(16)
-            w0, w1 = P.ld_smem_v2(self.r2_addr(p, ax, d1, d2))
-            bt0, bt1 = P.ld_smem_v2(buf_a + j * Int32(4))
+            w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
+            bt0, bt1 = P.ld_smem_v2(grp.buf + j * Int32(4))
             for h in cutlass.range_constexpr(2):
                 w = Uint32((w0, w1)[h])
                 sel = Int32((sp >> Uint32(h)) & Uint32(1))
-                lidx = self.lidx_at(w, hbits, Int32(2) * p + Int32(h))
-                P.st_u32_if(ids + (trow + Int64(pos)) * Int64(4), lidx * Int32(W) + q, sel & ids_on)
+                lidx = self.lidx_of(w, hbits, Int32(2) * p + Int32(h))
+                P.st_u32_if(ctx.ids + (trow + Int64(pos)) * Int64(4), lidx * Int32(self.world) + q, sel & ids_on)
                 pos = pos + sel
-                own = sel & Int32(q == rank)
-                page = self.page_of(lidx, block_size)
-                slot_ = (bt0, bt1)[h] * block_size + (lidx - page * block_size)
-                if req_ok == Int32(0) or page >= bt_cols:
-                    slot_ = Int32(-1)
-                P.st_u32_if(kv_rows + (trow + Int64(kpos)) * Int64(4), slot_, own)
+                own = sel & Int32(q == ctx.rank)
+                slot = self.kv_slot_of((bt0, bt1)[h], lidx, ctx, row)
+                P.st_u32_if(ctx.kv_rows + (trow + Int64(kpos)) * Int64(4), slot, own)
                 kpos = kpos + own
-        self.mk(9)
-        if tid == Int32(0):
-            pref[W] = all_run
-            P.st_u32(counts + Int64(t) * Int64(4), own_run)
-        for i in cutlass.range(own_run + tid, K, C.TB, unroll=1):
-            P.st_u32(kv_rows + (trow + Int64(i)) * Int64(4), Int32(-1))
-        if ids != Int64(0):
-            for i in cutlass.range(all_run + tid, K, C.TB, unroll=1):
-                P.st_u32(ids + (trow + Int64(i)) * Int64(4), Int32(-1))
-        cute.arch.sync_threads()
-        self.mk(10)
 
-    # ------------------------------------------------------------- kernel
+    # ------------------------------------------------------------------ saturation and rescue
+
+    @cute.jit
+    def saturated_ranks(self, kth: Uint64, sm: MergeSmem, ctx: Launch) -> Int32:
+        """The mask of the ranks all of whose N keys were selected and whose key is not the
+        K-th: their lists may hide keys above it (CTA-uniform: from shared counts).  Lane q < W
+        of every warp tests rank q, one ballot gives the mask (a loop over the ranks in every
+        thread was ~2.5% of the normal path's instructions at W = 8)."""
+        W = self.world
+        lane = ctx.lane
+        t_owner = Int32(-1)
+        if kth != Uint64(0):
+            t_owner = Int32(Uint64((1 << self.gbits) - 1) - (kth & Uint64((1 << self.gbits) - 1))) % Int32(W)
+        q = cutlass.min(lane, Int32(W - 1))
+        selected = Int32(0)
+        if cutlass.const_expr(self.fast1 and self.clus == 1):
+            selected = sm.list_start[q + Int32(1)] - sm.list_start[q]
+        else:
+            selected = sm.rank_counts[q]
+        sat = Int32(lane < Int32(W)) & Int32(selected == Int32(self.n)) & Int32(t_owner != lane)
+        mask = Int32(cute.arch.vote_ballot_sync(sat != Int32(0)))
+        nsat = Int32(cute.arch.popc(Uint32(mask)))
+        if nsat > Int32(self.slots):
+            mask = Int32(0)  # impossible (docs/DESIGN.md §6.4); keeps the slots in bounds
+        return mask
+
+    @cute.jit
+    def rescue(self, mask: Int32, words: cute.Tensor, hb: cute.Tensor, sm: MergeSmem, ctx: Launch, row: Row):
+        """A rescue of the row: the saturated ranks push their K-lists, every rank waits for
+        their flags and selects round 2 over (the other lists) + (the K-lists), rewriting the
+        outputs; the row's rescue count goes up (the next rescue's flags carry seq + 2)."""
+        tid = ctx.tid
+        flag_val = row.seq + Int32(1)
+        if ((mask >> ctx.rank) & Int32(1)) != Int32(0):
+            self.push_klist(mask, flag_val, sm, ctx, row)
+        # every rank: acquire the saturated ranks' flags (one lane per rank)
+        if tid < Int32(self.world):
+            if ((mask >> tid) & Int32(1)) != Int32(0):
+                addr = ctx.local + ctx.flags_off + C.flag_offset(tid, row.t, ctx.max_rows)
+                self.wait_tag(addr, flag_val, True, layout.STATUS_TIMEOUT_RESCUE, tid, ctx, row)
+        if tid == Int32(0):
+            seg = sm.seg
+            off = Int32(0)
+            s = Int32(0)
+            for q in cutlass.range_constexpr(self.world):
+                seg[q] = off
+                if ((mask >> Int32(q)) & Int32(1)) != Int32(0):
+                    seg[17 + q] = s
+                    s = s + Int32(1)
+                    off = off + Int32(self.topk)
+                else:
+                    seg[17 + q] = Int32(-1)
+                    off = off + Int32(self.n)
+            seg[self.world] = off
+        cute.arch.sync_threads()
+        slot2 = row.slot + Int32(1)
+        if cutlass.const_expr(self.roll2):
+            self.round2_rolled(slot2, sm, ctx, row)
+        elif cutlass.const_expr(self.fast2):
+            qj = cute.make_rmem_tensor((self.kp2 // 2,), Int32)
+            self.load_r2(words, hb, sm.seg, qj, ctx, row)
+            self.fast_round(words, hb, True, slot2, sm, ctx, row, hb, 0, qj)
+        else:
+            kth2 = self.radix_select(True, sm, ctx, row)
+            self.emit(True, kth2, sm, ctx, row)
+        if tid == Int32(0):
+            P.st_u32(C.state_seq(ctx.state, ctx.max_rows, row.t), row.seq + Int32(1))
+
+    @cute.jit
+    def push_klist(self, mask: Int32, flag_val: Int32, sm: MergeSmem, ctx: Launch, row: Row):
+        """This saturated rank's local top-K (the producer's K-list, or selected here from its
+        logits, which the kernel before the producer wrote: the grid chain is waited for) into
+        its slot of every rank's rescue row, then its flag released to every rank."""
+        tid, t, W = ctx.tid, row.t, self.world
+        P.pdl_wait()
+        klist = Int64(0)
+        if cutlass.const_expr(self.klist):
+            klist = C.state_klist(ctx.state, ctx.max_rows, t, self.rw_k)
+        else:
+            end = row_end(ctx.row_ends, t, ctx.cols)
+            S.select_row(ctx.logits + Int64(t) * Int64(ctx.cols) * Int64(2), end, self.topk, self.rw_k,
+                         sm.sel.parts(), tid, ctx.lane, ctx.warp, Int32(1), Int32(0), False, False, Int32(0),
+                         self.rescue_u1)  # fmt: skip
+        s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << ctx.rank) - Int32(1)))))
+        off = ctx.rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
+        if cutlass.const_expr(self.klist):
+            # (.cg: not through this SM's L1, which may hold an earlier call's lines)
+            for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
+                a, b, c, d = P.ld_cg_v4(klist + Int64(i) * Int64(16))
+                for p in cutlass.range_constexpr(W):
+                    dst = P.ld_u64(ctx.peers + Int64(p) * Int64(8)) + off
+                    P.st_v4(dst + Int64(i) * Int64(16), a, b, c, d)
+        else:
+            buf = sm.buf
+            for p in cutlass.range(W, unroll=1):
+                dst = P.ld_u64(ctx.peers + Int64(p) * Int64(8)) + off
+                for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
+                    P.st_v4(dst + Int64(i) * Int64(16), buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3])
+        cute.arch.sync_threads()
+        foff = ctx.flags_off + C.flag_offset(ctx.rank, t, ctx.max_rows)
+        # Lane p of warp 0: fence.acq_rel.sys then a relaxed.sys store of rank p's flag, a
+        # release pattern (PTX memory model); the barrier above orders the CTA's stores before
+        # each lane's fence (cumulativity).  One MEMBAR for the warp, the W stores at once.
+        if tid < Int32(W):
+            pa = P.ld_u64(ctx.peers + Int64(tid) * Int64(8))
+            P.fence_sys()
+            P.st_relaxed_sys(pa + foff, flag_val)
+
+    # ------------------------------------------------------------------ the kernel
 
     @cute.kernel
     def kernel(self, peers: Int64, local: Int64, state: Int64, logits: Int64, row_ends: Int64,
@@ -1904,442 +1996,301 @@ class Merge:
         tid = Int32(tid)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        sm = MergeSmem(self.rw_k, self.stage_words, self.stage2_words, self.r2m_words, self.clus > 1)
-        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
-        # clus: row t on cluster t (its CTAs in the order of their rank crank), G = nblk / C
-        # clusters; cbase = the row's first position of this CTA
+        sm = MergeSmem(self)
+        # CTA b does rows b, b + G, ...; a clustered row t runs on cluster t, its CTAs in the
+        # order of their rank crank in it
         nstep = nblk
         t = Int32(bid)
+        crank = None
+        cbase = None
         if cutlass.const_expr(self.clus > 1):
             if cute.arch.cluster_size() != Int32(self.clus):
                 P.trap()  # launched without its cluster: DSMEM would address CTAs that do not exist
-            self.crank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            self.cbase = self.crank * Int32(self.cp)
+            crank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cbase = crank * Int32(self.cp)
             t = cute.arch.cluster_idx()[0]
             nstep = Int32(nblk) // Int32(self.clus)
-        # prof=1 (timing only): thread 0's clock at the points below -> ids[0, K-16:]
-        self.mk = C.Marks(TUNE["prof"], N_MARKS)
-        self.mk(0)
-        W = self.world
         status = C.state_status(state, max_rows)
         timeout_ns = Int64(timeout_us) * Int64(1000)
-        ll_stride = Int64(max_rows) * Int64(self.ll_row_bytes)  # next source rank
-        keys = cute.make_rmem_tensor((1,), Uint64)  # (the old register path is not used)
+        ll_stride = Int64(max_rows) * Int64(self.ll_row_bytes)
         words = cute.make_rmem_tensor((self.kp,), Uint32)
         hb = cute.make_rmem_tensor((1,), Uint32)
         btp = cute.make_rmem_tensor((self.kp1 if self.pre_bt else 1,), Int32)
-        sm_st = sm.st
-        if tid < Int32(16):  # fast-path stats slots: [count, max, min, eq count]
-            sm_st[tid] = Int32(0)
+        stats = sm.stats
+        if tid < Int32(16):  # the stats slots: [count, max, min, tied count]
+            stats[tid] = Int32(0)
             if (tid & Int32(3)) == Int32(2):
-                sm_st[tid] = Int32(0xFFFF)
+                stats[tid] = Int32(0xFFFF)
         cute.arch.sync_threads()
-        self.mk(1)
         rowi = Int32(0)
         last_f = Int32(0)
         finished = Int32(0)  # the launch's end done (after a last row without a rescue)
         refused = Int32(0)
-        # epoch of the first row, loaded together with the status word (a plain load of
-        # this rank's own state: harmless even when the call is refused); later rows'
-        # epochs are loaded one row ahead.  Only this CTA touches its rows' epochs.
+        # The first row's epoch, loaded with the status word (a plain load of this rank's own
+        # state: harmless even when the call is refused); later rows' are loaded a row ahead.
+        # Only this CTA touches its rows' epochs.
         epn = Int32(0)
         if t < rows:
             epn = P.ld_u32(C.state_epoch(state, max_rows, t))
-        # A failed or closed exchange (status set before this launch) does no exchange
-        # work: empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
+        # A failed or closed exchange (status set before this launch) does no exchange work:
+        # empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
         stw0 = P.ld_volatile_u32(status)
         if cutlass.const_expr(self.clus > 1):
-            # CTA 0's word for the whole cluster (the CTAs must agree: each passes the same
-            # cluster barriers); this barrier also has every CTA of the cluster running before
-            # any DSMEM access
-            sm_xc = sm.xc
+            # CTA 0's word for the whole cluster (its CTAs must pass the same cluster barriers);
+            # this barrier also has every CTA of the cluster running before any DSMEM access
+            totals = sm.cluster_totals
             if tid == Int32(0):
-                sm_xc[14] = Int32(stw0)
+                totals[14] = Int32(stw0)
             P.cluster_sync_local()
-            stw0 = Uint32(P.ld_dsmem_u32(P.mapa(P.smem_addr(sm_xc) + Int32(56), Int32(0))))
+            stw0 = Uint32(P.ld_dsmem_u32(P.mapa(P.smem_addr(totals) + Int32(56), Int32(0))))
         # page_of's multiplier: one 64-bit division per launch, while the loads above are in
         # flight (block_size < 1 never reaches a lookup: req_ok is 0 then)
-        self.pdiv = (Uint64(1) << Uint64(PAGE_SHIFT)) // Uint64(cutlass.max(block_size, Int32(1))) + Uint64(1)
+        page_div = (Uint64(1) << Uint64(PAGE_SHIFT)) // Uint64(cutlass.max(block_size, Int32(1))) + Uint64(1)
+        ctx = Launch(tid, lane, warp, peers, local, state, logits, row_ends, kv_rows, counts, ids, saturated,
+                     rows, cols, bt_cols, block_size, rank, max_rows, rescue_off, flags_off, host_status,
+                     status, timeout_ns, ll_stride, nstep, page_div, crank, cbase)  # fmt: skip
         if stw0 != Uint32(layout.STATUS_OK):
             refused = Int32(1)
-            while t < rows:
-                if cutlass.const_expr(self.clus > 1):
-                    if self.crank == Int32(0):
-                        self.empty_row(t, tid, kv_rows, counts, ids, saturated)
-                else:
-                    self.empty_row(t, tid, kv_rows, counts, ids, saturated)
-                t = t + Int32(nstep)
+            t = self.refuse_rows(t, ctx)
         while t < rows:
-            ep = epn + Int32(1)
-            seq = P.ld_u32(C.state_seq(state, max_rows, t))
-            # LL row [parity, 0, t] (layout.ll_row_offset, factored: ll_stride steps the source)
-            ll0 = local + Int64(ep & Int32(1)) * Int64(W) * ll_stride + Int64(t) * Int64(self.ll_row_bytes)
-            # rescue row [t, 0] (layout.rescue_row_offset with slot 0)
-            resc0 = local + rescue_off + Int64(t) * Int64(self.slots * self.rescue_row_bytes)
-            req = P.ld_u32(req_id + Int64(t) * Int64(4))
-            req_ok = Int32(0)
-            bt_row = block_table
-            if req >= Int32(0) and req < bt_rows and block_size > Int32(0):
-                req_ok = Int32(1)
-                bt_row = block_table + Int64(req) * Int64(bt_cols) * Int64(4)
-            # stats slots of this row: 2 * (rowi & 1) + round; reset the other row parity's
-            # (last read before the previous row's final barrier)
-            slot1 = Int32(2) * (rowi & Int32(1))
-            if tid < Int32(8):
-                o = (Int32(2) - slot1) * Int32(4) + tid
-                sm_st[o] = Int32(0)
-                if (tid & Int32(3)) == Int32(2):
-                    sm_st[o] = Int32(0xFFFF)
-            # ---- round 1: wait for the W lists of epoch ep
-            T = Uint64(0)
-            if cutlass.const_expr(self.fast1):
-                if cutlass.const_expr(TUNE["noload"]):
-                    self.fake_r1(words, hb, lane, warp)
-                else:
-                    self.load_r1_fast(words, hb, lane, warp, ll0, ll_stride, ep, status, t, timeout_ns)
-                self.mk(2)
-                if cutlass.const_expr(TUNE["nobt"]):
-                    for i in cutlass.range_constexpr(self.kp1 if self.pre_bt else 1):
-                        btp[i] = Int32(0)
-                elif cutlass.const_expr(self.pre_bt):
-                    self.prefetch_bt(words, hb, btp, lane, warp, rank, bt_row, req_ok, bt_cols, block_size)
-                else:
-                    self.prefetch_bt_smem(words, hb, sm_buf, lane, warp, rank, bt_row, req_ok, bt_cols,
-                                          block_size)  # fmt: skip
-                self.mk(3)
-                T = self.fast_round(words, hb, False, slot1, sm, tid, lane, warp, ll0, ll_stride, resc0,
-                                    ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row,
-                                    req_ok, bt_cols, block_size, keys, btp,
-                                    1 if self.pre_bt else 2, hb)  # fmt: skip
-            else:
-                for v in cutlass.range(tid, self.nk1, C.TB, unroll=1):
-                    self.key_r1(v, ll0, ll_stride, ep, True, status, t, timeout_ns)
-                cute.arch.sync_threads()
-                T = self.radix_select(keys, False, sm, tid, lane, warp, ll0, ll_stride,
-                                      resc0, ep, status, t, timeout_ns)  # fmt: skip
-                self.emit(keys, False, T, sm, tid, lane, warp, ll0, ll_stride, resc0,
-                          ep, status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
-                          bt_cols, block_size)  # fmt: skip
-            # ---- saturation (uniform: from smem counts and T)
-            t_owner = Int32(-1)
-            if T != Uint64(0):
-                t_owner = Int32(Uint64((1 << self.gbits) - 1) - (T & Uint64((1 << self.gbits) - 1))) % Int32(W)
-            # lane q < W of every warp tests rank q, one ballot gives the mask (the same in
-            # every warp: smem counts); a loop over the W ranks in every thread was ~2.5% of
-            # the normal path's instructions at W = 8 (ncu, eleventh session)
-            ql = cutlass.min(lane, Int32(W - 1))
-            cq = Int32(0)
-            if cutlass.const_expr(self.fast1 and self.clus == 1):
-                cq = sm.pref[ql + Int32(1)] - sm.pref[ql]
-            else:
-                cq = sm_rcnt[ql]
-            sat = Int32(lane < Int32(W)) & Int32(cq == Int32(self.n)) & Int32(t_owner != lane)
-            mask = Int32(cute.arch.vote_ballot_sync(sat != Int32(0)))
-            nsat = Int32(cute.arch.popc(Uint32(mask)))
-            if nsat > Int32(self.slots):
-                mask = Int32(0)  # impossible (docs/DESIGN.md §6.4); keeps the slots in bounds
-            if cutlass.const_expr(NO_RESCUE):
-                mask = Int32(0)  # timing-only variants of the normal path
-            self.mk(11)
-            if cutlass.const_expr(self.clus > 1):
-                # A clustered row ends on CTA 0 (mask and sc[7] are the cluster's: the same in
-                # every CTA).  Where CTA 0 then rewrites the outputs -- a rescue's round 2, or the
-                # empty row of a failed call -- a cluster barrier that releases global memory
-                # first orders the other CTAs' round-1 stores before its stores.  The others go
-                # on to their next row (their next cluster barrier waits for CTA 0).
-                if mask != Int32(0) or sm.sc[7] != Int32(0):
-                    P.cluster_sync()
-                if self.crank == Int32(0):
-                    if mask == Int32(0):
-                        epn, last_f = self.row_epilogue(t, ep, mask, True, epn, nstep, rows, state, max_rows,
-                                                        saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
-                        if t + Int32(nstep) >= rows:  # this cluster's last row: CTA 0's end here too
-                            self.finish(refused, last_f, rowi + Int32(1), status, sm_seg, tid, peers,
-                                        state, rank, max_rows, host_status, ids, bid)  # fmt: skip
-                            finished = Int32(1)
-                    else:
-                        self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
-                                    rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
-                                    status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
-                                    bt_row, req_ok, bt_cols, block_size, keys, words, hb,
-                                    slot1 + Int32(1), state)  # fmt: skip
-                        if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
-                            P.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
-                        epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nstep, rows, state, max_rows,
-                                                        saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
-                elif t + Int32(nstep) < rows:
-                    epn = P.ld_u32(C.state_epoch(state, max_rows, t + Int32(nstep)))
-            elif cutlass.const_expr(not self.end_first):
-                if mask != Int32(0):
-                    self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
-                                rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
-                                status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
-                                bt_row, req_ok, bt_cols, block_size, keys, words, hb,
-                                slot1 + Int32(1), state)  # fmt: skip
-                    if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
-                        P.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
-                epn, last_f = self.row_epilogue(t, ep, mask, None, epn, nstep, rows, state, max_rows,
-                                                saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
-            else:
-                # The row's end for rows without a rescue sits here, before the rescue's code
-                # (a one-CTA select and a second round, ~100 KB of SASS): when it sat after it,
-                # the normal path fetched its end cold on every launch (ncu, eleventh session:
-                # most of the extra no-instruction stalls against a build without the rescue).
-                if mask == Int32(0):
-                    epn, last_f = self.row_epilogue(t, ep, mask, True, epn, nstep, rows, state, max_rows,
-                                                    saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
-                    if cutlass.const_expr(not TUNE["tailout"]):
-                        if t + Int32(nstep) >= rows:  # this CTA's last row: its end here too
-                            self.finish(refused, last_f, rowi + Int32(1), status, sm_seg, tid, peers,
-                                        state, rank, max_rows, host_status, ids, bid)  # fmt: skip
-                            finished = Int32(1)
-                else:
-                    self.rescue(mask, nsat, sm, tid, lane, warp, peers, local, logits, row_ends,
-                                rows, cols, rank, max_rows, rescue_off, flags_off, t, ep, seq,
-                                status, timeout_ns, ll0, ll_stride, resc0, ids, kv_rows, counts,
-                                bt_row, req_ok, bt_cols, block_size, keys, words, hb,
-                                slot1 + Int32(1), state)  # fmt: skip
-                    if tid == Int32(0):  # flags of the next rescue of row t carry seq + 2
-                        P.st_u32(C.state_seq(state, max_rows, t), seq + Int32(1))
-                    epn, last_f = self.row_epilogue(t, ep, mask, False, epn, nstep, rows, state, max_rows,
-                                                    saturated, status, sm, tid, kv_rows, counts, ids)  # fmt: skip
+            row = self.start_row(t, epn, rowi, req_id, block_table, bt_rows, sm, ctx)
+            kth = self.round1(words, hb, btp, sm, ctx, row)
+            mask = self.saturated_ranks(kth, sm, ctx)
+            epn, last_f, finished = self.end_row(mask, epn, last_f, finished, refused, rowi, words, hb, sm,
+                                                 ctx, row)  # fmt: skip
             t = t + Int32(nstep)
             rowi = rowi + Int32(1)
         if finished == Int32(0):
-            self.finish(refused, last_f, rowi, status, sm_seg, tid, peers, state, rank, max_rows,
-                        host_status, ids, bid)  # fmt: skip
+            self.finish(refused, last_f, rowi, sm, ctx)
         if cutlass.const_expr(self.clus > 1):
             # no CTA leaves while another may still read its shared memory
             P.cluster_arrive()
             P.cluster_wait()
 
     @cute.jit
-    def finish(self, refused: Int32, last_f: Int32, rowi: Int32, status: Int64, sm_seg: cute.Tensor,
-               tid: Int32, peers: Int64, state: Int64, rank: Int32, max_rows: Int32,
-               host_status: Int64, ids: Int64, bid):
+    def refuse_rows(self, t: Int32, ctx: Launch) -> Int32:
+        """Empty outputs for this CTA's rows of a refused launch; returns the row past them."""
+        while t < ctx.rows:
+            if cutlass.const_expr(self.clus > 1):
+                if ctx.crank == Int32(0):
+                    self.empty_row(t, ctx)
+            else:
+                self.empty_row(t, ctx)
+            t = t + Int32(ctx.nstep)
+        return t
+
+    @cute.jit
+    def start_row(self, t: Int32, epn: Int32, rowi: Int32, req_id: Int64, block_table: Int64, bt_rows: Int32,
+                  sm: MergeSmem, ctx: Launch) -> Row:
+        """Row t's addresses and request; its stats slots reset."""
+        ep = epn + Int32(1)
+        seq = P.ld_u32(C.state_seq(ctx.state, ctx.max_rows, t))
+        # LL row [parity, 0, t] (layout.ll_row_offset, factored: ll_stride steps the source)
+        ll0 = ctx.local + Int64(ep & Int32(1)) * Int64(self.world) * ctx.ll_stride + Int64(t) * Int64(self.ll_row_bytes)
+        # rescue row [t, 0] (layout.rescue_row_offset with slot 0)
+        resc0 = ctx.local + ctx.rescue_off + Int64(t) * Int64(self.slots * self.rescue_row_bytes)
+        req = P.ld_u32(req_id + Int64(t) * Int64(4))
+        req_ok = Int32(0)
+        bt_row = block_table
+        if req >= Int32(0) and req < bt_rows and ctx.block_size > Int32(0):
+            req_ok = Int32(1)
+            bt_row = block_table + Int64(req) * Int64(ctx.bt_cols) * Int64(4)
+        # stats slots of this row: 2 * (rowi & 1) + round; the other row parity's reset (last
+        # read before the previous row's final barrier)
+        slot = Int32(2) * (rowi & Int32(1))
+        if ctx.tid < Int32(8):
+            stats = sm.stats
+            o = (Int32(2) - slot) * Int32(4) + ctx.tid
+            stats[o] = Int32(0)
+            if (ctx.tid & Int32(3)) == Int32(2):
+                stats[o] = Int32(0xFFFF)
+        return Row(t, ep, seq, ll0, resc0, bt_row, req_ok, slot)
+
+    @cute.jit
+    def round1(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, sm: MergeSmem, ctx: Launch,
+               row: Row) -> Uint64:
+        """Round 1: wait for the W lists, select, write the outputs; returns the K-th key."""
+        kth = Uint64(0)
+        if cutlass.const_expr(self.fast1):
+            self.load_r1(words, hb, ctx, row)
+            if cutlass.const_expr(self.pre_bt):
+                self.prefetch_bt(words, hb, btp, ctx, row)
+            else:
+                self.prefetch_bt_smem(words, hb, sm.buf, ctx, row)
+            kth = self.fast_round(words, hb, False, row.slot, sm, ctx, row, btp, 1 if self.pre_bt else 2, hb)
+        else:
+            for v in cutlass.range(ctx.tid, self.nk1, C.TB, unroll=1):
+                self.key_r1(v, True, ctx, row)
+            cute.arch.sync_threads()
+            kth = self.radix_select(False, sm, ctx, row)
+            self.emit(False, kth, sm, ctx, row)
+        return kth
+
+    @cute.jit
+    def end_row(self, mask: Int32, epn: Int32, last_f: Int32, finished: Int32, refused: Int32, rowi: Int32,
+                words: cute.Tensor, hb: cute.Tensor, sm: MergeSmem, ctx: Launch, row: Row):
+        """The row's rescue, if any, and its end; returns (the next row's epoch, the failure
+        flag, whether the launch's end is done)."""
+        t, nstep = row.t, ctx.nstep
+        if cutlass.const_expr(self.clus > 1):
+            # A clustered row ends on CTA 0 (mask and found[7] are the cluster's).  Where CTA 0
+            # then rewrites the outputs (a rescue's round 2, or the empty row of a failed call),
+            # a cluster barrier that releases global memory first orders the other CTAs'
+            # round-1 stores before its stores; the others go on to their next row.
+            if mask != Int32(0) or sm.found[7] != Int32(0):
+                P.cluster_sync()
+            if ctx.crank == Int32(0):
+                if mask == Int32(0):
+                    epn, last_f, finished = self.end_plain_row(mask, epn, finished, refused, rowi, sm, ctx, row)
+                else:
+                    self.rescue(mask, words, hb, sm, ctx, row)
+                    epn, last_f = self.row_epilogue(mask, False, epn, sm, ctx, row)
+            elif t + Int32(nstep) < ctx.rows:
+                epn = P.ld_u32(C.state_epoch(ctx.state, ctx.max_rows, t + Int32(nstep)))
+        elif cutlass.const_expr(not self.end_first):
+            if mask != Int32(0):
+                self.rescue(mask, words, hb, sm, ctx, row)
+            epn, last_f = self.row_epilogue(mask, None, epn, sm, ctx, row)
+        else:
+            # The end of a row without a rescue sits before the rescue's code (a one-CTA select
+            # and a second round, ~100 KB of SASS): after it, the normal path fetched its end
+            # cold on every launch (most of its extra no-instruction stalls, ncu).
+            if mask == Int32(0):
+                epn, last_f, finished = self.end_plain_row(mask, epn, finished, refused, rowi, sm, ctx, row)
+            else:
+                self.rescue(mask, words, hb, sm, ctx, row)
+                epn, last_f = self.row_epilogue(mask, False, epn, sm, ctx, row)
+        return epn, last_f, finished
+
+    @cute.jit
+    def end_plain_row(self, mask: Int32, epn: Int32, finished: Int32, refused: Int32, rowi: Int32,
+                      sm: MergeSmem, ctx: Launch, row: Row):
+        """The end of a row without a rescue, and after this CTA's last row the launch's."""
+        epn, last_f = self.row_epilogue(mask, True, epn, sm, ctx, row)
+        if row.t + Int32(ctx.nstep) >= ctx.rows:
+            self.finish(refused, last_f, rowi + Int32(1), sm, ctx)
+            finished = Int32(1)
+        return epn, last_f, finished
+
+    # ------------------------------------------------------------------ row and launch ends
+
+    @cute.jit
+    def row_epilogue(self, mask: Int32, plain: cutlass.Constexpr, epn: Int32, sm: MergeSmem, ctx: Launch, row: Row):
+        """The row's end: its saturated mask, the next row's epoch loaded, the producer grid
+        waited for, the row voided on a failure, the epoch bumped.  ``plain``: True for a row
+        without a rescue, False for one with, None: decided by ``mask`` (a register-path row
+        without a rescue reuses the status word read after its last wait: found[7], published by
+        the outputs' final barrier).  Returns (the next row's epoch, the failure flag)."""
+        tid, t, nstep = ctx.tid, row.t, ctx.nstep
+        if ctx.saturated != Int64(0):
+            if tid == Int32(0):
+                P.st_u32(ctx.saturated + Int64(t) * Int64(4), mask)
+        if t + Int32(nstep) < ctx.rows:
+            epn = P.ld_u32(C.state_epoch(ctx.state, ctx.max_rows, t + Int32(nstep)))
+        # every word of the row was read; the producer grid is done
+        P.pdl_wait()
+        # A failure anywhere in the grid (status set) voids this row: waits that gave up read
+        # stale words, so the row gets empty outputs, never a guess.  (failed() starts with a
+        # barrier: every thread is done reading the row.)
+        f = Int32(0)
+        if cutlass.const_expr(self.fast1 and plain is None):
+            if mask == Int32(0):
+                f = sm.found[7]
+            else:
+                f = self.failed(sm, ctx)
+        elif cutlass.const_expr(self.fast1 and plain):
+            f = sm.found[7]
+        else:
+            f = self.failed(sm, ctx)
+        if f != Int32(0):
+            self.empty_row(t, ctx)
+        if tid == Int32(0):
+            P.st_u32(C.state_epoch(ctx.state, ctx.max_rows, t), row.ep)
+        return epn, f
+
+    @cute.jit
+    def finish(self, refused: Int32, last_f: Int32, rowi: Int32, sm: MergeSmem, ctx: Launch):
         """The launch's end for this CTA: withdraw on a failure, the host's status copy."""
         report = refused
         if refused == Int32(0):
-            # This call failed here or elsewhere in the grid: withdraw this rank's pushed
-            # rows from every peer (both parities), so a peer that arrives late times out
-            # too instead of pairing its call with this one's words (the producer grid is
-            # complete: pdl_wait above, or below when this CTA had no row).
-            # A CTA that merged rows reuses its last row's check: status never clears
-            # within a launch, and the CTA whose wait failed sees it (withdraw is idempotent).
+            # This call failed here or elsewhere in the grid: withdraw this rank's pushed rows
+            # from every peer (both parities), so that a peer arriving late times out too
+            # instead of pairing its call with this one's words (the producer grid is complete).
+            # A CTA that merged rows reuses its last row's check: a status never clears within
+            # a launch, and the CTA whose wait failed sees it (withdraw is idempotent).
             P.pdl_wait()
             fe = last_f
             if cutlass.const_expr(self.clus > 1):
                 # (the other CTAs of a cluster end no row: they read the status here)
-                if rowi == Int32(0) or self.crank != Int32(0):
-                    fe = self.failed(status, sm_seg, tid)
+                if rowi == Int32(0) or ctx.crank != Int32(0):
+                    fe = self.failed(sm, ctx)
             elif rowi == Int32(0):
-                fe = self.failed(status, sm_seg, tid)
+                fe = self.failed(sm, ctx)
             if fe != Int32(0):
-                self.withdraw(peers, state, rank, max_rows, tid)
+                self.withdraw(ctx)
             report = fe
-        # The host's copy of a set status (pinned words that op.jit's poll and the
-        # launcher's handlers read without a sync): written by a refused launch or a CTA
-        # that saw this launch fail; a healthy launch writes nothing (the copy starts at
-        # 0 and a status never clears).
-        if host_status != Int64(0):
+        # The host's copy of a set status (pinned words that op.jit's poll and the launcher's
+        # handlers read without a sync): written by a refused launch or a CTA that saw this
+        # launch fail; a healthy launch writes nothing (the copy starts at 0, a status never
+        # clears).
+        if ctx.host_status != Int64(0):
             if report != Int32(0):
-                if tid == Int32(0):
-                    self.report(status, host_status)
-        if cutlass.const_expr(TUNE["prof"]):
-            self.mk(15)
-            self.mk.store(ids + Int64(self.topk - N_MARKS) * Int64(4),
-                          Int32(Int32(bid) == Int32(0)) & Int32(tid == Int32(0)) & Int32(ids != Int64(0)))
+                if ctx.tid == Int32(0):
+                    self.report(ctx)
 
     @cute.jit
-    def row_epilogue(self, t: Int32, ep: Int32, mask: Int32, plain: cutlass.Constexpr, epn: Int32,
-                     nblk, rows: Int32, state: Int64, max_rows: Int32, saturated: Int64,
-                     status: Int64, sm: MergeSmem, tid: Int32, kv_rows: Int64, counts: Int64,
-                     ids: Int64):
-        """Row t's end: its saturated mask, the next row's epoch loaded, the producer grid
-        waited for, the row voided on a failure, the epoch bumped.  ``plain``: True for a row
-        without a rescue, False for one with, None: decided by ``mask`` here (the fast path
-        without a rescue reuses the status word read after the row's last wait, during the
-        outputs: sc[7], published by the outputs' final barrier).  Returns (the next row's
-        epoch, the failure flag)."""
-        if saturated != Int64(0):
-            if tid == Int32(0):
-                P.st_u32(saturated + Int64(t) * Int64(4), mask)
-        if t + Int32(nblk) < rows:
-            epn = P.ld_u32(C.state_epoch(state, max_rows, t + Int32(nblk)))
-        # ---- every word of the row was read; the producer grid is done
-        self.mk(12)
-        P.pdl_wait()
-        self.mk(13)
-        # A failure anywhere in the grid (status set) voids this row: waits that gave
-        # up read stale words, so the row gets empty outputs, never a guess.
-        # (failed() starts with a barrier: every thread is done reading the row.)
-        f = Int32(0)
-        if cutlass.const_expr(self.fast1 and plain is None):
-            if mask == Int32(0):
-                f = sm.sc[7]
-            else:
-                f = self.failed(status, sm.seg, tid)
-        elif cutlass.const_expr(self.fast1 and plain):
-            f = sm.sc[7]
-        else:
-            f = self.failed(status, sm.seg, tid)
-        if f != Int32(0):
-            self.empty_row(t, tid, kv_rows, counts, ids, saturated)
-        if tid == Int32(0):
-            P.st_u32(C.state_epoch(state, max_rows, t), ep)
-        self.mk(14)  # (here: before a launch's end that follows a last row)
-        return epn, f
-
-    @cute.jit
-    def report(self, status: Int64, host_status: Int64):
-        """Copy the status words [code, row, epoch, rank] to the host, the code last (a
-        reader that sees the code sees the rest)."""
+    def report(self, ctx: Launch):
+        """Copy the status words [code, row, epoch, rank] to the host, the code last (a reader
+        that sees the code sees the rest)."""
         for i in cutlass.range_constexpr(layout.STATUS_REPORT_WORDS):
             if cutlass.const_expr(i != layout.STATUS_CODE):
-                P.st_volatile_u32(host_status + Int64(4 * i), Int32(P.ld_volatile_u32(C.status_word(status, i))))
+                P.st_volatile_u32(ctx.host_status + Int64(4 * i), Int32(P.ld_volatile_u32(C.status_word(ctx.status, i))))
         P.fence_sys()
-        P.st_volatile_u32(host_status + Int64(4 * layout.STATUS_CODE),
-                          Int32(P.ld_volatile_u32(C.status_word(status, layout.STATUS_CODE))))
+        P.st_volatile_u32(ctx.host_status + Int64(4 * layout.STATUS_CODE),
+                          Int32(P.ld_volatile_u32(C.status_word(ctx.status, layout.STATUS_CODE))))
 
     @cute.jit
-    def failed(self, status: Int64, sm_seg: cute.Tensor, tid: Int32) -> Int32:
+    def failed(self, sm: MergeSmem, ctx: Launch) -> Int32:
         """CTA-uniform: 1 when a timeout was recorded (status 1 or 2)."""
+        seg = sm.seg
         cute.arch.sync_threads()
-        if tid == Int32(0):
-            code = Int32(P.ld_volatile_u32(status))
-            sm_seg[47] = Int32(0)
+        if ctx.tid == Int32(0):
+            code = Int32(P.ld_volatile_u32(ctx.status))
+            seg[47] = Int32(0)
             if code == Int32(layout.STATUS_TIMEOUT_ROUND1) or code == Int32(layout.STATUS_TIMEOUT_RESCUE):
-                sm_seg[47] = Int32(1)
+                seg[47] = Int32(1)
         cute.arch.sync_threads()
-        return sm_seg[47]
+        return seg[47]
 
     @cute.jit
-    def withdraw(self, peers: Int64, state: Int64, rank: Int32, max_rows: Int32, tid: Int32):
-        """Overwrite the first LL record of each of this rank's rows, both parities,
-        in every rank's buffer, with a tag 2^31 away from the row's epoch: no reader
-        within 2^31 calls accepts it (idempotent: every failed CTA may do it)."""
+    def withdraw(self, ctx: Launch):
+        """Overwrite the first LL record of each of this rank's rows, both parities, in every
+        rank's buffer, with a tag 2^31 away from the row's epoch: no reader within 2^31 calls
+        accepts it (idempotent: every failed CTA may do it)."""
+        max_rows = ctx.max_rows
         for p in cutlass.range(self.world, unroll=1):
-            base = P.ld_u64(peers + Int64(p) * Int64(8))
-            for i in cutlass.range(tid, Int32(2) * max_rows, C.TB, unroll=1):
+            base = P.ld_u64(ctx.peers + Int64(p) * Int64(8))
+            for i in cutlass.range(ctx.tid, Int32(2) * max_rows, C.TB, unroll=1):
                 par = i // max_rows
                 r = i - par * max_rows
-                bad = P.ld_u32(C.state_epoch(state, max_rows, r)) ^ Int32(-(2**31))
-                off = C.ll_row_offset(par, rank, r, self.world, max_rows, self.ll_row_bytes)
+                bad = P.ld_u32(C.state_epoch(ctx.state, max_rows, r)) ^ Int32(-(2**31))
+                off = C.ll_row_offset(par, ctx.rank, r, self.world, max_rows, self.ll_row_bytes)
                 P.st_ll_v4(base + off, Int32(0), bad, Int32(0))
 
     @cute.jit
-    def empty_row(self, t: Int32, tid: Int32, kv_rows: Int64, counts: Int64, ids: Int64,
-                  saturated: Int64):
-        """Outputs of a row the exchange refused: nothing selected."""
+    def empty_row(self, t: Int32, ctx: Launch):
+        """Outputs of a row the exchange refused or voided: nothing selected."""
         base = Int64(t) * Int64(self.topk) * Int64(4)
-        for i in cutlass.range(tid, self.topk, C.TB, unroll=1):
-            P.st_u32(kv_rows + base + Int64(i) * Int64(4), Int32(-1))
-            if ids != Int64(0):
-                P.st_u32(ids + base + Int64(i) * Int64(4), Int32(-1))
-        if tid == Int32(0):
-            P.st_u32(counts + Int64(t) * Int64(4), Int32(0))
-            if saturated != Int64(0):
-                P.st_u32(saturated + Int64(t) * Int64(4), Int32(0))
+        for i in cutlass.range(ctx.tid, self.topk, C.TB, unroll=1):
+            P.st_u32(ctx.kv_rows + base + Int64(i) * Int64(4), Int32(-1))
+            if ctx.ids != Int64(0):
+                P.st_u32(ctx.ids + base + Int64(i) * Int64(4), Int32(-1))
+        if ctx.tid == Int32(0):
+            P.st_u32(ctx.counts + Int64(t) * Int64(4), Int32(0))
+            if ctx.saturated != Int64(0):
+                P.st_u32(ctx.saturated + Int64(t) * Int64(4), Int32(0))
 
-    @cute.jit
-    def rescue(self, mask: Int32, nsat: Int32, sm: MergeSmem, tid, lane, warp, peers: Int64,
-               local: Int64, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
-               rank: Int32, max_rows: Int32, rescue_off: Int64, flags_off: Int64, t: Int32,
-               ep: Int32, seq: Int32, status: Int64, timeout_ns: Int64, ll0: Int64,
-               ll_stride: Int64, resc0: Int64, ids: Int64, kv_rows: Int64, counts: Int64,
-               bt_row: Int64, req_ok: Int32, bt_cols: Int32, block_size: Int32,
-               keys: cute.Tensor, words: cute.Tensor, hb: cute.Tensor, slot2: Int32,
-               state: Int64):  # fmt: skip
-        sm_buf, sm_hist, sm_warp_totals, sm_scalars, sm_rcnt, sm_seg = sm.parts()
-        sel = sm.sel.parts()
-        W = self.world
-        flag_val = seq + Int32(1)
-        if ((mask >> rank) & Int32(1)) != Int32(0):
-            # This rank is saturated: its local top-K from its logits (which
-            # the kernel before the producer wrote: wait for the grid chain).
-            P.pdl_wait()
-            klist = Int64(0)  # (rescue_list) the producer made this row's K-list: no select here
-            if cutlass.const_expr(self.klist):
-                klist = C.state_klist(state, max_rows, t, self.rw_k)
-            elif cutlass.const_expr(not TUNE["rnosel"]):  # (rnosel: timing only)
-                end = row_end(row_ends, t, cols)
-                S.select_row(logits + Int64(t) * Int64(cols) * Int64(2), end, self.topk, self.rw_k,
-                             sel, tid, lane, warp, Int32(1), Int32(0), False, False, Int32(0),
-                             self.rescue_u1)  # fmt: skip
-            self.mk(16)
-            s = Int32(cute.arch.popc(Uint32(mask & ((Int32(1) << rank) - Int32(1)))))
-            off = rescue_off + C.rescue_row_offset(t, s, self.slots, self.rescue_row_bytes)
-            if cutlass.const_expr(TUNE["rnopush"]):
-                pass  # timing only: the K-list is not stored
-            else:
-                if cutlass.const_expr(self.klist):
-                    # the producer's K-list (written by the grid pdl_wait waited for; .cg: not
-                    # through this SM's L1, which may hold an earlier call's lines)
-                    for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                        a, b, c, d = P.ld_cg_v4(klist + Int64(i) * Int64(16))
-                        for p in cutlass.range_constexpr(W):
-                            dst = P.ld_u64(peers + Int64(p) * Int64(8)) + off
-                            P.st_v4(dst + Int64(i) * Int64(16), a, b, c, d)
-                else:
-                    for p in cutlass.range(W, unroll=1):
-                        dst = P.ld_u64(peers + Int64(p) * Int64(8)) + off
-                        for i in cutlass.range(tid, self.rw_k // 4, C.TB, unroll=1):
-                            P.st_v4(dst + Int64(i) * Int64(16), sm_buf[4 * i], sm_buf[4 * i + 1],
-                                    sm_buf[4 * i + 2], sm_buf[4 * i + 3])  # fmt: skip
-            cute.arch.sync_threads()
-            self.mk(17)
-            foff = flags_off + C.flag_offset(rank, t, max_rows)
-            if cutlass.const_expr(TUNE["rnoflag"]):
-                pass  # timing only: no fence, no flags (and no wait below)
-            else:
-                # lane p of warp 0: fence.acq_rel.sys then a strong (relaxed.sys) store of
-                # rank p's flag = a release pattern (PTX memory model); bar.sync above
-                # orders the CTA's stores before each lane's fence (cumulativity).  One
-                # MEMBAR for the warp, the W stores in one instruction.
-                if tid < Int32(W):
-                    pa = P.ld_u64(peers + Int64(tid) * Int64(8))
-                    if cutlass.const_expr(not TUNE["rnofence"]):
-                        P.fence_sys()
-                    P.st_relaxed_sys(pa + foff, flag_val)
-        # Every rank: acquire the saturated ranks' flags (one lane per rank).
-        if cutlass.const_expr(not (TUNE["rnoflag"] or TUNE["rnowait"])):
-            if tid < Int32(W):
-                if ((mask >> tid) & Int32(1)) != Int32(0):
-                    addr = local + flags_off + C.flag_offset(tid, t, max_rows)
-                    self.wait_tag(addr, flag_val, True, status, layout.STATUS_TIMEOUT_RESCUE, t, ep, tid,
-                                  timeout_ns)  # fmt: skip
-        self.mk(18)
-        if tid == Int32(0):
-            off = Int32(0)
-            s = Int32(0)
-            for q in cutlass.range_constexpr(W):
-                sm_seg[q] = off
-                if ((mask >> Int32(q)) & Int32(1)) != Int32(0):
-                    sm_seg[17 + q] = s
-                    s = s + Int32(1)
-                    off = off + Int32(self.topk)
-                else:
-                    sm_seg[17 + q] = Int32(-1)
-                    off = off + Int32(self.n)
-            sm_seg[W] = off
-        cute.arch.sync_threads()
-        if cutlass.const_expr(TUNE["rnor2"]):
-            pass  # timing only: no round 2 (the outputs stay round 1's)
-        elif cutlass.const_expr(self.roll2):
-            self.round2_rolled(slot2, sm, tid, lane, warp, rank, t, ll0, ll_stride, resc0, ids, kv_rows,
-                               counts, bt_row, req_ok, bt_cols, block_size)  # fmt: skip
-        elif cutlass.const_expr(self.fast2):
-            qj = cute.make_rmem_tensor((self.kp2 // 2,), Int32)
-            self.load_r2_fast(words, hb, lane, warp, sm_seg, ll0, ll_stride, resc0, qj)
-            self.fast_round(words, hb, True, slot2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
-                            status, t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok,
-                            bt_cols, block_size, keys, hb, 0, qj)  # fmt: skip
-        else:
-            T2 = self.radix_select(keys, True, sm, tid, lane, warp, ll0, ll_stride, resc0, ep,
-                                   status, t, timeout_ns)  # fmt: skip
-            self.emit(keys, True, T2, sm, tid, lane, warp, ll0, ll_stride, resc0, ep, status,
-                      t, timeout_ns, rank, ids, kv_rows, counts, bt_row, req_ok, bt_cols,
-                      block_size)  # fmt: skip
+    # ------------------------------------------------------------------ launch
 
     @cute.jit
     def entry(self, peers: Int64, local: Int64, state: Int64, logits: Int64, row_ends: Int64,
@@ -2353,4 +2304,9 @@ class Merge:
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)
 
     def compile(self, arch: str = "sm_90a", dump_dir: str = "."):
-        return cute.compile(self.entry, *ABI.dummies(Int64, Int32), options=C.compile_options(arch, dump_dir))
+        """The compiled kernel for ``arch`` (cached on this object; the DSL writes its PTX and
+        cubin into ``dump_dir``)."""
+        if arch not in self._compiled:
+            self._compiled[arch] = cute.compile(self.entry, *ABI.dummies(Int64, Int32),
+                                                options=C.compile_options(arch, dump_dir))
+        return self._compiled[arch]

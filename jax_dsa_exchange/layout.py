@@ -365,6 +365,22 @@ def check_interleave(interleave, world: int) -> None:
                          f"(local rows of up to {MAX_LOCAL_LEN} tokens)")
 
 
+# The GPU merge ranks the global positions of tied keys in three histogram passes of 10, 6 and 6
+# bits: every interleave size up to a rank's longest row (2**17) fits for every W.
+KERNEL_GID_BITS = 22
+
+
+def check_kernel_interleave(interleave: int, world: int) -> None:
+    """The interleave sizes the GPU kernels take (after check_interleave): global positions of
+    at most KERNEL_GID_BITS bits; ValueError naming the value otherwise (the XLA path takes
+    every size check_interleave does)."""
+    check_interleave(interleave, world)
+    if gid_bits(world, interleave) > KERNEL_GID_BITS:
+        raise ValueError(f"interleave={interleave} with world={world}: global positions of "
+                         f"{gid_bits(world, interleave)} bits; the GPU kernels take up to {KERNEL_GID_BITS} "
+                         f"(any interleave <= {MAX_LOCAL_LEN}); use the XLA path (path='xla') for larger ones")
+
+
 def gid_bits(world: int, interleave: int = 1) -> int:
     """G: bits of a global position (docs/DESIGN.md §5), enough for max_global_position; with
     ``interleave`` 1 that is 17 + bits(W - 1)."""

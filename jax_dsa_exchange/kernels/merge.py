@@ -100,6 +100,7 @@ class MergeConfig:
     rescue_list: bool = False
     max_cluster: int = CLUS_MAX  # the most CTAs of a clustered row
     min_cluster_words: int = CLUS_KP  # the fewest round-1 words per thread of a clustered CTA
+    interleave: int = 1  # the KV cache's chunks of I tokens per rank (docs/DESIGN.md §4)
 
     def wide(self) -> "MergeConfig":
         return dataclasses.replace(self, max_cluster=CLUS_WIDE, min_cluster_words=WIDE_KP)
@@ -254,8 +255,10 @@ class Merge:
         world, topk, n = config.world, config.topk, config.local_topk
         layout.check_config(world, topk, n)
         self.config = config
+        layout.check_kernel_interleave(config.interleave, world)
         self.world, self.topk, self.n = world, topk, n
-        self.gbits = layout.gid_bits(world)
+        self.interleave = config.interleave
+        self.gbits = layout.gid_bits(world, config.interleave)
         self.keybits = 16 + self.gbits
         self.rw_k = layout.row_words(topk)
         self.klist = S.klist_n2(n, topk, config.rescue_list) > 0  # a rescue pushes the producer's K-list
@@ -338,12 +341,16 @@ class Merge:
     @cute.jit
     def make_key(self, w: Uint32, m: Uint32, j: Int32, q: Int32) -> Uint64:
         """Packed word (+ its mask word) of list index j of rank q -> 64-bit key
-        ord16 << G | (2^G - 1 - g), g = l * W + q; 0 for an empty word."""
+        ord16 << G | (2^G - 1 - g), g = gpos(l, q); 0 for an empty word."""
         key = Uint64(0)
         if w != Uint32(0):
             hi = (m >> Uint32(j & Int32(31))) & Uint32(1)
             lidx = (Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (hi << Uint32(16))
-            g = Uint64(lidx) * Uint64(self.world) + Uint64(q)
+            g = Uint64(0)
+            if cutlass.const_expr(self.interleave == 1):
+                g = Uint64(lidx) * Uint64(self.world) + Uint64(q)
+            else:
+                g = Uint64(Uint32(self.gpos(Int32(lidx), q)))
             key = (Uint64(w >> Uint32(16)) << Uint64(self.gbits)) | (Uint64((1 << self.gbits) - 1) - g)
         return key
 
@@ -516,7 +523,7 @@ class Merge:
         flag = Int32(0)
         if sel:
             g = Int32(Uint64((1 << self.gbits) - 1) - (key & Uint64((1 << self.gbits) - 1)))
-            q = g % Int32(self.world)
+            q = self.owner_of(g)
             flag = Int32(1)
             if q == ctx.rank:
                 flag = Int32(1 + (1 << 16))
@@ -530,7 +537,7 @@ class Merge:
                 cute.arch.atomic_add(rank_counts.iterator + q, Int32(1), sem="relaxed", scope="cta")
             if q == ctx.rank:
                 kpos = own_run + (excl >> Int32(16))
-                slot = self.kv_slot(g // Int32(self.world), ctx, row)
+                slot = self.kv_slot(self.local_of(g), ctx, row)
                 P.st_u32(ctx.kv_rows + (Int64(row.t) * Int64(self.topk) + Int64(kpos)) * Int64(4), slot)
         return all_run + (tot & Int32(0xFFFF)), own_run + (tot >> Int32(16))
 
@@ -669,8 +676,53 @@ class Merge:
 
     @cute.jit
     def gid(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32) -> Int32:
-        """g = l W + q of word i of segment q."""
-        return self.lidx_of(w, hbits, i) * Int32(self.world) + q
+        """The global position of word i of segment q."""
+        return self.gpos(self.lidx_of(w, hbits, i), q)
+
+    # Global positions (docs/DESIGN.md §4, layout.global_position): with I = 1 g = l W + q; a
+    # KV cache interleaved in chunks of I tokens puts chunk c of rank q at positions
+    # (c W + q) I ..  Power-of-two sizes take shifts and masks, others a division by a constant.
+
+    @cute.jit
+    def gpos(self, lidx: Int32, q: Int32) -> Int32:
+        """The global position of local index lidx of rank q."""
+        W, I = self.world, self.interleave
+        g = Int32(0)
+        if cutlass.const_expr(I == 1):
+            g = lidx * Int32(W) + q
+        elif cutlass.const_expr(I & (I - 1) == 0):
+            s = I.bit_length() - 1
+            g = ((lidx >> Int32(s)) * Int32(W) + q) * Int32(I) + (lidx & Int32(I - 1))
+        else:
+            g = ((lidx // Int32(I)) * Int32(W) + q) * Int32(I) + lidx % Int32(I)
+        return g
+
+    @cute.jit
+    def owner_of(self, g: Int32) -> Int32:
+        """The rank that holds global position g."""
+        W, I = self.world, self.interleave
+        q = Int32(0)
+        if cutlass.const_expr(I == 1):
+            q = g % Int32(W)
+        elif cutlass.const_expr(I & (I - 1) == 0):
+            q = (g >> Int32(I.bit_length() - 1)) % Int32(W)
+        else:
+            q = (g // Int32(I)) % Int32(W)
+        return q
+
+    @cute.jit
+    def local_of(self, g: Int32) -> Int32:
+        """Its local index on that rank."""
+        W, I = self.world, self.interleave
+        lidx = Int32(0)
+        if cutlass.const_expr(I == 1):
+            lidx = g // Int32(W)
+        elif cutlass.const_expr(I & (I - 1) == 0):
+            s = I.bit_length() - 1
+            lidx = ((g >> Int32(s)) // Int32(W) << Int32(s)) + (g & Int32(I - 1))
+        else:
+            lidx = (g // Int32(I * W)) * Int32(I) + g % Int32(I)
+        return lidx
 
     @cute.jit
     def pair_addr(self, i: cutlass.Constexpr, v: Int32, ctx: Launch, row: Row) -> Int64:
@@ -1541,7 +1593,7 @@ class Merge:
                 w = Uint32(stage[i * Int32(C.TB) + tid])
                 sel = Int32((sel_bits >> Uint32(i)) & Uint32(1))
                 lidx = self.lidx_of(w, hbits, i)
-                g = lidx * Int32(self.world) + q
+                g = self.gpos(lidx, q)
                 P.st_u32_if(ctx.ids + (trow + Int64(pos)) * Int64(4), g, sel & ids_on)
                 pos = pos + sel
                 own = sel & Int32(q == ctx.rank)
@@ -1632,7 +1684,7 @@ class Merge:
         """Word i's outputs by predicated stores (no branch per key); returns the next places."""
         sel = Int32((sel_bits >> Uint32(i)) & Uint32(1))
         lidx = self.lidx_of(w, hbits, i)
-        g = lidx * Int32(self.world) + q
+        g = self.gpos(lidx, q)
         P.st_u32_if(ids_row + Int64(pos) * Int64(4), g, sel & ids_on)
         pos = pos + sel
         own = sel & Int32(q == ctx.rank)
@@ -1647,7 +1699,7 @@ class Merge:
         made ptxas spill the words)."""
         if ((sel_bits >> Uint32(i)) & Uint32(1)) != Uint32(0):
             lidx = self.lidx_of(w, hbits, i)
-            g = lidx * Int32(self.world) + q
+            g = self.gpos(lidx, q)
             if ctx.ids != Int64(0):
                 P.st_u32(ctx.ids + (trow + Int64(pos)) * Int64(4), g)
             pos = pos + Int32(1)
@@ -1867,7 +1919,7 @@ class Merge:
                 w = Uint32((w0, w1)[h])
                 sel = Int32((sp >> Uint32(h)) & Uint32(1))
                 lidx = self.lidx_of(w, hbits, Int32(2) * p + Int32(h))
-                P.st_u32_if(ctx.ids + (trow + Int64(pos)) * Int64(4), lidx * Int32(self.world) + q, sel & ids_on)
+                P.st_u32_if(ctx.ids + (trow + Int64(pos)) * Int64(4), self.gpos(lidx, q), sel & ids_on)
                 pos = pos + sel
                 own = sel & Int32(q == ctx.rank)
                 slot = self.kv_slot_of((bt0, bt1)[h], lidx, ctx, row)
@@ -1886,7 +1938,7 @@ class Merge:
         lane = ctx.lane
         t_owner = Int32(-1)
         if kth != Uint64(0):
-            t_owner = Int32(Uint64((1 << self.gbits) - 1) - (kth & Uint64((1 << self.gbits) - 1))) % Int32(W)
+            t_owner = self.owner_of(Int32(Uint64((1 << self.gbits) - 1) - (kth & Uint64((1 << self.gbits) - 1))))
         q = cutlass.min(lane, Int32(W - 1))
         selected = Int32(0)
         if cutlass.const_expr(self.fast1 and self.clus == 1):

@@ -153,12 +153,6 @@ class KernelImage:
 
 def source_hash(files=SOURCE_FILES) -> str:
     h = hashlib.sha256()
-    tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")  # select.TUNE_ENV (variants)
-    if tune:
-        h.update(b"tune:" + tune.encode() + b"\0")
-    mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")  # merge.TUNE_ENV (variants)
-    if mtune:
-        h.update(b"mtune:" + mtune.encode() + b"\0")
     for f in files:
         h.update(pathlib.Path(f).name.encode() + b"\0")
         h.update(pathlib.Path(f).read_bytes())
@@ -170,22 +164,6 @@ def source_hash(files=SOURCE_FILES) -> str:
 # their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
 # timing-only (merge.TIMING_ONLY)
 MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus", "ckp", "bpoll", "runs")
-
-
-def tune_exact() -> bool:
-    """False when the tune strings select a timing-only build: ``JAX_DSA_EXCHANGE_SELECT_TUNE``
-    with ``skip=...`` (select.SKIP leaves a stage out), ``prof=1`` (phase marks over row 0's
-    logits) or ``rep=2`` (the select run twice) or ``JAX_DSA_EXCHANGE_MERGE_TUNE``
-    with any knob of merge.TIMING_ONLY on (all but MERGE_EXACT_KNOBS): the outputs are
-    wrong; the GPU tests and ``Exchange`` refuse those builds."""
-    tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")
-    off = {"skip": ("", "0"), "prof": ("", "0"), "rep": ("", "0", "1")}  # (rep=1: the select once)
-    if any(kv.split("=")[0].strip() in off and kv.split("=", 1)[1].strip() not in off[kv.split("=")[0].strip()]
-           for kv in tune.split(",") if "=" in kv):  # fmt: skip
-        return False
-    mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")
-    return not any(kv.split("=", 1)[0].strip() not in MERGE_EXACT_KNOBS and kv.split("=", 1)[1].strip() not in ("", "0")
-                   for kv in mtune.split(",") if "=" in kv)  # fmt: skip
 
 
 def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str,
@@ -226,11 +204,10 @@ def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_l
 
 def has_lean_producer(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
     """Whether the configuration gets a select_push_lean image (needs the CuTe DSL: the kernels'
-    own rule, select_push.lean_ok, and the select knob lean, on by default)."""
-    from . import select
+    own rule, select_push.lean_ok)."""
     from .select_push import lean_ok
 
-    return bool(select.LEAN) and lean_ok(local_topk, topk, rescue_list)
+    return lean_ok(local_topk, topk, rescue_list)
 
 
 def has_wide_merge(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:

@@ -113,7 +113,7 @@ def cluster_sum(a: Int32, csize: Int32, one: Int32, upto: Int32):
     if one != Int32(0):
         tot = P.ld_smem_u32(a)
     else:
-        for r in cutlass.range_constexpr(S.LEAN_CLUSTER_MAX):
+        for r in cutlass.range_constexpr(S.CLUSTER_MAX):
             # (rank clamped into the cluster: mapa of a rank outside it is undefined)
             x = P.ld_dsmem_u32_if(P.mapa(a, cutlass.min(Int32(r), csize - Int32(1))), Int32(Int32(r) < csize))
             tot = tot + x
@@ -137,7 +137,7 @@ def token(xs: cute.Tensor, j: cutlass.Constexpr) -> Uint32:
 # loads start with the kernel, beside the row end's load (one memory round trip less; a row
 # shorter than the buffer then reads past its end, which larger launches, whose bandwidth
 # counts, do not)
-SPEC_CTAS = S.LEAN_SPEC  # 132 ("lspec=N": a variant's)
+SPEC_CTAS = 132
 assert SLICE_MAX == layout.PRODUCER_LEAN_SLICE_MAX, (SLICE_MAX, layout.PRODUCER_LEAN_SLICE_MAX)
 
 
@@ -185,8 +185,7 @@ def issue_loads(row_addr: Int64, blen: Int32, csize: Int32, me: Int32, tid, alig
 
 @cute.jit
 def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n: cutlass.Constexpr,
-                    rw: cutlass.Constexpr, parts, tid, lane, warp, csize: Int32, me: Int32, mk=None,
-                    early=None):
+                    rw: cutlass.Constexpr, parts, tid, lane, warp, csize: Int32, me: Int32, early=None):
     """Top-min(n, valid) of the first end bf16 at ``row_addr`` (end = ``end_raw`` clamped to
     [0, min(cols, 2**17)]), this CTA's slice of it: -> (p0, p1, p_end, writer) as
     ``select.select_row`` with ``own_part`` (this CTA's positions [p0, p1) in its own row buffer,
@@ -196,8 +195,6 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     flight) is waited for; larger ones from the row's end; the tokens at or past the end count
     as invalid.  A slice must have at most TB * TMAX tokens: the caller's test, ``fits``.
     ``parts``: select.SelectSmem.parts() (the cache holds the slice's ord16)."""
-    if cutlass.const_expr(mk is None):
-        mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
     cache_a = P.smem_addr(cache)
     h1_a = P.smem_addr(hist1)
@@ -236,7 +233,6 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     for i in cutlass.range(tid, rw, TB, unroll=1):
         row[i] = Int32(0)
     cute.arch.sync_threads()
-    mk(1)
     # ---- pass 1: ord16 (registers, and the slice copy), the first histogram, the top score
     s_lim = cutlass.max(cutlass.min(end - s0, s_buf), Int32(0))  # the slice's valid prefix
     tw = Int32(0)  # (packed maximum of the thread's ord16 pairs)
@@ -270,9 +266,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     top = cute.arch.warp_redux_sync(cutlass.max(tw & Int32(0xFFFF), Int32(Uint32(tw) >> Uint32(16))), "max")
     if lane == Int32(0):
         P.red_smem_max(pub_a + Int32(4 * _P_TOP), top)
-    mk(2)
     S.csync_n(True, csize)
-    mk(3)
     # ---- the boundary bin b1: warp 0 walks the cluster's histogram down from its top bin, 32
     # bins a step (a lane a bin, lane 0 the highest), until n scores lie at or above a bin
     if warp == Int32(0):
@@ -331,7 +325,6 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
             pub[_P_ABOVE] = w_oabove1  # (read by the later CTAs after the second cluster barrier)
             pub[_P_VALID] = Int32(TB) * ch - hist1[0]
     cute.arch.sync_threads()
-    mk(4)
     b1 = scal[_B1]
     # ---- pass 2: the candidates as two mask words, bin > b1 (mg) and bin == b1 (me1; b1 = -1:
     # every valid token in mg); then the bin-b1 tokens' second histogram (their low 5 bits) and
@@ -367,9 +360,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
             ovf = Int32(1)
         else:
             lowc = lowc + (Uint64(1) << sh)
-    mk(5)
     S.csync_n(True, csize)
-    mk(7)
     # ---- the boundary score v, need_eq, and what precedes / lies in this slice (warp 0)
     if warp == Int32(0):
         u_v = Int32(0)
@@ -413,7 +404,6 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     if one == Int32(0):
         P.cluster_arrive()  # every DSMEM load of this CTA was used above (the caller waits)
     cute.arch.sync_threads()
-    mk(8)
     v = Uint32(scal[_V])
     need_eq = scal[_NEED_EQ]
     gtb = scal[_GTB]
@@ -432,7 +422,6 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
             m = m & (m - Uint32(1))
             o = P.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
             ngt, neq = S.count_token(o, v, ngt, neq)
-    mk(9)
     x = C.warp_incl_scan(ngt, lane)
     y = C.warp_incl_scan(neq, lane)
     if lane == Int32(31):
@@ -446,7 +435,6 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
             if Int32(4 * w4 + q) < warp:
                 x = x + wa
                 y = y + wb
-    mk(10)
     gt_b = gtb + x - ngt
     eq_b = eqb + y - neq
     m = mcand
@@ -456,9 +444,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
         o = P.ld_smem_u16(cache_a + (t0 + j) * Int32(2))
         gt_b, eq_b = S.emit_token(o, Uint32(s0 + t0 + j), v, gt_b, eq_b, need_eq, n, Int32(0), row_a,
                                   row, row_a)  # fmt: skip
-    mk(11)
     cute.arch.sync_threads()  # this CTA's part of the row is complete
-    mk(12)
     total = scal[_TOTAL]
     p0 = cutlass.min(gtb + cutlass.min(eqb, need_eq), Int32(n))
     p1 = cutlass.min(gtb + scal[_GTO] + cutlass.min(eqb + scal[_EQO], need_eq), Int32(n))

@@ -48,8 +48,6 @@ counts over the whole row.
 
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, Uint64
@@ -64,139 +62,27 @@ B1 = 11  # high bits of ord16 in the first histogram
 NB1 = 1 << B1  # 2048 bins
 NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
-# 16-byte loads (vectors of 8 tokens) per thread per round of passes 1 and 2.  2 since the
-# sixth session (H200 variants, N = 512: R = 1 L = 8K 10.88 -> 10.17 us, R = 256 L = 128K
-# 79.8 -> 77.6, no column slower; 59 -> 48 registers; a shorter unrolled body, and ncu showed
-# instruction-fetch stalls at R = 1); 1 was as fast except on uncached 128K slices (+1.3 us).
+# 16-byte loads (vectors of 8 tokens) per thread per round of passes 1 and 2: on an H200 at
+# W = 8, N = 512, 2 against 1 took R = 1 L = 8K from 10.88 to 10.17 us (a shorter unrolled body
+# than more, fewer instruction-fetch stalls) and was as fast elsewhere but on uncached 128K slices
 U1 = 2
-# Benchmark variants of the static knobs ("u1=8", "early=1", "relax=0", "bulk=0", "cache=32768",
-# "skip=pass2+push"; cache.source_hash() mixes this string into the cubins' tag, so variants
-# never mix): see benchmarks/bench_kernels.py and benchmarks/bench_select_variants.py.
-# The exact candidates wt2 (block scans without their trailing barrier), w0 (the boundary
-# step by warp 0 alone) and cmax=16 (clusters of 16 CTAs, non-portable) were measured on
-# 2026-12-01 (kernels/NOTES.md), rejected and removed (their code: commit e8d324e).
-TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"
-EARLY_TRIGGER = 1  # select_push: griddepcontrol.launch_dependents at the start (1) or the end (0)
-# Exact speed-ups, both on (measured in kernels/NOTES.md; 0 for the comparison builds):
-# pass 1 of a kept slice (16-byte aligned row): cp.async.bulk copies of the whole slice into
-# the cache at the start (every byte in flight at once, one mbarrier per TB vectors), then
-# converted in place; 0: 16-byte loads by every thread, U1 in flight
-BULK = 1
-RELAX = 1  # 1: cluster barriers 1 and 2 (and 3 when C == 1) release only this CTA's shared
-#            memory (fence.release.sync_restrict::shared::cta.cluster -> MEMBAR.ALL.CTA, then
-#            barrier.cluster.arrive.relaxed) instead of arrive.release (MEMBAR.ALL.GPU)
-# TIMING ONLY (the outputs are then WRONG; tests refuse these builds): leave one stage out
-# ("skip=a+b"), for a breakdown of the fixed and per-token cost.
-SKIPPABLE = {
-    "hist1": "pass 1 without its per-token histogram reds (one red per thread per U1 vectors, "
-             "count at the bin of its last valid token: b1 stays plausible)",
-    "pass2": "no second pass (hist2 stays zero: v = b1 << 5; the mask empty, so no compaction walk)",
-    "dsmem": "no distributed-shared loads: every CTA uses its own histograms as the cluster's",
-    "compact": "no compaction (the row stays zero)",
-    "push": "select_push pushes nothing",
-    "select": "select_push skips select_row (with push: the launch + first loads floor)",
-}
-SKIP = frozenset()
-# clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
-# boundary (select_row, "bounded"); smaller ones sum every bin ("bmin=N": a variant; 9 = never)
+# Clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
+# boundary (every CTA reading all C histograms whole was 64 KB of DSMEM loads per CTA at C = 8,
+# ~2 us); smaller ones sum every bin.  At least 2: a one-CTA cluster reads its own histogram.
 BOUNDED_MIN = 5
-# A kept slice whose boundary bin is crowded (more than max(BIG_B1, BIG_RATIO x its own
-# count above that bin) of its tokens there: a recency bias puts thousands there, all but
-# ~n of them below the boundary score, in a few threads' units) counts its second
-# histogram in pass 2, drops from its mask every token below the boundary score once that
-# is known, and the compaction walks a list of the rest: their (ord16, token) words in index
-# order, in the mask's unused tail, split evenly over the threads.  Random scores stay off
-# this path (where their bin holds more than 512, at most 3.5x the count above it), on which
-# it cost ~3 us per CTA (eighth session, kernels/NOTES.md).  ("list=0": never; "big=N",
-# "ratio=N": other thresholds)
-LIST = 1
+# A kept slice whose boundary bin is crowded (more than max(BIG_B1, BIG_RATIO x its own count
+# above that bin): a recency bias puts thousands there, all but ~n of them below the boundary
+# score, in a few threads' units) drops from its mask every token below the boundary score and
+# walks an even share of a list of the rest (make_list).  Random scores stay off this path (their
+# bin holds at most 3.5x the count above it where it holds more than 512), on which it costs ~3 us
+# per CTA.
 BIG_B1 = 512
 BIG_RATIO = 8
-# Each CTA of a cluster keeps its own part of the packed row (a contiguous range of
-# positions: its slice's kept tokens) and pushes it itself, one CTA the bit-16 mask words
-# (select_row ``own_part``); 0: every CTA writes into CTA 0's row through DSMEM, a third
-# cluster barrier, then CTA 0 pushes the whole row ("own=0": the seventh session's way)
-OWN = 1
-# CID (exact; "cid=0" the old way): select_push's row from %clusterid.x instead of a signed
-# division of the block index by the cluster size, and the slice length by an unsigned
-# division (both ran on the path from the kernel's start to its first loads / bulk copies:
-# ~30 and ~25 dependent instructions in the SASS)
-CID = 1
-# ONE (exact; "one=0" the old way): a one-CTA cluster (csize == 1, uniform) takes block
-# barriers for cluster barriers 1 and 2 and its own shared memory for the DSMEM loads, and
-# skips the own-part arrival / wait (a cluster barrier is a fence + arrive + wait in SASS; at
-# C = 1, the rows of R >= 64 or L <= 8K, that is 2 of them and the DSMEM loads of its own
-# histograms); the end barrier after DSMEM stores (csync_end, rows of N > 2048) stays.
-# Both measured together on one H200 (thirteenth session, kernels/NOTES.md): -0.3..-0.6 us
-# by events on the C = 1 shapes, -0.1..-0.3 on clustered ones, no shape slower.
-ONE = 1
-# The rescue list (the kernels' static option ``rescue_list``, Exchange.create; fifteenth
-# session): select_push also selects each row's local top-K (n2 = K) in the same passes (a
-# second boundary from the same histograms, a second compaction count) and writes it to its
-# klist row of the local state (layout.StateLayout), where the merge's rescue of that row
-# takes it instead of selecting the row again on one CTA (W = 8, N = 512: forced rescue 34 ->
-# 24 us at L = 8K, 201 -> 24 at 128K; the producer +2.4 .. +5.8 us at R <= 64, +23 at R = 256,
-# L = 128K; kernels/NOTES.md)
-KSTAGE = 1  # its words staged in shared memory, then coalesced stores ("kstage=0": direct)
-# FLAT (exact; "flat=0" the old walks, "flat=1" one bit per step): the mask walks (the second
-# histogram's and the compaction's two) take a thread's 16-token units two at a time as one
-# word (two predicated loads: unit_pair) and each word's set bits two per step (bit_step: both
-# token loads in flight together), where the old walks took the units one by one and each
-# unit's bits one by one, every bit's load waited for before the next: a warp paid per unit
-# its longest lane's bits, plus a mask load and a reconvergence (the walks were ~1.6 us of
-# the kernel at R = 1, L = 8K and ~4.2 at R = 64, L = 128K: fifteenth session's phase
-# profiles).  The three walks repeat their loop head: the DSL carries a dynamic loop's state
-# only through names assigned in the function that holds the loop, so a shared walk taking a
-# per-token callback would not carry its counts
-FLAT = 2
-# CNT2 (exact, with FLAT; "cnt2=0" the walk): the hist2 walk of a kept slice (one count, not
-# the rescue list's two) also keeps, per thread, its count above bin b1 and a 2-bit counter per
-# low value (32 of them in 64 bits) of its bin-b1 tokens; once v is known those give the
-# compaction's first counts (> v, == v) without the first compaction walk.  A thread with 4 or
-# more bin-b1 tokens of one low value (a counter would overflow) walks as before.
-CNT2 = 1
-# A one-CTA cluster's boundary step in warp 0 (scan, boundary score, its counts: one block
-# barrier instead of three; select_push only, the merge's select is not clustered); "b1w=0":
-# the general step (seventeenth session: -0.1..-0.2 us at C = 1)
-B1W = 1
-# "rep=2", timing only: select_push runs its select twice (the second with its code, its
-# inputs and the launch's first loads resident; with prof=1 the marks are the second's): what
-# the chain costs once nothing is cold (twenty-third session: at R = 1, L = 8K every phase
-# after the first costs what it costs cold)
-REP = 1
-# LEAN (exact; "lean=0": none): configurations whose rows select_push pushes in own parts, without
-# the rescue list, also get the "select_push_lean" image (kernels/lean.py: a slice of at most
-# lean.SLICE_MAX tokens over the CTA's registers, fewer phases, no mask walks; twenty-fourth
-# session), which the launcher runs where a launch's slices fit (layout.producer_uses_lean);
-# longer slices, the rescue list's second count and the merge's rescue keep select_row
-LEAN = 1
-LEAN_SPEC = 132  # ("lspec=N") lean.SPEC_CTAS: launches of at most N CTAs cut slices from the buffer
-PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
-# the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
-# dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
+# The most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
+# dynamic shared memory holds its cache_tokens of them).
 CACHE_MAX = layout.PRODUCER_CACHE_MAX
-# CTAs per cluster the kernel can sum over (the portable limit)
+# CTAs per cluster the kernel can sum over (the portable limit).
 CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
-# CTAs per cluster the lean select sums over ("lcm=16": non-portable clusters of up to 16, which
-# the launch must allow: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)
-LEAN_CLUSTER_MAX = CLUSTER_MAX
-# (csw, the lean slice copy's 16-byte chunks permuted against its store bank conflicts, a
-# candidate of the twenty-seventh session, was measured in the twenty-ninth and removed: the
-# producer 0.1-0.3 us slower, e.g. (R = 1, L = 8K) 5.31 against 5.06 / 5.14 us)
-for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
-    _k, _v = (x.strip() for x in _kv.split("="))
-    if _k == "skip":
-        SKIP = frozenset(filter(None, _v.split("+")))
-        if not SKIP <= set(SKIPPABLE):
-            raise ValueError(f"{TUNE_ENV}: skip={_v}: unknown stage(s) {sorted(SKIP - set(SKIPPABLE))}; "
-                             f"known: {sorted(SKIPPABLE)}")
-        continue
-    globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
-               "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
-               "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
-               "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC", "lcm": "LEAN_CLUSTER_MAX"}[_k]] = int(_v)  # fmt: skip
-
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
     """The second count select_push makes and the merge's rescue takes (the rescue list): K
@@ -204,9 +90,6 @@ def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
     return topk if rescue_list and topk > n else 0
 
 
-EXACT = not SKIP and not PROF and REP == 1  # False: a timing-only build (wrong outputs)
-if ONE and BOUNDED_MIN < 2:  # (the bounded sums' DSMEM loads would then run at C = 1 unordered)
-    raise ValueError(f"{TUNE_ENV}: one=1 needs bmin >= 2 (bmin={BOUNDED_MIN})")
 assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
 assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary step: warp r sums CTA r
 
@@ -369,17 +252,6 @@ def get_vecs(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, a
 
 
 @cute.jit
-def token_ord16(row_addr: Int64, s0: Int32, lt: Int32, cache_a: Int32, keep: Int32) -> Uint32:
-    """ord16 of slice token ``lt``: from the shared copy when ``keep`` (uniform), else global."""
-    o = Uint32(0)
-    if keep != Int32(0):
-        o = P.ld_smem_u16(cache_a + lt * Int32(2))
-    else:
-        o = C.ord16(P.ld_u16(row_addr + Int64(s0 + lt) * Int64(2)))
-    return o
-
-
-@cute.jit
 def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
     """Inclusive sums over the CTA in thread order of a pair -> (ia, ib, ta, tb)."""
     x = a
@@ -417,7 +289,7 @@ def csync(clustered: cutlass.Constexpr, own_only: cutlass.Constexpr = True):
     barrier 3 (False) follows DSMEM stores into CTA 0, so it keeps arrive.release unless
     the cluster is one CTA (``csync_end``)."""
     if cutlass.const_expr(clustered):
-        if cutlass.const_expr(RELAX and own_only):
+        if cutlass.const_expr(own_only):
             P.cluster_sync_local()
         else:
             P.cluster_sync()
@@ -429,10 +301,7 @@ def csync(clustered: cutlass.Constexpr, own_only: cutlass.Constexpr = True):
 def one_cta(csize: Int32) -> Int32:
     """1 where ONE treats this cluster as one CTA (csize == 1: uniform), else 0 (a constant
     0 without ONE, so those branches fold away)."""
-    r = Int32(0)
-    if cutlass.const_expr(ONE):
-        r = Int32(csize == Int32(1))
-    return r
+    return Int32(csize == Int32(1))
 
 
 @cute.jit
@@ -446,7 +315,7 @@ def csync_n(clustered: cutlass.Constexpr, csize: Int32, own_only: cutlass.Conste
 
 @cute.jit
 def csync_end(clustered: cutlass.Constexpr, csize: Int32):
-    if cutlass.const_expr(clustered and RELAX):
+    if cutlass.const_expr(clustered):
         if csize == Int32(1):
             # one CTA: every store went to its own shared memory (DSMEM stores there too, so
             # ONE keeps this fence + barrier: a bar.sync is not shown to order them)
@@ -479,13 +348,6 @@ _K = 12
 
 
 @cute.jit
-def pop_bit(m: Uint32, u: Int32):
-    """The walks' step over unit u's mask bits m: (the slice token of the lowest set bit, m
-    without it)."""
-    return u * Int32(16) + P.low_bit(Int32(m)), m & (m - Uint32(1))
-
-
-@cute.jit
 def unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
     """(FLAT) Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1)."""
     lo = P.ld_smem_u16_if(mask_a + ua * Int32(2), Int32(ua < u1))
@@ -503,21 +365,18 @@ def bit_step(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32,
     m = m & (m - Uint32(1))
     ltb = lta
     more = Int32(0)
-    if cutlass.const_expr(FLAT == 2):
-        if m != Uint32(0):
-            more = Int32(1)
-            ltb = base + P.low_bit(Int32(m))
-        m = m & (m - Uint32(1))  # (m = 0 stays 0)
+    if m != Uint32(0):
+        more = Int32(1)
+        ltb = base + P.low_bit(Int32(m))
+    m = m & (m - Uint32(1))  # (m = 0 stays 0)
     oa = Uint32(0)
     ob = Uint32(0)
     if keep != Int32(0):
         oa = P.ld_smem_u16(cache_a + lta * Int32(2))
-        if cutlass.const_expr(FLAT == 2):
-            ob = P.ld_smem_u16(cache_a + ltb * Int32(2))
+        ob = P.ld_smem_u16(cache_a + ltb * Int32(2))
     else:
         oa = C.ord16(P.ld_u16(row_addr + Int64(s0 + lta) * Int64(2)))
-        if cutlass.const_expr(FLAT == 2):
-            ob = C.ord16(P.ld_u16(row_addr + Int64(s0 + ltb) * Int64(2)))
+        ob = C.ord16(P.ld_u16(row_addr + Int64(s0 + ltb) * Int64(2)))
     if more == Int32(0):
         ob = Uint32(0)
     return lta, oa, ltb, ob, m
@@ -658,7 +517,7 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
     r = tid >> Int32(5)
     j = tid & Int32(31)
     fast = Int32(0)  # (B1W) a one-CTA cluster: warp 0 does the step
-    if cutlass.const_expr(B1W and clustered and "dsmem" not in SKIP):
+    if cutlass.const_expr(clustered):
         if total > Int32(nn):
             fast = one_cta(csize)
     if fast != Int32(0):
@@ -678,7 +537,7 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
         x = Int32(0)
         above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
         if r < csize:
-            if cutlass.const_expr(clustered and "dsmem" not in SKIP):
+            if cutlass.const_expr(clustered):
                 if one_cta(csize) != Int32(0):  # (ONE, r == me == 0: its own histogram)
                     x = hist2[ho + j]
                     if j == Int32(0):
@@ -734,10 +593,7 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
         if tid < csize and tid < me:
             y = Int32(0)
             if cutlass.const_expr(clustered):
-                if cutlass.const_expr("dsmem" in SKIP):
-                    y = pub[1]
-                else:
-                    y = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4), tid))
+                y = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4), tid))
             P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), y)
         if tid == Int32(0):
             scal[so + _GT_OWN] = pub[1]
@@ -853,13 +709,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     top-min(n2, valid), in the same passes, as a packed row of n2 candidates written to
     global memory at ``k_out`` (each CTA its own positions; the CTA that derives the mask
     words writes them and the empty words past the count)."""
-    own = bool(clustered and own_part and OWN)
+    own = bool(clustered and own_part)
     dual = cutlass.const_expr(n2 > 0)
     if cutlass.const_expr(dual):
         assert n2 > n and n2 % 32 == 0, (n, n2)
     nlo = max(n, n2)  # the larger count: its boundary bin is the lower one
-    if cutlass.const_expr(mk is None):
-        mk = C.Marks(False)
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
     cache_a = P.smem_addr(cache)
     h1_a = P.smem_addr(hist1)
@@ -874,12 +728,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     # buffer row; tokens at or past the end are invalid either way.
     if cutlass.const_expr(span is None):
         span = end
-    S = Int32(0)
-    if cutlass.const_expr(CID):
-        # (span >= 0 and csize >= 1: the unsigned quotient is the same)
-        S = Int32((Uint32(span + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
-    else:
-        S = ((span + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
+    # (span >= 0 and csize >= 1: the unsigned quotient is the signed one)
+    S = Int32((Uint32(span + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
     keep = Int32(0)  # the slice stays in shared memory
     if cutlass.const_expr(cached):
         # (clamped: the cache holds CACHE_MAX tokens at most and a kept slice's tokens are
@@ -896,7 +746,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     nfull_c = cutlass.min(S, span - sb) // Int32(8)
     nch_c = (nfull_c + Int32(TB - 1)) // Int32(TB)  # copies issued (each waited for below)
     bulk = Int32(0)
-    if cutlass.const_expr(cached and BULK):
+    if cutlass.const_expr(cached):
         if keep != Int32(0) and aligned != Int32(0) and nfull_c > Int32(0):
             bulk = Int32(1)
             if tid < nch_c:
@@ -922,13 +772,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if tid < Int32(NB2):
         scal[tid] = Int32(0)
     cute.arch.sync_threads()
-    mk(1)
     # ---- pass 1: read the slice once, ord16 into the shared copy, high-bit histogram
     xs = cute.make_rmem_tensor((4 * vpr,), Int32)
     for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
-        h_cnt = Int32(0)  # skip=hist1 only
-        h_last = Int32(0)
-        if cutlass.const_expr(cached and BULK):
+        if cutlass.const_expr(cached):
             if bulk != Int32(0):
                 for u in cutlass.range_constexpr(vpr):
                     c = base // Int32(TB) + Int32(u)
@@ -955,32 +802,23 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                                xs[4 * u + 3])  # fmt: skip
             for k in cutlass.range_constexpr(8):
                 o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                if cutlass.const_expr("hist1" in SKIP):
-                    if o != Uint32(0):
-                        h_cnt = h_cnt + Int32(1)
-                        h_last = Int32(o)
-                else:
-                    # every token, unconditionally (a predicated red compiles to a branch and a
-                    # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
-                    # which no valid score reaches and the boundary step drops
-                    P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
-        if cutlass.const_expr("hist1" in SKIP):
-            if h_cnt != Int32(0):
-                P.red_smem_add(h1_a + (h_last >> Int32(16 - B1)) * Int32(4), h_cnt)
-    if cutlass.const_expr(cached and BULK):
+                # every token, unconditionally (a predicated red compiles to a branch and a
+                # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
+                # which no valid score reaches and the boundary step drops
+                P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
+    if cutlass.const_expr(cached):
         if bulk != Int32(0):
             # the copies past the row's end (issued from span) are waited for too: none may
             # still be landing in the cache after this
             done_c = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
             for c in cutlass.range(done_c, nch_c, unroll=1):
                 P.mbar_wait0(P.smem_addr(mbar) + c * Int32(8))
-    mk(2)
     # thread tid owns bins hb+3 .. hb of the first histogram, hb = NB1 - 4 (tid + 1): the
     # scans below rank the bins from the top
     hb = Int32(NB1 - BPT) - tid * Int32(BPT)
     lc = cute.make_rmem_tensor((BPT,), Int32)
     gc = cute.make_rmem_tensor((BPT,), Int32)
-    bounded = cutlass.const_expr(clustered and "dsmem" not in SKIP and "hist1" not in SKIP)
+    bounded = cutlass.const_expr(clustered)
     if cutlass.const_expr(bounded):
         if csize >= Int32(BOUNDED_MIN):
             # The cluster's n-th score lies in a bin >= lo = the largest of the CTAs' own
@@ -1026,14 +864,12 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 if tl0 == Int32(0):
                     pub[6] = Int32(0)
     csync_n(clustered, csize)
-    mk(3)
     # ---- the cluster's first histogram; boundary bin b1
     for p in cutlass.range_constexpr(BPT):
         lc[p] = hist1[hb + Int32(p)]
         gc[p] = Int32(0)
-    if cutlass.const_expr("hist1" not in SKIP):
-        if tid == Int32(TB - 1):
-            lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+    if tid == Int32(TB - 1):
+        lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
     cl_total = Int32(-1)  # the cluster's valid count when bounded (else the scan's)
     if cutlass.const_expr(bounded):
         if csize >= Int32(BOUNDED_MIN):
@@ -1054,15 +890,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 gc[p] = lc[p]
         else:
             sum_cluster_bins(h1_a, hb, csize, gc)  # every bin
-    elif cutlass.const_expr(clustered and "dsmem" not in SKIP):
-        # (a timing-only build without the first histogram: every bin summed)
-        sum_cluster_bins(h1_a, hb, csize, gc)
     else:
         for p in cutlass.range_constexpr(BPT):
             gc[p] = lc[p]
-    if cutlass.const_expr("hist1" not in SKIP):
-        if tid == Int32(TB - 1):
-            gc[0] = Int32(0)
+    if tid == Int32(TB - 1):
+        gc[0] = Int32(0)
     sg = gc[0] + gc[1] + gc[2] + gc[3]
     sl = lc[0] + lc[1] + lc[2] + lc[3]
     ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
@@ -1095,7 +927,6 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         scal[_TOTAL] = tg
         pub[1] = tl
     cute.arch.sync_threads()
-    mk(4)
     total = scal[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
     b1 = scal[_B1]
     b1k = scal[_K + _B1]  # (the rescue list)
@@ -1117,20 +948,15 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
     mask_a = P.smem_addr(mask)
     # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
-    listed = cutlass.const_expr(cached and LIST and CACHE_MAX <= 65536 and "pass2" not in SKIP)
+    listed = cutlass.const_expr(cached and CACHE_MAX <= 65536)
     big = Int32(0)  # (LIST) a kept slice with a crowded boundary bin: see BIG_B1
     if cutlass.const_expr(listed):
         if keep != Int32(0) and total > Int32(n):
             # this CTA's own counts in bin b1 and above it
             if hist1[b1] > cutlass.max(Int32(BIG_B1), Int32(BIG_RATIO) * scal[_OWN_ABOVE1]):
                 big = Int32(1)
-    if cutlass.const_expr("pass2" in SKIP):
-        # timing only: no mask either (an unwritten one would send the compaction's walks
-        # over stale shared memory and past the slice)
-        for i in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
-            mask[i] = Int32(0)
     if total > Int32(0):
-        if cutlass.const_expr("pass2" not in SKIP):
+        if cutlass.const_expr(True):
             for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
                 get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
                 for u in cutlass.range_constexpr(vpr):
@@ -1172,49 +998,31 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     c2_above = Int32(0)
     c2_low = Uint64(0)
     c2_ovf = Int32(0)
-    mk(5)
     if total > Int32(n):
         if tid == Int32(0):
             pub[0] = scal[_OWN_ABOVE1]
             if cutlass.const_expr(dual):
                 pub[2] = scal[_K + _OWN_ABOVE1]
-        if keep != Int32(0) and big == Int32(0) and cutlass.const_expr("pass2" not in SKIP):
+        if keep != Int32(0) and big == Int32(0):
             # the second histogram from the set bits only (a few % of the tokens): a
             # per-token predicated red compiled to a branch per token, taken by most warps
             cute.arch.sync_threads()  # the mask bytes of the other threads
-            if cutlass.const_expr(FLAT):
-                for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-                    m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
-                    while m != Uint32(0):
-                        _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
-                                                     cache_a, keep)  # fmt: skip
-                        h2_add(h2_a, oa, b1)
-                        if cutlass.const_expr(FLAT == 2):
-                            h2_add(h2_a, ob, b1)
-                        if cutlass.const_expr(CNT2 and not dual):
-                            c2_above, c2_low, c2_ovf = cnt2_add(oa, b1, c2_above, c2_low, c2_ovf)
-                            if cutlass.const_expr(FLAT == 2):
-                                c2_above, c2_low, c2_ovf = cnt2_add(ob, b1, c2_above, c2_low, c2_ovf)
-                        if cutlass.const_expr(dual):
-                            h2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
-                            if cutlass.const_expr(FLAT == 2):
-                                h2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
-                if cutlass.const_expr(CNT2 and not dual):
-                    cnt_ok = Int32(1) - c2_ovf
-            else:
-                for u in cutlass.range(u0, u1, unroll=1):
-                    m = P.ld_smem_u16(mask_a + u * Int32(2))
-                    while m != Uint32(0):
-                        lt, m = pop_bit(m, u)
-                        o = P.ld_smem_u16(cache_a + lt * Int32(2))
-                        P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                        Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
-                        if cutlass.const_expr(dual):
-                            P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                            Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
-    mk(6)
+            for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
+                m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
+                while m != Uint32(0):
+                    _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
+                                                 cache_a, keep)  # fmt: skip
+                    h2_add(h2_a, oa, b1)
+                    h2_add(h2_a, ob, b1)
+                    if cutlass.const_expr(not dual):
+                        c2_above, c2_low, c2_ovf = cnt2_add(oa, b1, c2_above, c2_low, c2_ovf)
+                        c2_above, c2_low, c2_ovf = cnt2_add(ob, b1, c2_above, c2_low, c2_ovf)
+                    if cutlass.const_expr(dual):
+                        h2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
+                        h2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
+            if cutlass.const_expr(not dual):
+                cnt_ok = Int32(1) - c2_ovf
     csync_n(clustered, csize)
-    mk(7)
     # ---- boundary score v, need_eq, and what precedes this slice
     v, need_eq = boundary_step(n, total, b1, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a, scal_a,
                                tid, lane, warp, csize, me, clustered, 0, 0, 0)  # fmt: skip
@@ -1235,9 +1043,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 vlo = vk
             refine_mask(mask, cache_a, nvec4, vlo, tid)
             cute.arch.sync_threads()
-            mk(14)  # (prof=1: refine_mask's share of the boundary step; big CTAs only)
             use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, wt, tid)
-    mk(8)
     # ---- compaction in index order straight into CTA 0's row
     gt_run = scal[_GT_BEFORE]
     eq_run = scal[_EQ_BEFORE]
@@ -1261,7 +1067,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     p1k = Int32(0)
     # (the rescue list) this CTA's K-list words staged in hist1 (free since the second cluster barrier:
     # no CTA reads another's first histogram after it) when they fit, then stored whole
-    kst = cutlass.const_expr(dual and n2 <= NB1 and KSTAGE)
+    kst = cutlass.const_expr(dual and n2 <= NB1)
     work = Int32(0)  # (the rescue list) n2's tokens to write
     if cutlass.const_expr(dual):
         gtk_run = scal[_K + _GT_BEFORE]
@@ -1275,9 +1081,6 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     # order; all TB threads share the slice, so the serial walk over the set bits stays
     # short), classifies the tokens of the set bits (o > v, o == v), one pair block scan,
     # then walks them again and writes each kept word
-    if cutlass.const_expr("compact" in SKIP):
-        u1 = u0
-        r1 = r0
     lo16 = Int32(0)  # (the rescue list) this thread's kept n2 tokens with l < 2**16
     if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
         ngt = Int32(0)
@@ -1292,29 +1095,17 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     ngtk, neqk = count_token(o, vk, ngtk, neqk)
         elif cnt_ok != Int32(0):
             ngt, neq = cnt2_counts(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
-        elif cutlass.const_expr(FLAT):
+        else:
             for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
                 m = unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)
                 while m != Uint32(0):
                     _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
                                                  cache_a, keep)  # fmt: skip
                     ngt, neq = count_token(oa, v, ngt, neq)
-                    if cutlass.const_expr(FLAT == 2):
-                        ngt, neq = count_token(ob, v, ngt, neq)
+                    ngt, neq = count_token(ob, v, ngt, neq)
                     if cutlass.const_expr(dual):
                         ngtk, neqk = count_token(oa, vk, ngtk, neqk)
-                        if cutlass.const_expr(FLAT == 2):
-                            ngtk, neqk = count_token(ob, vk, ngtk, neqk)
-        else:
-            for u in cutlass.range(u0, u1, unroll=1):
-                m = P.ld_smem_u16(mask_a + u * Int32(2))
-                while m != Uint32(0):
-                    lt, m = pop_bit(m, u)
-                    o = token_ord16(row_addr, s0, lt, cache_a, keep)
-                    ngt, neq = count_token(o, v, ngt, neq)
-                    if cutlass.const_expr(dual):
-                        ngtk, neqk = count_token(o, vk, ngtk, neqk)
-        mk(9)
+                        ngtk, neqk = count_token(ob, vk, ngtk, neqk)
         igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, wt)
         gtk_b = Int32(0)
         eqk_b = Int32(0)
@@ -1322,7 +1113,6 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, wt)
             gtk_b = gtk_run + igtk - ngtk
             eqk_b = eqk_run + ieqk - neqk
-        mk(10)
         gt_b = gt_run + igt - ngt
         eq_b = eq_run + ieq - neq
         if ngt + neq + ngtk + neqk != Int32(0):
@@ -1335,7 +1125,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                     if cutlass.const_expr(dual):
                         gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16,
                                                     kst, h1_a - p0k * Int32(4))  # fmt: skip
-            elif cutlass.const_expr(FLAT):
+            else:
                 for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
                     m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
                     while m != Uint32(0):
@@ -1346,33 +1136,19 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                         if cutlass.const_expr(dual):
                             gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(s0 + lta), vk, gtk_b, eqk_b, need_eqk,
                                                         n2, k_out, lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
-                        if cutlass.const_expr(FLAT == 2):
-                            gt_b, eq_b = emit_token(ob, Uint32(s0 + ltb), v, gt_b, eq_b, need_eq, n,
-                                                    remote, dst_a, row, row_a)  # fmt: skip
-                            if cutlass.const_expr(dual):
-                                gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(s0 + ltb), vk, gtk_b, eqk_b,
-                                                            need_eqk, n2, k_out, lo16, kst,
-                                                            h1_a - p0k * Int32(4))  # fmt: skip
-            else:
-                for u in cutlass.range(u0, u1, unroll=1):
-                    m = P.ld_smem_u16(mask_a + u * Int32(2))
-                    while m != Uint32(0):
-                        lt, m = pop_bit(m, u)
-                        o = token_ord16(row_addr, s0, lt, cache_a, keep)
-                        gt_b, eq_b = emit_token(o, Uint32(s0 + lt), v, gt_b, eq_b, need_eq, n, remote,
-                                                dst_a, row, row_a)  # fmt: skip
+                        gt_b, eq_b = emit_token(ob, Uint32(s0 + ltb), v, gt_b, eq_b, need_eq, n,
+                                                remote, dst_a, row, row_a)  # fmt: skip
                         if cutlass.const_expr(dual):
-                            gtk_b, eqk_b, lo16 = emit_k(o, Uint32(s0 + lt), vk, gtk_b, eqk_b, need_eqk,
-                                                        n2, k_out, lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
+                            gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(s0 + ltb), vk, gtk_b, eqk_b,
+                                                        need_eqk, n2, k_out, lo16, kst,
+                                                        h1_a - p0k * Int32(4))  # fmt: skip
     if cutlass.const_expr(dual):
         if lo16 != Int32(0):
             P.red_smem_add(scal_a + Int32((_K + _TOTAL) * 4), lo16)
-    mk(11)
     if cutlass.const_expr(own):
         cute.arch.sync_threads()  # this CTA's part of the row is complete
     else:
         csync_end(clustered, csize)
-    mk(12)
     # (own_part's results; the other callers drop them)
     wc = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
     if cutlass.const_expr(kst):

@@ -110,9 +110,6 @@ class SelectPush:
         tid, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
-        mk = C.Marks(S.PROF)  # prof=1 (timing only): phase marks of row 0 (see the end)
-        mk.gtime(15)
-        mk(0)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         csize = cute.arch.make_warp_uniform(cute.arch.cluster_size())
@@ -127,16 +124,12 @@ class SelectPush:
         row = sm.row
         # The logits and epochs come from earlier kernels (PDL-safe).
         P.pdl_wait()
-        if cutlass.const_expr(S.EARLY_TRIGGER):
-            # The merge may launch once every CTA of this grid has started (so it can
-            # never hold an SM a producer CTA still needs); it waits for this grid's
-            # completion (griddepcontrol.wait) before it bumps an epoch or reads logits.
-            P.pdl_launch_dependents()
+        # The merge may launch once every CTA of this grid has started (so it can
+        # never hold an SM a producer CTA still needs); it waits for this grid's
+        # completion (griddepcontrol.wait) before it bumps an epoch or reads logits.
+        P.pdl_launch_dependents()
         t = Int32(0)
-        if cutlass.const_expr(S.CID):
-            t = cute.arch.cluster_idx()[0]  # (= bid // csize: clusters of (csize, 1, 1))
-        else:
-            t = Int32(bid) // csize
+        t = cute.arch.cluster_idx()[0]  # (= bid // csize: clusters of (csize, 1, 1))
         # Everything the push needs is loaded now, beside the row's length: each is a
         # memory round trip, and a chain of them (peer by peer) cost microseconds.
         # (the peers' addresses are stored into psm by select_row's ``early`` hook, after its
@@ -153,7 +146,7 @@ class SelectPush:
         end_raw = P.ld_u32(row_ends + Int64(t) * Int64(4))
         # (the own-part push derives the mask records in warp 0: at most 32 of them, n <=
         # 2048; a longer row keeps CTA 0's push)
-        own = cutlass.const_expr(S.OWN and "select" not in S.SKIP and own_part_ok(self.n))
+        own = cutlass.const_expr(own_part_ok(self.n))
         p0, p1, p_end, writer = Int32(0), Int32(self.n), Int32(0), Int32(1)
         k_out = None
         if cutlass.const_expr(self.n2 > 0):
@@ -164,30 +157,19 @@ class SelectPush:
             sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens,
             early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own, n2=self.n2,
             k_out=k_out)  # fmt: skip
-        if cutlass.const_expr("select" not in S.SKIP and S.REP > 1 and not self.lean):  # rep=2: timing only
-            for _r in cutlass.range_constexpr(S.REP - 1):
-                select()
-                if cutlass.const_expr(own):
-                    if S.one_cta(csize) == Int32(0):
-                        P.cluster_wait()
-                P.cluster_sync()  # (no CTA still in the first select when another starts the next)
-                mk(0)
         if cutlass.const_expr(self.lean):
             # (the launcher runs this image only where every slice fits: layout.producer_uses_lean)
             if LS.fits(cols, csize) == Int32(0):
                 P.trap()
             p0, p1, p_end, writer = LS.select_row_lean(
                 logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, rows, self.n, self.rw, sm.parts(),
-                tid, lane, warp, csize, me, mk=mk, early=functools.partial(store_peers, psm, pv, tid, self.world))
-        elif cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
-            p0, p1, p_end, writer = select(mk=mk)
+                tid, lane, warp, csize, me, early=functools.partial(store_peers, psm, pv, tid, self.world))
         else:
-            store_peers(psm, pv, tid, self.world)
-            cute.arch.sync_threads()  # psm is read by other threads of the CTA
+            p0, p1, p_end, writer = select()
         # (select_row's barriers also published psm.)  A failed or closed exchange (status
         # word set) pushes nothing (layout.py); every CTA ran the select, so no cluster
         # barrier was skipped.
-        if cutlass.const_expr("push" not in S.SKIP):  # skip=push: timing only
+        if cutlass.const_expr(True):
             if status == Uint32(layout.STATUS_OK):
                 e = e0 + Int32(1)
                 if csize == Int32(1) or cutlass.const_expr(not own):
@@ -212,15 +194,6 @@ class SelectPush:
         if cutlass.const_expr(own):
             if S.one_cta(csize) == Int32(0):  # (ONE: a one-CTA cluster did not arrive)
                 P.cluster_wait()  # (select_row's arrival: no CTA still reads this one's DSMEM)
-        if cutlass.const_expr(not S.EARLY_TRIGGER):
-            P.pdl_launch_dependents()
-        if cutlass.const_expr(S.PROF):
-            mk(13)
-            # over the rescue sequence words of rows max_rows - 128 .. (the profiling tool
-            # leaves them unused: R <= max_rows - 128)
-            mk.store(C.state_seq(epoch, max_rows, max_rows - Int32(128) + me * Int32(C.Marks.N)),
-                     Int32(t == Int32(0)) & Int32(tid == Int32(0)) & Int32(max_rows - rows >= Int32(128))
-                     & Int32((max_rows & Int32(3)) == Int32(0)))  # fmt: skip
 
     @cute.jit
     def push_part(self, psm: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32,

@@ -502,94 +502,116 @@ def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> In
 
 
 @cute.jit
+def boundary_score_one_cta(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, pub: cute.Tensor,
+                           scal: cute.Tensor, lane, warp, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
+                           so: cutlass.Constexpr):
+    """boundary_step of a one-CTA cluster: warp 0 scans its own second histogram (nothing
+    precedes the slice), one block barrier instead of three -> (v, need_eq)."""
+    if warp == Int32(0):
+        c = hist2[Int32(ho + NB2 - 1) - lane]  # (bins from the top)
+        inc = C.warp_incl_scan(c, lane)
+        need2 = Int32(nn) - scal[so + _ABOVE1]
+        if c > Int32(0) and inc >= need2 and inc - c < need2:  # (exactly one lane)
+            scal[so + _LOWV] = Int32(NB2 - 1) - lane
+            scal[so + _ABOVE2] = inc - c
+            scal[so + _GT_OWN] = pub[pa] + inc - c
+            scal[so + _EQ_OWN] = c
+    cute.arch.sync_threads()
+    v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(scal[so + _LOWV])
+    need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
+    return v, need_eq
+
+
+@cute.jit
+def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, gsum2: cute.Tensor,
+                           pub: cute.Tensor, scal: cute.Tensor, h2_a: Int32, g2_a: Int32, pub_a: Int32,
+                           scal_a: Int32, r: Int32, j: Int32, lane, warp, csize: Int32, me: Int32,
+                           clustered: cutlass.Constexpr, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
+                           so: cutlass.Constexpr):
+    """boundary_step where the row has more than nn valid tokens: warp r < C adds CTA r's second
+    histogram into gsum2, warp 0 finds the boundary score in it, then every warp r adds CTA r's
+    counts > v / == v to this CTA's counts before its slice (r < me) or in it (r == me); lane j
+    of warp r takes bin j."""
+    x = Int32(0)
+    above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
+    if r < csize:
+        if cutlass.const_expr(clustered):
+            if one_cta(csize) != Int32(0):  # (r == me == 0: its own histogram)
+                x = hist2[ho + j]
+                if j == Int32(0):
+                    above = pub[pa]
+            else:
+                x = P.ld_dsmem_u32(P.mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
+                # (only CTAs up to this one count: no remote load whose value is dead, so
+                # every DSMEM load is used before own_part's relaxed arrival)
+                if j == Int32(0) and r <= me:
+                    above = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4 * pa), r))
+        else:
+            x = hist2[ho + j]
+            above = pub[pa]
+        if x != Int32(0):
+            P.red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
+    cute.arch.sync_threads()
+    need2 = Int32(nn) - scal[so + _ABOVE1]
+    if warp == Int32(0):
+        c = gsum2[Int32(ho + NB2 - 1) - lane]
+        inc = C.warp_incl_scan(c, lane)
+        if c > Int32(0) and inc >= need2 and inc - c < need2:
+            scal[so + _LOWV] = Int32(NB2 - 1) - lane
+            scal[so + _ABOVE2] = inc - c
+    cute.arch.sync_threads()
+    lowv = scal[so + _LOWV]
+    v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
+    need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
+    if r < csize:
+        gt = Int32(0)
+        eq = Int32(0)
+        if j > lowv:
+            gt = x
+        if j == lowv:
+            eq = x
+        if j == Int32(0):
+            gt = gt + above
+        if r < me:
+            if gt != Int32(0):
+                P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), gt)
+            if eq != Int32(0):
+                P.red_smem_add(scal_a + Int32((so + _EQ_BEFORE) * 4), eq)
+        if r == me:
+            if gt != Int32(0):
+                P.red_smem_add(scal_a + Int32((so + _GT_OWN) * 4), gt)
+            if eq != Int32(0):
+                P.red_smem_add(scal_a + Int32((so + _EQ_OWN) * 4), eq)
+    return v, need_eq
+
+
+@cute.jit
 def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Tensor,
                   gsum2: cute.Tensor, pub: cute.Tensor, scal: cute.Tensor, h2_a: Int32,
                   g2_a: Int32, pub_a: Int32, scal_a: Int32, tid, lane, warp, csize: Int32,
                   me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
                   pa: cutlass.Constexpr, so: cutlass.Constexpr):
-    """After the second cluster barrier: the boundary score v of the top-nn, need_eq, and
-    how many > v / == v precede this slice and lie in it (scal slots + so) -> (v, need_eq).
-    ``ho``: this count's second histograms in hist2 / gsum2; ``pa``: pub's own count above
-    its b1; (so, ho, pa) = (0, 0, 0) for n, (_K, NB2, 2) for the rescue list's n2.  Ends with a block
-    barrier."""
+    """After the second cluster barrier: the boundary score v of the top-nn, need_eq (how many
+    == v are kept), and how many > v / == v precede this slice and lie in it (scal slots + so)
+    -> (v, need_eq).  ``ho``: this count's second histograms in hist2 / gsum2; ``pa``: pub's
+    own count above its b1; (so, ho, pa) = (0, 0, 0) for n, (_K, NB2, 2) for the rescue list's
+    n2.  Ends with a block barrier."""
     v = Uint32(0)
     need_eq = Int32(0)
     r = tid >> Int32(5)
     j = tid & Int32(31)
-    fast = Int32(0)  # (B1W) a one-CTA cluster: warp 0 does the step
+    fast = Int32(0)  # a one-CTA cluster: warp 0 does the step
     if cutlass.const_expr(clustered):
         if total > Int32(nn):
             fast = one_cta(csize)
     if fast != Int32(0):
-        if warp == Int32(0):
-            c = hist2[Int32(ho + NB2 - 1) - lane]  # (bins from the top)
-            inc = C.warp_incl_scan(c, lane)
-            need2 = Int32(nn) - scal[so + _ABOVE1]
-            if c > Int32(0) and inc >= need2 and inc - c < need2:  # (exactly one lane)
-                scal[so + _LOWV] = Int32(NB2 - 1) - lane
-                scal[so + _ABOVE2] = inc - c
-                scal[so + _GT_OWN] = pub[pa] + inc - c  # (nothing before: the one CTA)
-                scal[so + _EQ_OWN] = c
-        cute.arch.sync_threads()
-        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(scal[so + _LOWV])
-        need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
+        v, need_eq = boundary_score_one_cta(nn, b1, hist2, pub, scal, lane, warp, ho, pa, so)
     elif total > Int32(nn):
-        x = Int32(0)
-        above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
-        if r < csize:
-            if cutlass.const_expr(clustered):
-                if one_cta(csize) != Int32(0):  # (ONE, r == me == 0: its own histogram)
-                    x = hist2[ho + j]
-                    if j == Int32(0):
-                        above = pub[pa]
-                else:
-                    x = P.ld_dsmem_u32(P.mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
-                    # (only CTAs up to this one count: no remote load whose value is dead, so
-                    # every DSMEM load is used before own_part's relaxed arrival below)
-                    if j == Int32(0) and r <= me:
-                        above = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4 * pa), r))
-            else:
-                x = hist2[ho + j]
-                above = pub[pa]
-            if x != Int32(0):
-                P.red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
-        cute.arch.sync_threads()
-        need2 = Int32(nn) - scal[so + _ABOVE1]
-        if warp == Int32(0):
-            c = gsum2[Int32(ho + NB2 - 1) - lane]
-            inc = c
-            for d in cutlass.range_constexpr(5):
-                y = cute.arch.shuffle_sync_up(inc, 1 << d)
-                if lane >= Int32(1 << d):
-                    inc = inc + y
-            if c > Int32(0) and inc >= need2 and inc - c < need2:
-                scal[so + _LOWV] = Int32(NB2 - 1) - lane
-                scal[so + _ABOVE2] = inc - c
-        cute.arch.sync_threads()
-        lowv = scal[so + _LOWV]
-        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
-        need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
-        if r < csize:
-            gt = Int32(0)
-            eq = Int32(0)
-            if j > lowv:
-                gt = x
-            if j == lowv:
-                eq = x
-            if j == Int32(0):
-                gt = gt + above
-            if r < me:
-                if gt != Int32(0):
-                    P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), gt)
-                if eq != Int32(0):
-                    P.red_smem_add(scal_a + Int32((so + _EQ_BEFORE) * 4), eq)
-            if r == me:
-                if gt != Int32(0):
-                    P.red_smem_add(scal_a + Int32((so + _GT_OWN) * 4), gt)
-                if eq != Int32(0):
-                    P.red_smem_add(scal_a + Int32((so + _EQ_OWN) * 4), eq)
+        v, need_eq = boundary_score_cluster(nn, b1, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a, scal_a, r, j,
+                                            lane, warp, csize, me, clustered, ho, pa, so)  # fmt: skip
     else:
-        # every valid token is kept (v = 0: every ord16 of a valid token is > 0)
+        # every valid token is kept (v = 0: every ord16 of a valid token is > 0); what precedes
+        # the slice is the valid count of the CTAs before it
         if tid < csize and tid < me:
             y = Int32(0)
             if cutlass.const_expr(clustered):
@@ -597,7 +619,7 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
             P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), y)
         if tid == Int32(0):
             scal[so + _GT_OWN] = pub[1]
-    if fast == Int32(0):  # (B1W's step ended with its barrier)
+    if fast == Int32(0):  # (the one-CTA step ended with its barrier)
         cute.arch.sync_threads()
     return v, need_eq
 
@@ -679,89 +701,22 @@ def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid)
 
 
 @cute.jit
-def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
-               parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
-               cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
-               mk=None, span=None, early=None, own_part: cutlass.Constexpr = False,
-               n2: cutlass.Constexpr = 0, k_out=None):
-    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
-    row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
-    cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
-    the cluster's size and this CTA's rank in it (1 / 0 when not clustered).
-    Ends with a cluster barrier: CTA 0's row is complete, and nothing in this
-    CTA's shared memory is read by another CTA after it (``own_part``: see below).  ``cached``: keep the
-    slice on chip when it has at most ``cache_cap`` tokens (ceil(end / csize) rounded
-    up to 8; the launch's shared memory holds cache_cap <= CACHE_MAX of them); a longer
-    slice is re-read from global memory (mostly L2) in every pass instead.  ``vpr``: vectors
-    per thread per round of passes 1 and 2 (U1; the merge's rescue may ask for another).
-    ``mk``: the common.Marks of a prof=1 build (timing only), else None.  ``end``: clamped
-    to [0, 2**17] by the caller.  ``span``: the length the slices are cut from (>= end; None:
-    ``end`` itself); ``end`` is clamped to [0, span] here.  ``early``: a callable (traced inline) right after the bulk
-    copies are issued.  ``own_part`` (with ``clustered`` and OWN): each CTA writes only its
-    own part of the packed row, into its own row buffer at the final positions, and returns
-    ``(p0, p1, p_end, writer)``: it holds positions [p0, p1) (its slice's kept tokens, in
-    index order; bit 16 of l in its own mask words), p_end = the row's kept count, and
-    ``writer`` (1 in exactly one CTA: the one whose slice holds token 2**16, else the last)
-    can derive every mask word from the first of its own set bits.  It then ends with a
-    block barrier, after a relaxed ARRIVAL at the cluster barrier placed once every DSMEM
-    load's value has been used (so no CTA reads another's shared memory after it): the
-    caller must ``P.cluster_wait()`` before the CTA exits.  ``n2`` > n (the rescue list): also the row's
-    top-min(n2, valid), in the same passes, as a packed row of n2 candidates written to
-    global memory at ``k_out`` (each CTA its own positions; the CTA that derives the mask
-    words writes them and the empty words past the count)."""
-    own = bool(clustered and own_part)
-    dual = cutlass.const_expr(n2 > 0)
-    if cutlass.const_expr(dual):
-        assert n2 > n and n2 % 32 == 0, (n, n2)
-    nlo = max(n, n2)  # the larger count: its boundary bin is the lower one
-    cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
-    cache_a = P.smem_addr(cache)
-    h1_a = P.smem_addr(hist1)
-    h2_a = P.smem_addr(hist2)
-    g2_a = P.smem_addr(gsum2)
-    pub_a = P.smem_addr(pub)
-    scal_a = P.smem_addr(scal)
-    row_a = P.smem_addr(row)
-    # The slices are cut from ``span`` (None: the row's end, what both callers use).  A span
-    # longer than the end (the buffer's row length) lets the bulk copies start before the
-    # end is loaded; measured no faster (7th session), and a short row then reads its whole
-    # buffer row; tokens at or past the end are invalid either way.
-    if cutlass.const_expr(span is None):
-        span = end
-    # (span >= 0 and csize >= 1: the unsigned quotient is the signed one)
-    S = Int32((Uint32(span + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
-    keep = Int32(0)  # the slice stays in shared memory
-    if cutlass.const_expr(cached):
-        # (clamped: the cache holds CACHE_MAX tokens at most and a kept slice's tokens are
-        # 16-bit list entries, whatever a caller passes)
-        if S <= cutlass.min(cache_cap, Int32(CACHE_MAX)):
-            keep = Int32(1)
-    aligned = Int32(0)
-    if (row_addr & Int64(15)) == Int64(0):
-        aligned = Int32(1)
-    # ---- a kept, aligned slice: every full vector of the slice (by span) in flight at once
-    # (bulk copies into the cache, a lane of warp 0 per TB vectors; the mbarriers are read
-    # after the barrier below)
-    sb = cutlass.min(me * S, span)
-    nfull_c = cutlass.min(S, span - sb) // Int32(8)
-    nch_c = (nfull_c + Int32(TB - 1)) // Int32(TB)  # copies issued (each waited for below)
-    bulk = Int32(0)
-    if cutlass.const_expr(cached):
-        if keep != Int32(0) and aligned != Int32(0) and nfull_c > Int32(0):
-            bulk = Int32(1)
-            if tid < nch_c:
-                nb = cutlass.min(Int32(TB), nfull_c - tid * Int32(TB)) * Int32(16)
-                P.bulk_start(P.smem_addr(mbar) + tid * Int32(8), cache_a + tid * Int32(TB * 16),
-                           row_addr + Int64(sb + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
-    if cutlass.const_expr(early is not None):
-        early()  # the caller's work that waits on a load (after the copies are on their way)
-    end = cutlass.max(cutlass.min(end, span), Int32(0))  # (a no-op for a clamped end)
-    s0 = cutlass.min(me * S, end)
-    s_len = cutlass.min(S, end - s0)
-    nvec = (s_len + Int32(7)) // Int32(8)
-    nfull = s_len // Int32(8)
-    # ---- zero the counters and the row (the row is written by other CTAs only
-    # after the first cluster barrier, which orders this)
+def start_bulk_copies(row_addr: Int64, s0: Int32, nfull: Int32, copies: Int32, cache_a: Int32,
+                      mbar_a: Int32, tid):
+    """Pass 1's loads of a kept, 16-byte aligned slice: its ``nfull`` full vectors in flight at
+    once, as ``copies`` cp.async.bulk copies of TB vectors into the cache, one lane of warp 0
+    each (each completes on its own mbarrier, waited for in pass 1)."""
+    if tid < copies:
+        nb = cutlass.min(Int32(TB), nfull - tid * Int32(TB)) * Int32(16)
+        P.bulk_start(mbar_a + tid * Int32(8), cache_a + tid * Int32(TB * 16),
+                     row_addr + Int64(s0 + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
+
+
+@cute.jit
+def zero_counters(hist1: cute.Tensor, hist2: cute.Tensor, gsum2: cute.Tensor, scal: cute.Tensor,
+                  row: cute.Tensor, rw: cutlass.Constexpr, dual: cutlass.Constexpr, tid):
+    """Zero the histograms, the scalars and the row buffer (other CTAs write into the row only
+    after the first cluster barrier, which orders this); ends with a block barrier."""
     for i in cutlass.range(tid, rw, TB, unroll=1):
         row[i] = Int32(0)
     for i in cutlass.range_constexpr(BPT):
@@ -772,15 +727,21 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if tid < Int32(NB2):
         scal[tid] = Int32(0)
     cute.arch.sync_threads()
-    # ---- pass 1: read the slice once, ord16 into the shared copy, high-bit histogram
-    xs = cute.make_rmem_tensor((4 * vpr,), Int32)
+
+
+@cute.jit
+def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32, keep: Int32, bulk: Int32,
+          copies: Int32, cache_a: Int32, mbar_a: Int32, h1_a: Int32, xs: cute.Tensor, tid,
+          cached: cutlass.Constexpr, vpr: cutlass.Constexpr):
+    """Pass 1: the slice read once (from the bulk copies' landing place, else by 16-byte loads),
+    its ord16 kept in the cache (a kept slice), and the first histogram of every token."""
     for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
         if cutlass.const_expr(cached):
             if bulk != Int32(0):
                 for u in cutlass.range_constexpr(vpr):
                     c = base // Int32(TB) + Int32(u)
-                    if c < nch_c:  # (every issued copy: one may cover the partial last vector)
-                        P.mbar_wait0(P.smem_addr(mbar) + c * Int32(8))
+                    if c < copies:  # (every issued copy: one may cover the partial last vector)
+                        P.mbar_wait0(mbar_a + c * Int32(8))
                 for u in cutlass.range_constexpr(vpr):
                     vi = base + tid + Int32(u * TB)
                     for k in cutlass.range_constexpr(4):
@@ -799,79 +760,79 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             if cutlass.const_expr(cached):
                 if vi < nvec and keep != Int32(0):
                     P.st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
-                               xs[4 * u + 3])  # fmt: skip
+                                 xs[4 * u + 3])  # fmt: skip
             for k in cutlass.range_constexpr(8):
-                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                 # every token, unconditionally (a predicated red compiles to a branch and a
                 # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
-                # which no valid score reaches and the boundary step drops
+                # which no valid score reaches and the boundary search drops
+                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                 P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
     if cutlass.const_expr(cached):
         if bulk != Int32(0):
-            # the copies past the row's end (issued from span) are waited for too: none may
-            # still be landing in the cache after this
-            done_c = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
-            for c in cutlass.range(done_c, nch_c, unroll=1):
-                P.mbar_wait0(P.smem_addr(mbar) + c * Int32(8))
-    # thread tid owns bins hb+3 .. hb of the first histogram, hb = NB1 - 4 (tid + 1): the
-    # scans below rank the bins from the top
-    hb = Int32(NB1 - BPT) - tid * Int32(BPT)
-    lc = cute.make_rmem_tensor((BPT,), Int32)
-    gc = cute.make_rmem_tensor((BPT,), Int32)
-    bounded = cutlass.const_expr(clustered)
-    if cutlass.const_expr(bounded):
-        if csize >= Int32(BOUNDED_MIN):
-            # The cluster's n-th score lies in a bin >= lo = the largest of the CTAs' own
-            # n-th bins (that CTA alone has n scores there), and no bin above hi = the
-            # largest of their top non-empty bins holds a score: only the bins in [lo, hi]
-            # are summed over the cluster below (every CTA reading all C histograms whole
-            # was 64 KB of DSMEM loads per CTA at C = 8: ~2 us, sixth-session profile).
-            # Each CTA publishes [own valid count, own n-th bin (0: fewer than n), own top
-            # bin (0: none)] in pub[4..6] before the first cluster barrier.
-            cute.arch.sync_threads()  # hist1 complete
-            for p in cutlass.range_constexpr(BPT):
-                lc[p] = hist1[hb + Int32(p)]
-            if tid == Int32(TB - 1):
-                lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-            sl0 = lc[0] + lc[1] + lc[2] + lc[3]
-            inc0 = C.warp_incl_scan(sl0, lane)
-            if lane == Int32(31):
-                wt[warp] = inc0
-            cute.arch.sync_threads()
-            tl0 = Int32(0)
-            for w in cutlass.range_constexpr(NWARPS):
-                x0 = wt[w]
-                if Int32(w) < warp:
-                    inc0 = inc0 + x0
-                tl0 = tl0 + x0
-            r0 = inc0 - sl0  # own scores in bins above this thread's
-            if r0 < Int32(nlo) and inc0 >= Int32(nlo):
-                for p in cutlass.range_constexpr(BPT):
-                    c0 = lc[BPT - 1 - p]
-                    if c0 > Int32(0) and r0 < Int32(nlo) and r0 + c0 >= Int32(nlo):
-                        pub[5] = hb + Int32(BPT - 1 - p)
-                    r0 = r0 + c0
-            if sl0 > Int32(0) and inc0 == sl0:
-                top = hb
-                for p in cutlass.range_constexpr(1, BPT):
-                    if lc[p] > Int32(0):
-                        top = hb + Int32(p)
-                pub[6] = top
-            if tid == Int32(0):
-                pub[4] = tl0
-                if tl0 < Int32(nlo):
-                    pub[5] = Int32(0)
-                if tl0 == Int32(0):
-                    pub[6] = Int32(0)
-    csync_n(clustered, csize)
-    # ---- the cluster's first histogram; boundary bin b1
+            # the copies of vectors no round took are waited for too: none may still be landing
+            # in the cache after this
+            done = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
+            for c in cutlass.range(done, copies, unroll=1):
+                P.mbar_wait0(mbar_a + c * Int32(8))
+
+
+@cute.jit
+def publish_bounds(hist1: cute.Tensor, pub: cute.Tensor, wt: cute.Tensor, lc: cute.Tensor, hb: Int32,
+                   count: cutlass.Constexpr, tid, lane, warp):
+    """Before the first cluster barrier of a cluster of at least BOUNDED_MIN CTAs: this CTA's
+    [valid count, own count-th bin (0: fewer), own top non-empty bin (0: none)] in pub[4..6].
+    The cluster's count-th score lies in a bin >= the largest of the CTAs' own count-th bins, and
+    no bin above the largest of their top bins holds one: only the bins between are summed."""
+    cute.arch.sync_threads()  # hist1 complete
+    for p in cutlass.range_constexpr(BPT):
+        lc[p] = hist1[hb + Int32(p)]
+    if tid == Int32(TB - 1):
+        lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+    own = lc[0] + lc[1] + lc[2] + lc[3]
+    inc = C.warp_incl_scan(own, lane)
+    if lane == Int32(31):
+        wt[warp] = inc
+    cute.arch.sync_threads()
+    total = Int32(0)
+    for w in cutlass.range_constexpr(NWARPS):
+        x = wt[w]
+        if Int32(w) < warp:
+            inc = inc + x
+        total = total + x
+    above = inc - own  # own scores in bins above this thread's
+    if above < Int32(count) and inc >= Int32(count):
+        for p in cutlass.range_constexpr(BPT):
+            c = lc[BPT - 1 - p]
+            if c > Int32(0) and above < Int32(count) and above + c >= Int32(count):
+                pub[5] = hb + Int32(BPT - 1 - p)
+            above = above + c
+    if own > Int32(0) and inc == own:
+        top = hb
+        for p in cutlass.range_constexpr(1, BPT):
+            if lc[p] > Int32(0):
+                top = hb + Int32(p)
+        pub[6] = top
+    if tid == Int32(0):
+        pub[4] = total
+        if total < Int32(count):
+            pub[5] = Int32(0)
+        if total == Int32(0):
+            pub[6] = Int32(0)
+
+
+@cute.jit
+def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, pub_a: Int32, lc: cute.Tensor, gc: cute.Tensor,
+                      hb: Int32, csize: Int32, tid, lane, clustered: cutlass.Constexpr) -> Int32:
+    """After the first cluster barrier: lc = this thread's 4 bins of its CTA's first histogram,
+    gc = the same bins summed over the cluster (bin 0 dropped from both) -> the cluster's valid
+    count where only the bounded bins were summed, else -1 (the scan's total is it)."""
     for p in cutlass.range_constexpr(BPT):
         lc[p] = hist1[hb + Int32(p)]
         gc[p] = Int32(0)
     if tid == Int32(TB - 1):
         lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-    cl_total = Int32(-1)  # the cluster's valid count when bounded (else the scan's)
-    if cutlass.const_expr(bounded):
+    cl_total = Int32(-1)
+    if cutlass.const_expr(clustered):
         if csize >= Int32(BOUNDED_MIN):
             # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
             pt = Int32(0)
@@ -895,51 +856,291 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             gc[p] = lc[p]
     if tid == Int32(TB - 1):
         gc[0] = Int32(0)
+    return cl_total
+
+
+@cute.jit
+def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32,
+                        gc: cute.Tensor, lc: cute.Tensor, hb: Int32, scal: cute.Tensor,
+                        so: cutlass.Constexpr):
+    """The thread whose bins hold the cluster's count-th score (from the top; ig / il: the
+    inclusive scans of the cluster's / own bin sums sg / sl) writes its bin, the cluster's
+    scores above it and its CTA's own above it into scal[so + _B1, _ABOVE1, _OWN_ABOVE1]."""
+    above = ig - sg
+    own_above = il - sl
+    if above < Int32(count) and ig >= Int32(count):
+        for p in cutlass.range_constexpr(BPT):
+            c = gc[BPT - 1 - p]
+            if c > Int32(0) and above < Int32(count) and above + c >= Int32(count):
+                scal[so + _B1] = hb + Int32(BPT - 1 - p)
+                scal[so + _ABOVE1] = above
+                scal[so + _OWN_ABOVE1] = own_above
+            above = above + c
+            own_above = own_above + lc[BPT - 1 - p]
+
+
+@cute.jit
+def boundary_bin(hist1: cute.Tensor, h1_a: Int32, pub: cute.Tensor, pub_a: Int32, scal: cute.Tensor,
+                 wt: cute.Tensor, csize: Int32, tid, lane, warp, n: cutlass.Constexpr,
+                 n2: cutlass.Constexpr, clustered: cutlass.Constexpr):
+    """Before the first cluster barrier (bounded clusters: publish_bounds) and after it: the
+    cluster's first histogram, one block scan from the top bin, the boundary bin of the top-n
+    (and of the top-n2) in scal, the row's valid count in scal[_TOTAL], this CTA's in pub[1].
+    Ends with a block barrier."""
+    # thread tid owns bins hb+3 .. hb of the first histogram, hb = NB1 - 4 (tid + 1): the
+    # scans below rank the bins from the top
+    hb = Int32(NB1 - BPT) - tid * Int32(BPT)
+    lc = cute.make_rmem_tensor((BPT,), Int32)
+    gc = cute.make_rmem_tensor((BPT,), Int32)
+    if cutlass.const_expr(clustered):
+        if csize >= Int32(BOUNDED_MIN):
+            publish_bounds(hist1, pub, wt, lc, hb, max(n, n2), tid, lane, warp)
+    csync_n(clustered, csize)
+    cl_total = cluster_histogram(hist1, h1_a, pub_a, lc, gc, hb, csize, tid, lane, clustered)
     sg = gc[0] + gc[1] + gc[2] + gc[3]
     sl = lc[0] + lc[1] + lc[2] + lc[3]
     ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
     if cl_total >= Int32(0):
         tg = cl_total  # (the scan summed only the bins in [lo, hi])
-    if cutlass.const_expr(dual):
-        rgk = ig - sg
-        rlk = il - sl
-        if rgk < Int32(n2) and ig >= Int32(n2):
-            for p in cutlass.range_constexpr(BPT):
-                c = gc[BPT - 1 - p]
-                if c > Int32(0) and rgk < Int32(n2) and rgk + c >= Int32(n2):
-                    scal[_K + _B1] = hb + Int32(BPT - 1 - p)
-                    scal[_K + _ABOVE1] = rgk
-                    scal[_K + _OWN_ABOVE1] = rlk
-                rgk = rgk + c
-                rlk = rlk + lc[BPT - 1 - p]
-    rg = ig - sg
-    rl = il - sl
-    if rg < Int32(n) and ig >= Int32(n):
-        for p in cutlass.range_constexpr(BPT):
-            c = gc[BPT - 1 - p]
-            if c > Int32(0) and rg < Int32(n) and rg + c >= Int32(n):
-                scal[_B1] = hb + Int32(BPT - 1 - p)
-                scal[_ABOVE1] = rg
-                scal[_OWN_ABOVE1] = rl
-            rg = rg + c
-            rl = rl + lc[BPT - 1 - p]
+    if cutlass.const_expr(n2 > 0):
+        locate_boundary_bin(n2, ig, il, sg, sl, gc, lc, hb, scal, _K)
+    locate_boundary_bin(n, ig, il, sg, sl, gc, lc, hb, scal, 0)
     if tid == Int32(0):
         scal[_TOTAL] = tg
         pub[1] = tl
     cute.arch.sync_threads()
+
+
+@cute.jit
+def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, aligned: Int32, keep: Int32, big: Int32,
+          mthr: Uint32, b1c: Int32, b1kc: Int32, cache_a: Int32, h2_a: Int32, mask_a: Int32,
+          xs: cute.Tensor, tid, dual: cutlass.Constexpr, vpr: cutlass.Constexpr):
+    """Pass 2: a mask bit per token of ord16 >= mthr (what the compaction looks at: about n + the
+    boundary bin's count over the row), and in a slice re-read from global memory or a crowded
+    one (``big``) the second histogram of bin b1c's (and b1kc's) tokens, from the
+    tokens in registers; a kept slice counts it from the mask's set bits (hist2_walk)."""
+    for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
+        get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
+        for u in cutlass.range_constexpr(vpr):
+            mb = Int32(0)
+            for k in cutlass.range_constexpr(8):
+                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                if o >= mthr:
+                    mb = mb | Int32(1 << k)
+            if (keep == Int32(0) or big != Int32(0)) and mb != Int32(0):
+                for k in cutlass.range_constexpr(8):
+                    o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                    # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
+                    P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                      Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
+                    if cutlass.const_expr(dual):
+                        P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                          Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
+            vi = base + tid + Int32(u * TB)
+            if vi < nvec4:
+                P.st_smem_u8(mask_a + vi, mb)
+
+
+@cute.jit
+def hist2_walk(row_addr: Int64, s0: Int32, keep: Int32, b1: Int32, b1kc: Int32, cache_a: Int32,
+               h2_a: Int32, mask_a: Int32, u0: Int32, u1: Int32, upt: Int32, dual: cutlass.Constexpr):
+    """A kept slice's second histogram from its mask's set bits only (a few % of the tokens),
+    thread tid over its units [u0, u1); one count (no rescue list) also keeps per thread its
+    count above bin b1 and a 2-bit counter per low value of its bin-b1 tokens (cnt2_add) ->
+    (1 where those give the compaction's counts: no counter passed 3, above, counters)."""
+    above = Int32(0)
+    lowc = Uint64(0)
+    ovf = Int32(0)
+    for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
+        m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
+        while m != Uint32(0):
+            _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
+            h2_add(h2_a, oa, b1)
+            h2_add(h2_a, ob, b1)
+            if cutlass.const_expr(not dual):
+                above, lowc, ovf = cnt2_add(oa, b1, above, lowc, ovf)
+                above, lowc, ovf = cnt2_add(ob, b1, above, lowc, ovf)
+            if cutlass.const_expr(dual):
+                h2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
+                h2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
+    ok = Int32(0)
+    if cutlass.const_expr(not dual):
+        ok = Int32(1) - ovf
+    return ok, above, lowc
+
+
+@cute.jit
+def own_range(scal: cute.Tensor, so: cutlass.Constexpr, need_eq: Int32, count: cutlass.Constexpr):
+    """After the boundary step: (> v, == v kept before this slice, the same up to its end, its
+    positions [p0, p1) of the packed row of ``count``)."""
+    gt_run = scal[so + _GT_BEFORE]
+    eq_run = scal[so + _EQ_BEFORE]
+    gt_end = gt_run + scal[so + _GT_OWN]
+    eq_end = cutlass.min(eq_run + scal[so + _EQ_OWN], need_eq)
+    p0 = cutlass.min(gt_run + cutlass.min(eq_run, need_eq), Int32(count))
+    p1 = cutlass.min(gt_end + eq_end, Int32(count))
+    return gt_run, eq_run, gt_end, eq_end, p0, p1
+
+
+@cute.jit
+def count_kept(row_addr: Int64, s0: Int32, keep: Int32, v: Uint32, vk: Uint32, cache_a: Int32,
+               mask: cute.Tensor, mask_a: Int32, lw: Int32, r0: Int32, r1: Int32, use_list: Int32,
+               cnt_ok: Int32, c2_above: Int32, c2_low: Uint64, u0: Int32, u1: Int32, upt: Int32,
+               dual: cutlass.Constexpr):
+    """The compaction's first walk: this thread's counts (> v, == v; and for vk) over its list
+    entries, from its hist2 walk's counters, or over its mask units -> (ngt, neq, ngtk, neqk)."""
+    ngt = Int32(0)
+    neq = Int32(0)
+    ngtk = Int32(0)
+    neqk = Int32(0)
+    if use_list != Int32(0):
+        for r in cutlass.range(r0, r1, unroll=1):
+            o = Uint32(mask[lw + r]) >> Uint32(16)
+            ngt, neq = count_token(o, v, ngt, neq)
+            if cutlass.const_expr(dual):
+                ngtk, neqk = count_token(o, vk, ngtk, neqk)
+    elif cnt_ok != Int32(0):
+        ngt, neq = cnt2_counts(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
+    else:
+        for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
+            m = unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)
+            while m != Uint32(0):
+                _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
+                ngt, neq = count_token(oa, v, ngt, neq)
+                ngt, neq = count_token(ob, v, ngt, neq)
+                if cutlass.const_expr(dual):
+                    ngtk, neqk = count_token(oa, vk, ngtk, neqk)
+                    ngtk, neqk = count_token(ob, vk, ngtk, neqk)
+    return ngt, neq, ngtk, neqk
+
+
+@cute.jit
+def emit_kept(row_addr: Int64, s0: Int32, keep: Int32, v: Uint32, need_eq: Int32, gt_b: Int32,
+              eq_b: Int32, vk: Uint32, need_eqk: Int32, gtk_b: Int32, eqk_b: Int32, cache_a: Int32,
+              mask: cute.Tensor, mask_a: Int32, lw: Int32, r0: Int32, r1: Int32, use_list: Int32,
+              u0: Int32, u1: Int32, upt: Int32, remote: Int32, dst_a: Int32, row: cute.Tensor,
+              row_a: Int32, k_out, h1_a: Int32, p0k: Int32, n: cutlass.Constexpr, n2: cutlass.Constexpr,
+              kst: cutlass.Constexpr):
+    """The compaction's second walk, over the same tokens as count_kept: each kept token's
+    packed word at its position (emit_token; and the K-list's, emit_k) -> this thread's kept
+    K-list tokens with l < 2**16."""
+    lo16 = Int32(0)
+    if use_list != Int32(0):
+        for r in cutlass.range(r0, r1, unroll=1):
+            e = Uint32(mask[lw + r])
+            o = e >> Uint32(16)
+            lu = Uint32(s0) + (e & Uint32(0xFFFF))
+            gt_b, eq_b = emit_token(o, lu, v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
+            if cutlass.const_expr(n2 > 0):
+                gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16, kst, h1_a - p0k * Int32(4))
+    else:
+        for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
+            m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
+            while m != Uint32(0):
+                lta, oa, ltb, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
+                gt_b, eq_b = emit_token(oa, Uint32(s0 + lta), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
+                                        row_a)  # fmt: skip
+                if cutlass.const_expr(n2 > 0):
+                    gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(s0 + lta), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
+                                                lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
+                gt_b, eq_b = emit_token(ob, Uint32(s0 + ltb), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
+                                        row_a)  # fmt: skip
+                if cutlass.const_expr(n2 > 0):
+                    gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(s0 + ltb), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
+                                                lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
+    return lo16
+
+
+@cute.jit
+def write_klist_tail(k_out: Int64, p16: Int32, cnt: Int32, n2: cutlass.Constexpr, tid):
+    """The K-list row's mask words (bit 16 of l set at positions [p16, cnt)) and its empty
+    words past the count."""
+    for i in cutlass.range(tid, layout.row_words(n2) - n2, TB, unroll=1):
+        P.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, n2 // 32))
+    for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
+        P.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
+
+
+@cute.jit
+def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
+               parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
+               cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
+               early=None, own_part: cutlass.Constexpr = False, n2: cutlass.Constexpr = 0, k_out=None):
+    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` (``end`` clamped to
+    [0, 2**17] by the caller) -> the packed row (docs/DESIGN.md §5: ascending l, empty words
+    zero) in the ``row`` buffer of the cluster's CTA 0 (``clustered``; this CTA's own otherwise),
+    complete after the closing cluster barrier.  ``csize`` / ``me``: the cluster's size and this
+    CTA's rank in it (1 / 0 when not clustered).  ``parts``: SelectSmem.parts().
+
+    ``cached``: keep the slice on chip when it has at most ``cache_cap`` tokens (the launch's
+    shared memory holds cache_cap <= CACHE_MAX of them); a longer slice is re-read from global
+    memory (mostly L2) in every pass.  ``vpr``: 16-byte vectors per thread per round of passes 1
+    and 2.  ``early``: a callable traced right after the bulk copies are issued.
+
+    ``own_part`` (with ``clustered``): each CTA writes only its part of the packed row, into its
+    own row buffer at the final positions, and returns ``(p0, p1, p_end, writer)``: it holds
+    positions [p0, p1) (its slice's kept tokens; bit 16 of l in its own mask words), p_end is
+    the row's kept count, and ``writer`` (1 in exactly one CTA: the one whose slice holds token
+    2**16, else the last) can derive every mask word from the first of its own set bits.  It
+    ends with a block barrier after a relaxed arrival at the cluster barrier (once every DSMEM
+    load's value was used): the caller must ``P.cluster_wait()`` before the CTA exits.
+
+    ``n2`` > n (the rescue list): also the row's top-min(n2, valid), in the same passes, as a
+    packed row of n2 candidates written to global memory at ``k_out`` (each CTA its own
+    positions; the writer CTA also the mask words and the empty words past the count)."""
+    own = bool(clustered and own_part)
+    dual = cutlass.const_expr(n2 > 0)
+    if cutlass.const_expr(dual):
+        assert n2 > n and n2 % 32 == 0, (n, n2)
+    cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
+    cache_a = P.smem_addr(cache)
+    h1_a = P.smem_addr(hist1)
+    h2_a = P.smem_addr(hist2)
+    g2_a = P.smem_addr(gsum2)
+    pub_a = P.smem_addr(pub)
+    scal_a = P.smem_addr(scal)
+    row_a = P.smem_addr(row)
+    mbar_a = P.smem_addr(mbar)
+    # ---- this CTA's slice: S tokens from s0 (S = ceil(end / csize) rounded up to 8; end >= 0
+    # and csize >= 1, so the unsigned quotient is the signed one)
+    S = Int32((Uint32(end + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
+    keep = Int32(0)  # the slice stays in shared memory
+    if cutlass.const_expr(cached):
+        # (clamped: the cache holds CACHE_MAX tokens at most and a kept slice's tokens are
+        # 16-bit list entries, whatever a caller passes)
+        if S <= cutlass.min(cache_cap, Int32(CACHE_MAX)):
+            keep = Int32(1)
+    aligned = Int32(0)
+    if (row_addr & Int64(15)) == Int64(0):
+        aligned = Int32(1)
+    s0 = cutlass.min(me * S, end)
+    s_len = cutlass.min(S, end - s0)
+    nfull = s_len // Int32(8)  # full 16-byte vectors
+    copies = (nfull + Int32(TB - 1)) // Int32(TB)
+    bulk = Int32(0)
+    if cutlass.const_expr(cached):
+        if keep != Int32(0) and aligned != Int32(0) and nfull > Int32(0):
+            bulk = Int32(1)
+            start_bulk_copies(row_addr, s0, nfull, copies, cache_a, mbar_a, tid)
+    if cutlass.const_expr(early is not None):
+        early()  # the caller's work that waits on a load (after the copies are on their way)
+    nvec = (s_len + Int32(7)) // Int32(8)
+    zero_counters(hist1, hist2, gsum2, scal, row, rw, dual, tid)
+    # ---- pass 1, then the boundary bin over the cluster (first cluster barrier)
+    xs = cute.make_rmem_tensor((4 * vpr,), Int32)
+    pass1(row_addr, s0, s_len, nvec, nfull, aligned, keep, bulk, copies, cache_a, mbar_a, h1_a, xs, tid, cached, vpr)
+    boundary_bin(hist1, h1_a, pub, pub_a, scal, wt, csize, tid, lane, warp, n, n2, clustered)
     total = scal[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
     b1 = scal[_B1]
     b1k = scal[_K + _B1]  # (the rescue list)
-    # ---- pass 2: low bits inside b1, from the shared copy (or global memory), and the
-    # mask of the tokens the compaction looks at: score bin >= b1 (every valid token when
-    # the row has at most n), so the compaction touches a word per 32 tokens and then
-    # only those tokens (about n + the count of bin b1 over the row)
+    # ---- pass 2: the mask from the lower boundary bin (every valid token where the row has at
+    # most that count), the second histograms of the boundary bins
     mthr = Uint32(1)  # ord16 >= 1: valid
     b1c = Int32(-1)  # no bin: no second histogram
     if total > Int32(n):
         mthr = Uint32(b1) << Uint32(16 - B1)
         b1c = b1
-    b1kc = Int32(-1)  # (the rescue list) n2's bin: the mask starts there (every valid token: none)
+    b1kc = Int32(-1)  # (the rescue list) n2's bin
     if cutlass.const_expr(dual):
         mthr = Uint32(1)
         if total > Int32(n2):
@@ -949,81 +1150,35 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     mask_a = P.smem_addr(mask)
     # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
     listed = cutlass.const_expr(cached and CACHE_MAX <= 65536)
-    big = Int32(0)  # (LIST) a kept slice with a crowded boundary bin: see BIG_B1
+    big = Int32(0)  # a kept slice with a crowded boundary bin: see BIG_B1
     if cutlass.const_expr(listed):
         if keep != Int32(0) and total > Int32(n):
-            # this CTA's own counts in bin b1 and above it
             if hist1[b1] > cutlass.max(Int32(BIG_B1), Int32(BIG_RATIO) * scal[_OWN_ABOVE1]):
                 big = Int32(1)
     if total > Int32(0):
-        if cutlass.const_expr(True):
-            for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
-                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
-                for u in cutlass.range_constexpr(vpr):
-                    mb = Int32(0)
-                    for k in cutlass.range_constexpr(8):
-                        o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                        if o >= mthr:
-                            mb = mb | Int32(1 << k)
-                    # a slice re-read from global memory counts bin b1 here (its tokens are in
-                    # registers now), and so does a big one (LIST); a kept one walks the
-                    # mask's set bits below instead
-                    if (keep == Int32(0) or big != Int32(0)) and mb != Int32(0):
-                        for k in cutlass.range_constexpr(8):
-                            o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                            # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
-                            P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                            Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
-                            if cutlass.const_expr(dual):
-                                P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                                Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
-                    vi = base + tid + Int32(u * TB)
-                    if vi < nvec4:
-                        P.st_smem_u8(mask_a + vi, mb)
+        pass2(row_addr, s0, s_len, nvec, nvec4, aligned, keep, big, mthr, b1c, b1kc,
+              cache_a, h2_a, mask_a, xs, tid, dual, vpr)  # fmt: skip
     # the mask in 16-token units, thread tid taking the contiguous units [u0, u1): all TB
     # threads share the slice, so each walk over the set bits stays short
     nu = nvec4 // Int32(2)
     upt = (nu + Int32(TB - 1)) // Int32(TB)
     u0 = cutlass.min(tid * upt, nu)
     u1 = cutlass.min(u0 + upt, nu)
-    # The walks below take a thread's units one set bit at a time, a chain of dependent
-    # loads per bit: where the kept tokens lie in one run (a recency bias) a few threads
-    # hold all of them (1.2-2x the kernel's time, seventh session); a big slice (BIG_B1)
-    # walks an even share of a list instead (make_list, after the second cluster barrier)
-    use_list = Int32(0)
     lw = (nvec4 + Int32(15)) // Int32(16) * Int32(4)  # the list's first word in mask
-    r0 = Int32(0)
-    r1 = Int32(0)
-    cnt_ok = Int32(0)  # (CNT2) this thread's compaction counts come from its hist2 walk
+    cnt_ok = Int32(0)  # this thread's compaction counts come from its hist2 walk
     c2_above = Int32(0)
     c2_low = Uint64(0)
-    c2_ovf = Int32(0)
     if total > Int32(n):
         if tid == Int32(0):
             pub[0] = scal[_OWN_ABOVE1]
             if cutlass.const_expr(dual):
                 pub[2] = scal[_K + _OWN_ABOVE1]
         if keep != Int32(0) and big == Int32(0):
-            # the second histogram from the set bits only (a few % of the tokens): a
-            # per-token predicated red compiled to a branch per token, taken by most warps
             cute.arch.sync_threads()  # the mask bytes of the other threads
-            for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-                m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
-                while m != Uint32(0):
-                    _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
-                                                 cache_a, keep)  # fmt: skip
-                    h2_add(h2_a, oa, b1)
-                    h2_add(h2_a, ob, b1)
-                    if cutlass.const_expr(not dual):
-                        c2_above, c2_low, c2_ovf = cnt2_add(oa, b1, c2_above, c2_low, c2_ovf)
-                        c2_above, c2_low, c2_ovf = cnt2_add(ob, b1, c2_above, c2_low, c2_ovf)
-                    if cutlass.const_expr(dual):
-                        h2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
-                        h2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
-            if cutlass.const_expr(not dual):
-                cnt_ok = Int32(1) - c2_ovf
+            cnt_ok, c2_above, c2_low = hist2_walk(row_addr, s0, keep, b1, b1kc, cache_a, h2_a, mask_a, u0, u1,
+                                                  upt, dual)  # fmt: skip
+    # ---- the boundary score v, need_eq and what precedes this slice (second cluster barrier)
     csync_n(clustered, csize)
-    # ---- boundary score v, need_eq, and what precedes this slice
     v, need_eq = boundary_step(n, total, b1, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a, scal_a,
                                tid, lane, warp, csize, me, clustered, 0, 0, 0)  # fmt: skip
     vk = Uint32(0)  # (the rescue list) n2's
@@ -1032,10 +1187,15 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         vk, need_eqk = boundary_step(n2, total, b1k, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a,
                                      scal_a, tid, lane, warp, csize, me, clustered, NB2, 2, _K)  # fmt: skip
     if cutlass.const_expr(own):
-        # every DSMEM load of this CTA was used above (own_part); (ONE: a one-CTA cluster
-        # neither arrives nor waits)
+        # every DSMEM load of this CTA was used above; a one-CTA cluster neither arrives nor waits
         if one_cta(csize) == Int32(0):
             P.cluster_arrive()
+    # a crowded slice: the walks take an even share of a list of its tokens at or above the
+    # (lower) boundary score, not the units (where its kept tokens lie in one run, a few threads
+    # would hold all of them)
+    use_list = Int32(0)
+    r0 = Int32(0)
+    r1 = Int32(0)
     if cutlass.const_expr(listed):
         if big != Int32(0):
             vlo = v  # (the rescue list: n2's boundary, the lower one, keeps both counts' tokens)
@@ -1044,68 +1204,29 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             refine_mask(mask, cache_a, nvec4, vlo, tid)
             cute.arch.sync_threads()
             use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, wt, tid)
-    # ---- compaction in index order straight into CTA 0's row
-    gt_run = scal[_GT_BEFORE]
-    eq_run = scal[_EQ_BEFORE]
-    gt_end = gt_run + scal[_GT_OWN]
-    eq_end = cutlass.min(eq_run + scal[_EQ_OWN], need_eq)
+    # ---- the compaction, in index order, straight to the final positions
+    gt_run, eq_run, gt_end, eq_end, p0, p1 = own_range(scal, 0, need_eq, n)
     dst_a = row_a
     remote = Int32(0)  # the row lives in another CTA (DSMEM stores)
-    # (own_part: this CTA's positions [p0, p1) of the row, in its own row buffer)
-    p0 = cutlass.min(gt_run + cutlass.min(eq_run, need_eq), Int32(n))
-    p1 = cutlass.min(gt_end + eq_end, Int32(n))
     if cutlass.const_expr(clustered and not own):
         dst_a = P.mapa(row_a, Int32(0))
         if csize > Int32(1):
             remote = Int32(1)
-    # (the rescue list) the same for n2
-    gtk_run = Int32(0)
+    gtk_run = Int32(0)  # (the rescue list) the same for n2
     eqk_run = Int32(0)
-    gtk_end = Int32(0)
-    eqk_end = Int32(0)
     p0k = Int32(0)
     p1k = Int32(0)
-    # (the rescue list) this CTA's K-list words staged in hist1 (free since the second cluster barrier:
-    # no CTA reads another's first histogram after it) when they fit, then stored whole
+    # (the rescue list) this CTA's K-list words staged in hist1 (free since the second cluster
+    # barrier: no CTA reads another's first histogram after it) when they fit, then stored whole
     kst = cutlass.const_expr(dual and n2 <= NB1)
     work = Int32(0)  # (the rescue list) n2's tokens to write
     if cutlass.const_expr(dual):
-        gtk_run = scal[_K + _GT_BEFORE]
-        eqk_run = scal[_K + _EQ_BEFORE]
-        gtk_end = gtk_run + scal[_K + _GT_OWN]
-        eqk_end = cutlass.min(eqk_run + scal[_K + _EQ_OWN], need_eqk)
-        p0k = cutlass.min(gtk_run + cutlass.min(eqk_run, need_eqk), Int32(n2))
-        p1k = cutlass.min(gtk_end + eqk_end, Int32(n2))
+        gtk_run, eqk_run, gtk_end, eqk_end, p0k, p1k = own_range(scal, _K, need_eqk, n2)
         work = Int32(gtk_run < gtk_end) | Int32(eqk_run < eqk_end)
-    # one pass over the mask: thread tid takes the contiguous 16-token units [u0, u1) (index
-    # order; all TB threads share the slice, so the serial walk over the set bits stays
-    # short), classifies the tokens of the set bits (o > v, o == v), one pair block scan,
-    # then walks them again and writes each kept word
     lo16 = Int32(0)  # (the rescue list) this thread's kept n2 tokens with l < 2**16
     if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
-        ngt = Int32(0)
-        neq = Int32(0)
-        ngtk = Int32(0)
-        neqk = Int32(0)
-        if use_list != Int32(0):
-            for r in cutlass.range(r0, r1, unroll=1):
-                o = Uint32(mask[lw + r]) >> Uint32(16)
-                ngt, neq = count_token(o, v, ngt, neq)
-                if cutlass.const_expr(dual):
-                    ngtk, neqk = count_token(o, vk, ngtk, neqk)
-        elif cnt_ok != Int32(0):
-            ngt, neq = cnt2_counts(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
-        else:
-            for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-                m = unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)
-                while m != Uint32(0):
-                    _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
-                                                 cache_a, keep)  # fmt: skip
-                    ngt, neq = count_token(oa, v, ngt, neq)
-                    ngt, neq = count_token(ob, v, ngt, neq)
-                    if cutlass.const_expr(dual):
-                        ngtk, neqk = count_token(oa, vk, ngtk, neqk)
-                        ngtk, neqk = count_token(ob, vk, ngtk, neqk)
+        ngt, neq, ngtk, neqk = count_kept(row_addr, s0, keep, v, vk, cache_a, mask, mask_a, lw, r0, r1, use_list,
+                                          cnt_ok, c2_above, c2_low, u0, u1, upt, dual)  # fmt: skip
         igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, wt)
         gtk_b = Int32(0)
         eqk_b = Int32(0)
@@ -1116,32 +1237,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         gt_b = gt_run + igt - ngt
         eq_b = eq_run + ieq - neq
         if ngt + neq + ngtk + neqk != Int32(0):
-            if use_list != Int32(0):
-                for r in cutlass.range(r0, r1, unroll=1):
-                    e = Uint32(mask[lw + r])
-                    o = e >> Uint32(16)
-                    lu = Uint32(s0) + (e & Uint32(0xFFFF))
-                    gt_b, eq_b = emit_token(o, lu, v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
-                    if cutlass.const_expr(dual):
-                        gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16,
-                                                    kst, h1_a - p0k * Int32(4))  # fmt: skip
-            else:
-                for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-                    m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
-                    while m != Uint32(0):
-                        lta, oa, ltb, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
-                                                       cache_a, keep)  # fmt: skip
-                        gt_b, eq_b = emit_token(oa, Uint32(s0 + lta), v, gt_b, eq_b, need_eq, n, remote,
-                                                dst_a, row, row_a)  # fmt: skip
-                        if cutlass.const_expr(dual):
-                            gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(s0 + lta), vk, gtk_b, eqk_b, need_eqk,
-                                                        n2, k_out, lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
-                        gt_b, eq_b = emit_token(ob, Uint32(s0 + ltb), v, gt_b, eq_b, need_eq, n,
-                                                remote, dst_a, row, row_a)  # fmt: skip
-                        if cutlass.const_expr(dual):
-                            gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(s0 + ltb), vk, gtk_b, eqk_b,
-                                                        need_eqk, n2, k_out, lo16, kst,
-                                                        h1_a - p0k * Int32(4))  # fmt: skip
+            lo16 = emit_kept(row_addr, s0, keep, v, need_eq, gt_b, eq_b, vk, need_eqk, gtk_b, eqk_b, cache_a,
+                             mask, mask_a, lw, r0, r1, use_list, u0, u1, upt, remote, dst_a, row, row_a,
+                             k_out, h1_a, p0k, n, n2, kst)  # fmt: skip
     if cutlass.const_expr(dual):
         if lo16 != Int32(0):
             P.red_smem_add(scal_a + Int32((_K + _TOTAL) * 4), lo16)
@@ -1149,22 +1247,14 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         cute.arch.sync_threads()  # this CTA's part of the row is complete
     else:
         csync_end(clustered, csize)
-    # (own_part's results; the other callers drop them)
+    # the CTA whose slice holds token 2**16 (else the last): own_part's writer of the mask words
     wc = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
     if cutlass.const_expr(kst):
         for i in cutlass.range(tid, p1k - p0k, TB, unroll=1):
             P.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])
     if cutlass.const_expr(dual):
-        # (the rescue list) the CTA whose slice holds token 2**16 (else the last) writes the K-list's
-        # mask words: positions ascend with l, so bit 16 is set at [p16, count), p16 = its
-        # first position + its kept tokens below 2**16 (every earlier CTA's are below, every
-        # later CTA's above); and the empty words past the count
+        # positions ascend with l, so bit 16 is set at [p16, count), p16 = the writer's first
+        # position + its kept tokens below 2**16 (every earlier CTA's are below, every later's above)
         if me == wc:
-            cnt = cutlass.min(total, Int32(n2))
-            p16 = p0k + scal[_K + _TOTAL]
-            nmw = n2 // 32
-            for i in cutlass.range(tid, layout.row_words(n2) - n2, TB, unroll=1):
-                P.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, nmw))
-            for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
-                P.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
+            write_klist_tail(k_out, p0k + scal[_K + _TOTAL], cutlass.min(total, Int32(n2)), n2, tid)
     return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)

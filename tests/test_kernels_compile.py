@@ -236,15 +236,16 @@ def test_lean_producer_image():
     list; its split's slice_max / cache_max are the longest slice
     it takes (layout.PRODUCER_LEAN_SLICE_MAX), the launcher's rule layout.producer_uses_lean."""
     from jax_dsa_exchange.kernels import lean
-    from jax_dsa_exchange.kernels.select_push import SelectPush, lean_ok
+    from jax_dsa_exchange.kernels.select_push import ProducerConfig, lean_ok, producer_configs
 
     assert lean.SLICE_MAX == lean.TB * lean.TMAX == layout.PRODUCER_LEAN_SLICE_MAX == 16384
     for (w, k, n, rl), want in {(8, 2048, 512, False): True, (16, 4096, 2048, False): True,
                                 (16, 4096, 4096, False): False, (8, 2048, 512, True): False,
                                 (8, 2048, 2048, True): True, (8, 256, 64, False): True}.items():
         assert lean_ok(n, k, rl) == want and cache.has_lean_producer(w, k, n, rl) == want, (w, k, n, rl)
+        assert [c.lean for c in producer_configs(w, k, n, rl)] == [False, True][:1 + want], (w, k, n, rl)
     with pytest.raises(ValueError, match="no lean select_push for n=4096"):
-        SelectPush(16, 4096, 4096, lean=True)
+        ProducerConfig(16, 4096, 4096, lean=True)
     imgs = cache.compile_images("sm_90a", 8, 2048, 512)
     assert list(imgs) == ["select_push", "select_push_lean", "merge"]
     sp, lp = imgs["select_push"][0], imgs["select_push_lean"][0]
@@ -350,11 +351,11 @@ def test_layout_constants_used_by_kernels():
 
     assert S.CACHE_MAX == layout.PRODUCER_CACHE_MAX and select_push.split()["cache_max"] == S.CACHE_MAX
     for n in (512, 4096):
-        full = select_push.SelectPush(8, n).smem
+        full = select_push.SelectPush(select_push.ProducerConfig(8, 4096, n)).smem
         assert full <= SMEM_OPT_IN_MAX
         assert full - 2 * (S.CACHE_MAX - layout.PRODUCER_CACHE_WIDE) <= SMEM_OPT_IN_MAX // 2
     # (the 16 KB pass-2 mask, a bit per token of a 2**17-token slice, included)
-    assert select_push.SelectPush(8, 512).smem - 2 * (S.CACHE_MAX - layout.PRODUCER_SLICE_MAX) <= 64 * 1024
+    assert select_push.SelectPush(select_push.ProducerConfig(8, 2048, 512)).smem - 2 * (S.CACHE_MAX - layout.PRODUCER_SLICE_MAX) <= 64 * 1024
     assert m.smem <= 64 * 1024
 
 

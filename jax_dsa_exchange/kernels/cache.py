@@ -47,8 +47,8 @@ KERNELS = ("select_push", "merge")
 # call has its own cluster at once (layout.merge_uses_wide).  Written before merge.json, whose
 # presence marks a folder complete.
 # select_push_lean: select_push with the lean select (kernels/lean.py), built where the configuration
-# allows it (select_push.lean_ok) unless the select knob lean=0; the launcher runs it instead of
-# select_push when every slice of a launch fits it (layout.producer_uses_lean).
+# allows it (select_push.producer_configs); the launcher runs it instead of select_push when every
+# slice of a launch fits it (layout.producer_uses_lean).
 OPTIONAL = ("select_push_lean", "merge_wide")
 KIND = {"select_push": "select_push", "select_push_lean": "select_push", "merge": "merge",
         "merge_wide": "merge"}  # image -> kernel (ABI)
@@ -191,10 +191,11 @@ _COMPILED: dict = {}  # (kernel, arch, W, K, N, rescue_list) -> (compiled object
 
 
 def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_list: bool = False):
+    """The kernel object of one image: its static configuration, compile() and metadata."""
     if kernel in ("select_push", "select_push_lean"):
-        from .select_push import SelectPush
+        from .select_push import ProducerConfig, SelectPush
 
-        return SelectPush(world, local_topk, topk, rescue_list, lean=kernel == "select_push_lean")
+        return SelectPush(ProducerConfig(world, topk, local_topk, rescue_list, lean=kernel == "select_push_lean"))
     from .merge import CLUS_WIDE, WIDE_KP, Merge
 
     if kernel == "merge_wide":
@@ -202,12 +203,17 @@ def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_l
     return Merge(world, topk, local_topk, rescue_list)
 
 
-def has_lean_producer(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
-    """Whether the configuration gets a select_push_lean image (needs the CuTe DSL: the kernels'
-    own rule, select_push.lean_ok)."""
-    from .select_push import lean_ok
+def producer_images(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> tuple:
+    """The configuration's producer images (needs the CuTe DSL: the kernels' own rule,
+    select_push.producer_configs): select_push, and select_push_lean where it has the lean one."""
+    from .select_push import producer_configs
 
-    return lean_ok(local_topk, topk, rescue_list)
+    return tuple(c.image for c in producer_configs(world, topk, local_topk, rescue_list))
+
+
+def has_lean_producer(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
+    """Whether the configuration gets a select_push_lean image."""
+    return "select_push_lean" in producer_images(world, topk, local_topk, rescue_list)
 
 
 def has_wide_merge(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
@@ -241,7 +247,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_lis
 
     shash = source_hash()
     out = {}
-    names = (("select_push",) + (("select_push_lean",) if has_lean_producer(world, topk, local_topk, rescue_list) else ())
+    names = (producer_images(world, topk, local_topk, rescue_list)
              + (("merge_wide",) if has_wide_merge(world, topk, local_topk, rescue_list) else ()) + ("merge",))
     for name in names:
         obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk, rescue_list)
@@ -287,8 +293,7 @@ def write_images(images: dict, out_dir) -> pathlib.Path:
 
 def read_packed(path) -> bytes:
     """A prebuilt file's bytes, or those of its gzip copy ``<name>.gz`` (tools/pack_cubins.sh
-    gzips the PTX and the cubins of a folder: ~3x smaller, so that more builds fit the device
-    machine's 64 MiB carry)."""
+    gzips the PTX and the cubins of a folder: ~3x smaller)."""
     path = pathlib.Path(path)
     if path.is_file():
         return path.read_bytes()

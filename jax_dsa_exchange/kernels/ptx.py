@@ -458,6 +458,16 @@ def or_if_ge(m: Uint32, x: Uint32, thr: Uint32, bit: cutlass.Constexpr, *, loc=N
 
 
 @dsl_user_op
+def bin_addr(base: Int32, w: Int32, pos: cutlass.Constexpr, bits: cutlass.Constexpr, *, loc=None,
+             ip=None) -> Int32:
+    """base + 4 * (bits ``pos`` .. ``pos + bits - 1`` of w): a histogram bin's address in one
+    bit-field extract and one shift-add."""
+    return Int32(_asm(T.i32(), [Int32(base), Int32(w)],
+                      "{ .reg .b32 t; bfe.u32 t, $2, %d, %d; shl.b32 t, t, 2; add.u32 $0, $1, t; }" % (pos, bits),
+                      "=r,r,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     _asm(None, [], "trap;", "~{memory}", loc, ip)
 

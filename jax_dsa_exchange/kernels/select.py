@@ -1,49 +1,39 @@
-"""Exact local top-n of one bf16 row (docs/DESIGN.md §4 on one rank), split over the CTAs
-of a thread-block cluster; the producer's select and the merge's rescue select.
+"""Exact local top-n of one bf16 row (docs/DESIGN.md §4 on one rank), split over the CTAs of
+a thread-block cluster: the producer's select (select_push) and the merge's rescue select.
 
-No JAX import.  The row's valid prefix ``[0, end)`` is cut into ``C`` slices of
-``S`` tokens (S a multiple of 8), one per CTA of the cluster (``C = 1``: one CTA
-does the whole row, as the merge's rescue does).  Per CTA:
+The row's valid prefix ``[0, end)`` is cut into C slices of S tokens (S = ceil(end / C)
+rounded up to 8), one per CTA of the cluster (C = 1: one CTA does the whole row, as the
+merge's rescue does).  A token's score is its ``ord16`` (docs/DESIGN.md §5: order-preserving,
+0 for NaN and past the end).  Per CTA, in :func:`select_row`:
 
-1. **pass 1** reads its slice from HBM once (a kept, aligned slice by ``cp.async.bulk``
-   copies into shared memory, converted in place; else 16-byte loads, several in flight),
-   turns every bf16 into ``ord16`` (docs/DESIGN.md §5; 0 = NaN / past the end), keeps the
-   ord16 in shared memory when the slice fits (``cached`` and ``S <= cache_cap``, the
-   launch's ``layout.producer_cache_tokens``, at most CACHE_MAX; a longer slice, e.g.
-   C = 1 at R = 256, L = 128K, is re-read in each later pass)
-   and histograms the high ``B1`` bits (every token; bin 0, the invalid ones, dropped);
-2. one **cluster barrier**; every CTA sums the C histograms through distributed
-   shared memory (4 contiguous bins per thread: one 16-byte DSMEM load per CTA)
-   and one block scan finds the boundary bin ``b1`` (the bin of the n-th score),
-   how many scores lie above it, and how many of *its own* lie above it;
-3. **pass 2** marks a bit per token in a mask: score bin >= ``b1`` (every valid token
-   when the row has at most n); the low ``16 - B1`` bits of the scores inside ``b1``
-   are histogrammed from the mask's set bits (a kept slice) or in the pass (re-read);
-4. one **cluster barrier**; the C second-pass histograms (32 bins each) give
-   the boundary score ``v``, the number of scores ``> v`` and how many ``== v``
-   to keep (``need_eq``, ties to the lower index), and, from the CTAs before
-   this one, how many ``> v`` / ``== v`` precede its slice;
-5. **compaction** in index order over the mask only (each thread a contiguous run of
-   16-token units; the tokens of its set bits classified, one pair block scan, then
-   written; a kept slice with a crowded boundary bin, ``BIG_B1``, first drops the tokens
-   below the boundary score from its mask and walks an even share of a list of the rest)
-   puts each kept token's packed word (docs/DESIGN.md §5) straight to its
-   final position: the slice's kept tokens are one contiguous range of positions, which
-   select_push (``own_part``) keeps in each CTA's own row buffer and pushes from there,
-   each CTA its own range (after a relaxed arrival at the cluster barrier once no CTA
-   reads another's shared memory; the wait before exit); otherwise (the merge's rescue,
-   or ``own=0``) into the row buffer of the cluster's CTA 0 (DSMEM stores, bit 16 of l by
-   DSMEM ``red.or``), then
-6. one **cluster barrier**: CTA 0's row buffer is the packed row, ascending l,
-   empty words zero.
+1. **pass 1** (:func:`pass1`) reads the slice once (a kept, aligned slice by ``cp.async.bulk``
+   copies into shared memory, else 16-byte loads), keeps its ord16 in shared memory when it
+   fits the launch's cache, and histograms the high ``B1`` bits of every token;
+2. **the boundary bin** (:func:`boundary_bin`): one cluster barrier, every CTA sums the C
+   histograms through distributed shared memory (DSMEM) and one block scan finds the bin
+   ``b1`` of the n-th score, the scores above it and this CTA's own above it;
+3. **pass 2** (:func:`pass2`, :func:`hist2_walk`) marks a bit per token of bin >= b1 (every
+   valid token where the row has at most n) and histograms the low ``16 - B1`` bits of the
+   bin-b1 tokens;
+4. **the boundary score** (:func:`boundary_step`): one cluster barrier, the C second
+   histograms give the boundary score ``v``, how many ``== v`` are kept (``need_eq``, ties to
+   the lower index) and how many ``> v`` / ``== v`` precede this slice;
+5. **the compaction** (:func:`count_kept`, :func:`emit_kept`) walks the mask's set bits in
+   index order twice (each thread a contiguous run of 16-token units; a crowded slice walks
+   an even share of a list of its candidates instead): counts, one pair block scan, then every
+   kept token's packed word straight to its final position.  The slice's kept tokens are one
+   range of positions: select_push keeps each CTA's range in its own row buffer and pushes it
+   (``own_part``, after a relaxed arrival at the cluster barrier); otherwise the CTAs write
+   into CTA 0's row buffer and a closing cluster barrier completes it.
 
-Every value a branch around a barrier depends on comes from shared memory after a
-barrier, so those branches are uniform over the CTA (and over the cluster where it
-matters: every CTA executes the same cluster barriers, three, or with ``own_part`` two and
-an arrival whose wait the caller executes); the walks over set bits
-diverge per thread and reconverge before the next barrier.  Exactness does not depend
-on C: the boundary, the counts and every position are computed from exact integer
-counts over the whole row.
+With the rescue list (``n2``) the same passes also select the row's top-n2 (a second boundary
+from the same histograms, a second compaction count) and write it to global memory.
+
+Every value a branch around a barrier depends on comes from shared memory after a barrier, so
+those branches are uniform over the CTA (and over the cluster where it matters: every CTA runs
+the same cluster barriers); the walks over set bits diverge per thread and reconverge before the
+next barrier.  Exactness does not depend on C: the boundary, the counts and every position come
+from exact integer counts over the whole row.
 """
 
 from __future__ import annotations
@@ -62,27 +52,38 @@ B1 = 11  # high bits of ord16 in the first histogram
 NB1 = 1 << B1  # 2048 bins
 NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
-# 16-byte loads (vectors of 8 tokens) per thread per round of passes 1 and 2: on an H200 at
-# W = 8, N = 512, 2 against 1 took R = 1 L = 8K from 10.88 to 10.17 us (a shorter unrolled body
-# than more, fewer instruction-fetch stalls) and was as fast elsewhere but on uncached 128K slices
+# 16-byte loads (vectors of 8 tokens) per thread per round of passes 1 and 2: 2 rather than 4
+# (H200, N = 512: R = 1 L = 8K 10.88 -> 10.17 us, R = 256 L = 128K 79.76 -> 77.62, 59 -> 48
+# registers) or 1 (as fast, but +1.3 us on an uncached 128K slice at C = 1)
 U1 = 2
 # Clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
-# boundary (every CTA reading all C histograms whole was 64 KB of DSMEM loads per CTA at C = 8,
-# ~2 us); smaller ones sum every bin.  At least 2: a one-CTA cluster reads its own histogram.
+# boundary (publish_bounds; every CTA reading all C histograms whole was 64 KB of DSMEM loads per
+# CTA at C = 8, ~2 us); smaller clusters sum every bin (H200, N = 512, R = 16, L = 128K, C = 6:
+# 15.02 us bounded against 15.68 with every bin).  At least 2: one CTA reads its own histogram.
 BOUNDED_MIN = 5
 # A kept slice whose boundary bin is crowded (more than max(BIG_B1, BIG_RATIO x its own count
-# above that bin): a recency bias puts thousands there, all but ~n of them below the boundary
-# score, in a few threads' units) drops from its mask every token below the boundary score and
-# walks an even share of a list of the rest (make_list).  Random scores stay off this path (their
-# bin holds at most 3.5x the count above it where it holds more than 512), on which it costs ~3 us
-# per CTA.
+# above that bin: a recency bias puts thousands there, all but ~n below the boundary score, in a
+# few threads' units) walks an even share of a list of its candidates (make_list).  Random scores
+# stay off this path (where their bin holds more than 512, at most 3.5x the count above it), on
+# which it costs ~3 us per CTA.
 BIG_B1 = 512
 BIG_RATIO = 8
 # The most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
 # dynamic shared memory holds its cache_tokens of them).
 CACHE_MAX = layout.PRODUCER_CACHE_MAX
-# CTAs per cluster the kernel can sum over (the portable limit).
-CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
+CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX  # CTAs per cluster summed over (the portable limit)
+MASK_WORDS = layout.MAX_LOCAL_LEN // 32  # pass 2's mask: a bit per token of the longest slice
+NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
+assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 65536, CACHE_MAX  # (16-bit list entries)
+assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary score: warp r sums CTA r
+assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
+
+# scalars slots (the rescue list's n2: the same slot + _K; _TOTAL + _K counts its kept tokens
+# below 2**16)
+_B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _LOWV, _ABOVE2 = 0, 1, 2, 3, 4, 5
+_GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
+_K = 12
+
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
     """The second count select_push makes and the merge's rescue takes (the rescue list): K
@@ -90,19 +91,10 @@ def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
     return topk if rescue_list and topk > n else 0
 
 
-assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
-assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary step: warp r sums CTA r
-
-assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
-# pass 2's mask: a bit per token of the longest slice (one CTA over a 2**17-token row)
-MASK_WORDS = layout.MAX_LOCAL_LEN // 32
-NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
-
-
 def smem_words(rw: int, cached: bool, dual: bool = False) -> int:
     """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts;
     the cache last, so a launch with a smaller cache needs that much less)."""
-    h2 = NB2 * (2 if dual else 1)  # second-pass histograms: one per count (n, and n2: the rescue list)
+    h2 = NB2 * (2 if dual else 1)  # second histograms: one per count (n, and the rescue list's n2)
     parts = [NB1, h2, h2, 16, 32, 2 * NWARPS, rw, MASK_WORDS, 2 * NCHUNK if cached else 4,
              CACHE_MAX // 2 if cached else 4]
     return sum(-(-p // 4) * 4 for p in parts)
@@ -120,28 +112,28 @@ class SelectSmem:
             return smem.allocate_tensor(Int32, cute.make_layout((n,)), 16)
 
         self.hist1 = arr(NB1)
-        self.hist2 = arr(NB2 * (2 if dual else 1))  # (dual, the rescue list: n2's at [NB2, 2 NB2))
-        self.gsum2 = arr(NB2 * (2 if dual else 1))  # the cluster's second-pass histogram
-        self.pub = arr(16)  # read by other CTAs: [0] own count above b1, [1] own valid count,
-        #                     [2] (the rescue list) own count above n2's b1
-        self.scal = arr(32)  # CTA-local scalars (see select_row)
-        self.wt = arr(2 * NWARPS)  # warp totals of the pair scan
+        self.hist2 = arr(NB2 * (2 if dual else 1))  # (the rescue list's at [NB2, 2 NB2))
+        self.gsum2 = arr(NB2 * (2 if dual else 1))  # the cluster's second histograms
+        # read by the other CTAs: [0] own count above b1, [1] own valid count, [2] own count above
+        # n2's b1, [4..6] publish_bounds'
+        self.published = arr(16)
+        self.scalars = arr(32)  # CTA-local (the _B1 ... slots)
+        self.warp_totals = arr(2 * NWARPS)  # of the pair scan
         self.row = arr(rw)  # the packed row (CTA 0's; own_part: each CTA's range of it)
-        # a bit per slice token, set by pass 2 for the tokens the compaction looks at
-        self.mask = arr(MASK_WORDS)
-        # the bulk copies' mbarriers (8 bytes each), one per TB vectors of the cache
-        self.mbar = arr(2 * NCHUNK if cached else 4)
+        self.mask = arr(MASK_WORDS)  # a bit per slice token (pass 2); a crowded slice's list after it
+        self.mbar = arr(2 * NCHUNK if cached else 4)  # the bulk copies' mbarriers (8 bytes each)
         # ord16 pairs of the slice, last: a launch's shared memory holds cache_tokens of them
         self.cache = arr(CACHE_MAX // 2 if cached else 4)
 
     def parts(self):
-        return (self.cache, self.hist1, self.hist2, self.gsum2, self.pub, self.scal, self.wt,
-                self.row, self.mask, self.mbar)  # fmt: skip
+        """The arrays as a tuple (the DSL carries tuples of tensors through traced code)."""
+        return (self.cache, self.hist1, self.hist2, self.gsum2, self.published, self.scalars,
+                self.warp_totals, self.row, self.mask, self.mbar)  # fmt: skip
 
 
-# --------------------------------------------------------------------------
-# Pieces of the select.
-# --------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Loads and ord16
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
@@ -214,7 +206,7 @@ def ord16_quad(a: Int32, b: Int32, c: Int32, d: Int32, xs: cute.Tensor, off: cut
 
 
 @cute.jit
-def load_vec(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32, xs: cute.Tensor,
+def load_vector(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32, xs: cute.Tensor,
              off: cutlass.Constexpr):
     """ord16 pairs of slice tokens 8*vi .. 8*vi+7 into xs[off : off+4] (0 past s_len)."""
     l0 = vi * Int32(8)
@@ -231,7 +223,7 @@ def load_vec(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32
 
 
 @cute.jit
-def get_vecs(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32,
+def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32,
              cache_a: Int32, xs: cute.Tensor, from_cache: Int32, nv: cutlass.Constexpr,
              stride: cutlass.Constexpr):
     """xs[4u : 4u+4] = ord16 pairs of vector v0 + u*stride (u < nv); 0 past nvec.
@@ -248,11 +240,15 @@ def get_vecs(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, a
                 xs[4 * u + 2] = c
                 xs[4 * u + 3] = d
             else:
-                load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
+                load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
+
+# --------------------------------------------------------------------------------------------------
+# Scans and barriers
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
-def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
+def block_scan2(a: Int32, b: Int32, lane, warp, warp_totals: cute.Tensor):
     """Inclusive sums over the CTA in thread order of a pair -> (ia, ib, ta, tb)."""
     x = a
     y = b
@@ -263,16 +259,16 @@ def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
             x = x + xa
             y = y + ya
     if lane == Int32(31):
-        wt[warp] = x
-        wt[NWARPS + warp] = y
+        warp_totals[warp] = x
+        warp_totals[NWARPS + warp] = y
     cute.arch.sync_threads()
     ba = Int32(0)
     bb = Int32(0)
     ta = Int32(0)
     tb = Int32(0)
     for w in cutlass.range_constexpr(NWARPS):
-        u = wt[w]
-        v = wt[NWARPS + w]
+        u = warp_totals[w]
+        v = warp_totals[NWARPS + w]
         if Int32(w) < warp:
             ba = ba + u
             bb = bb + v
@@ -283,72 +279,305 @@ def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
 
 
 @cute.jit
-def csync(clustered: cutlass.Constexpr, own_only: cutlass.Constexpr = True):
-    """The select's cluster barriers.  ``own_only``: every DSMEM datum read after it was
-    written by its owner CTA (barriers 1, 2), so with RELAX the light barrier is exact;
-    barrier 3 (False) follows DSMEM stores into CTA 0, so it keeps arrive.release unless
-    the cluster is one CTA (``csync_end``)."""
-    if cutlass.const_expr(clustered):
-        if cutlass.const_expr(own_only):
-            P.cluster_sync_local()
-        else:
-            P.cluster_sync()
-    else:
-        cute.arch.sync_threads()
-
-
-@cute.jit
 def one_cta(csize: Int32) -> Int32:
-    """1 where ONE treats this cluster as one CTA (csize == 1: uniform), else 0 (a constant
-    0 without ONE, so those branches fold away)."""
+    """1 where the cluster is one CTA (uniform): it takes block barriers for cluster barriers
+    and reads its own shared memory for the DSMEM loads."""
     return Int32(csize == Int32(1))
 
 
 @cute.jit
-def csync_n(clustered: cutlass.Constexpr, csize: Int32, own_only: cutlass.Constexpr = True):
-    """csync; with ONE a one-CTA cluster takes a block barrier (uniform branch)."""
-    if one_cta(csize) != Int32(0):  # (never without ONE)
+def cluster_barrier(clustered: cutlass.Constexpr, csize: Int32):
+    """Cluster barriers 1 and 2: every DSMEM datum read after them was written by its owner CTA,
+    so each CTA releases only its own shared memory (MEMBAR.ALL.CTA, where a full release is
+    MEMBAR.ALL.GPU); a one-CTA cluster or an unclustered CTA takes a block barrier."""
+    if one_cta(csize) != Int32(0):
         cute.arch.sync_threads()
     else:
-        csync(clustered, own_only)
+        if cutlass.const_expr(clustered):
+            P.cluster_sync_local()
+        else:
+            cute.arch.sync_threads()
 
 
 @cute.jit
-def csync_end(clustered: cutlass.Constexpr, csize: Int32):
+def closing_barrier(clustered: cutlass.Constexpr, csize: Int32):
+    """The closing barrier where the CTAs wrote into CTA 0's row (DSMEM stores): a full release,
+    unless the cluster is one CTA (every store went to its own shared memory; a bar.sync is not
+    shown to order DSMEM stores, so it keeps the cluster barrier)."""
     if cutlass.const_expr(clustered):
         if csize == Int32(1):
-            # one CTA: every store went to its own shared memory (DSMEM stores there too, so
-            # ONE keeps this fence + barrier: a bar.sync is not shown to order them)
             P.cluster_sync_local()
         else:
             P.cluster_sync()
     else:
-        csync(clustered, False)
+        cute.arch.sync_threads()
 
 
 @cute.jit
-def sum_cluster_bins(h1_a: Int32, hb: Int32, csize: Int32, gc: cute.Tensor):
-    """gc[0..4) += bins hb .. hb + 3 of the first histogram (shared address h1_a) of every CTA
+def sum_cluster_bins(h1_a: Int32, bin_lo: Int32, csize: Int32, cluster_bins: cute.Tensor):
+    """cluster_bins[0..4) += bins bin_lo .. bin_lo + 3 of the first histogram (shared address h1_a) of every CTA
     r < csize of the cluster (one 16-byte DSMEM load each, all in flight at once: a remote
     load costs a round trip)."""
     for r in cutlass.range_constexpr(CLUSTER_MAX):
         if Int32(r) < csize:
-            a, b, c, d = P.ld_dsmem_v4(P.mapa(h1_a + hb * Int32(4), Int32(r)))
-            gc[0] = gc[0] + a
-            gc[1] = gc[1] + b
-            gc[2] = gc[2] + c
-            gc[3] = gc[3] + d
+            a, b, c, d = P.ld_dsmem_v4(P.mapa(h1_a + bin_lo * Int32(4), Int32(r)))
+            cluster_bins[0] = cluster_bins[0] + a
+            cluster_bins[1] = cluster_bins[1] + b
+            cluster_bins[2] = cluster_bins[2] + c
+            cluster_bins[3] = cluster_bins[3] + d
 
-
-# scal slots (the rescue list: n2's at the same slot + _K, [12, 24); _TOTAL + _K counts its kept
-# tokens below 2**16)
-_B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _LOWV, _ABOVE2 = 0, 1, 2, 3, 4, 5
-_GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
-_K = 12
+# --------------------------------------------------------------------------------------------------
+# Pass 1 and the boundary bin (first cluster barrier)
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
-def unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
+def start_bulk_copies(row_addr: Int64, s0: Int32, nfull: Int32, copies: Int32, cache_a: Int32,
+                      mbar_a: Int32, tid):
+    """Pass 1's loads of a kept, 16-byte aligned slice: its ``nfull`` full vectors in flight at
+    once, as ``copies`` cp.async.bulk copies of TB vectors into the cache, one lane of warp 0
+    each (each completes on its own mbarrier, waited for in pass 1)."""
+    if tid < copies:
+        nb = cutlass.min(Int32(TB), nfull - tid * Int32(TB)) * Int32(16)
+        P.bulk_start(mbar_a + tid * Int32(8), cache_a + tid * Int32(TB * 16),
+                     row_addr + Int64(s0 + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
+
+
+@cute.jit
+def zero_counters(hist1: cute.Tensor, hist2: cute.Tensor, gsum2: cute.Tensor, scalars: cute.Tensor,
+                  row: cute.Tensor, rw: cutlass.Constexpr, dual: cutlass.Constexpr, tid):
+    """Zero the histograms, the scalars and the row buffer (other CTAs write into the row only
+    after the first cluster barrier, which orders this); ends with a block barrier."""
+    for i in cutlass.range(tid, rw, TB, unroll=1):
+        row[i] = Int32(0)
+    for i in cutlass.range_constexpr(BPT):
+        hist1[tid + Int32(i * TB)] = Int32(0)
+    if tid < Int32(NB2 * (1 + int(dual))):
+        hist2[tid] = Int32(0)
+        gsum2[tid] = Int32(0)
+    if tid < Int32(NB2):
+        scalars[tid] = Int32(0)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32, keep: Int32, bulk: Int32,
+          copies: Int32, cache_a: Int32, mbar_a: Int32, h1_a: Int32, xs: cute.Tensor, tid,
+          cached: cutlass.Constexpr, vpr: cutlass.Constexpr):
+    """Pass 1: the slice read once (from the bulk copies' landing place, else by 16-byte loads),
+    its ord16 kept in the cache (a kept slice), and the first histogram of every token."""
+    for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
+        if cutlass.const_expr(cached):
+            if bulk != Int32(0):
+                for u in cutlass.range_constexpr(vpr):
+                    c = base // Int32(TB) + Int32(u)
+                    if c < copies:  # (every issued copy: one may cover the partial last vector)
+                        P.mbar_wait0(mbar_a + c * Int32(8))
+                for u in cutlass.range_constexpr(vpr):
+                    vi = base + tid + Int32(u * TB)
+                    for k in cutlass.range_constexpr(4):
+                        xs[4 * u + k] = Int32(0)
+                    if vi < nfull:
+                        a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
+                        ord16_quad(a, b, c, d, xs, 4 * u)
+                    elif vi < nvec:
+                        load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)  # the partial last
+            else:
+                load_vectors(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
+        else:
+            load_vectors(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
+        for u in cutlass.range_constexpr(vpr):
+            vi = base + tid + Int32(u * TB)
+            if cutlass.const_expr(cached):
+                if vi < nvec and keep != Int32(0):
+                    P.st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
+                                 xs[4 * u + 3])  # fmt: skip
+            for k in cutlass.range_constexpr(8):
+                # every token, unconditionally (a predicated red compiles to a branch and a
+                # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
+                # which no valid score reaches and the boundary search drops
+                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
+    if cutlass.const_expr(cached):
+        if bulk != Int32(0):
+            # the copies of vectors no round took are waited for too: none may still be landing
+            # in the cache after this
+            done = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
+            for c in cutlass.range(done, copies, unroll=1):
+                P.mbar_wait0(mbar_a + c * Int32(8))
+
+
+@cute.jit
+def publish_bounds(hist1: cute.Tensor, published: cute.Tensor, warp_totals: cute.Tensor, own_bins: cute.Tensor, bin_lo: Int32,
+                   count: cutlass.Constexpr, tid, lane, warp):
+    """Before the first cluster barrier of a cluster of at least BOUNDED_MIN CTAs: this CTA's
+    [valid count, own count-th bin (0: fewer), own top non-empty bin (0: none)] in published[4..6].
+    The cluster's count-th score lies in a bin >= the largest of the CTAs' own count-th bins, and
+    no bin above the largest of their top bins holds one: only the bins between are summed."""
+    cute.arch.sync_threads()  # hist1 complete
+    for p in cutlass.range_constexpr(BPT):
+        own_bins[p] = hist1[bin_lo + Int32(p)]
+    if tid == Int32(TB - 1):
+        own_bins[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+    own = own_bins[0] + own_bins[1] + own_bins[2] + own_bins[3]
+    inc = C.warp_incl_scan(own, lane)
+    if lane == Int32(31):
+        warp_totals[warp] = inc
+    cute.arch.sync_threads()
+    total = Int32(0)
+    for w in cutlass.range_constexpr(NWARPS):
+        x = warp_totals[w]
+        if Int32(w) < warp:
+            inc = inc + x
+        total = total + x
+    above = inc - own  # own scores in bins above this thread's
+    if above < Int32(count) and inc >= Int32(count):
+        for p in cutlass.range_constexpr(BPT):
+            c = own_bins[BPT - 1 - p]
+            if c > Int32(0) and above < Int32(count) and above + c >= Int32(count):
+                published[5] = bin_lo + Int32(BPT - 1 - p)
+            above = above + c
+    if own > Int32(0) and inc == own:
+        top = bin_lo
+        for p in cutlass.range_constexpr(1, BPT):
+            if own_bins[p] > Int32(0):
+                top = bin_lo + Int32(p)
+        published[6] = top
+    if tid == Int32(0):
+        published[4] = total
+        if total < Int32(count):
+            published[5] = Int32(0)
+        if total == Int32(0):
+            published[6] = Int32(0)
+
+
+@cute.jit
+def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_bins: cute.Tensor, cluster_bins: cute.Tensor,
+                      bin_lo: Int32, csize: Int32, tid, lane, clustered: cutlass.Constexpr) -> Int32:
+    """After the first cluster barrier: own_bins = this thread's 4 bins of its CTA's first histogram,
+    cluster_bins = the same bins summed over the cluster (bin 0 dropped from both) -> the cluster's valid
+    count where only the bounded bins were summed, else -1 (the scan's total is it)."""
+    for p in cutlass.range_constexpr(BPT):
+        own_bins[p] = hist1[bin_lo + Int32(p)]
+        cluster_bins[p] = Int32(0)
+    if tid == Int32(TB - 1):
+        own_bins[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+    cl_total = Int32(-1)
+    if cutlass.const_expr(clustered):
+        if csize >= Int32(BOUNDED_MIN):
+            # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
+            pt = Int32(0)
+            pl = Int32(0)
+            ph = Int32(0)
+            pz = Int32(0)
+            if lane < csize:
+                pt, pl, ph, pz = P.ld_dsmem_v4(P.mapa(published_a + Int32(16), lane))
+            cl_total = cute.arch.warp_redux_sync(pt, "add")
+            lo = cute.arch.warp_redux_sync(pl, "max")
+            hi = cute.arch.warp_redux_sync(ph, "max")
+            if bin_lo + Int32(BPT - 1) >= lo and bin_lo <= hi:
+                sum_cluster_bins(h1_a, bin_lo, csize, cluster_bins)
+        elif one_cta(csize) != Int32(0):
+            for p in cutlass.range_constexpr(BPT):
+                cluster_bins[p] = own_bins[p]
+        else:
+            sum_cluster_bins(h1_a, bin_lo, csize, cluster_bins)  # every bin
+    else:
+        for p in cutlass.range_constexpr(BPT):
+            cluster_bins[p] = own_bins[p]
+    if tid == Int32(TB - 1):
+        cluster_bins[0] = Int32(0)
+    return cl_total
+
+
+@cute.jit
+def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32,
+                        cluster_bins: cute.Tensor, own_bins: cute.Tensor, bin_lo: Int32, scalars: cute.Tensor,
+                        so: cutlass.Constexpr):
+    """The thread whose bins hold the cluster's count-th score (from the top; ig / il: the
+    inclusive scans of the cluster's / own bin sums sg / sl) writes its bin, the cluster's
+    scores above it and its CTA's own above it into scalars[so + _B1, _ABOVE1, _OWN_ABOVE1]."""
+    above = ig - sg
+    own_above = il - sl
+    if above < Int32(count) and ig >= Int32(count):
+        for p in cutlass.range_constexpr(BPT):
+            c = cluster_bins[BPT - 1 - p]
+            if c > Int32(0) and above < Int32(count) and above + c >= Int32(count):
+                scalars[so + _B1] = bin_lo + Int32(BPT - 1 - p)
+                scalars[so + _ABOVE1] = above
+                scalars[so + _OWN_ABOVE1] = own_above
+            above = above + c
+            own_above = own_above + own_bins[BPT - 1 - p]
+
+
+@cute.jit
+def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, published_a: Int32, scalars: cute.Tensor,
+                 warp_totals: cute.Tensor, csize: Int32, tid, lane, warp, n: cutlass.Constexpr,
+                 n2: cutlass.Constexpr, clustered: cutlass.Constexpr):
+    """Before the first cluster barrier (bounded clusters: publish_bounds) and after it: the
+    cluster's first histogram, one block scan from the top bin, the boundary bin of the top-n
+    (and of the top-n2) in scalars, the row's valid count in scalars[_TOTAL], this CTA's in published[1].
+    Ends with a block barrier."""
+    # thread tid owns bins bin_lo+3 .. bin_lo of the first histogram, bin_lo = NB1 - 4 (tid + 1): the
+    # scans below rank the bins from the top
+    bin_lo = Int32(NB1 - BPT) - tid * Int32(BPT)
+    own_bins = cute.make_rmem_tensor((BPT,), Int32)
+    cluster_bins = cute.make_rmem_tensor((BPT,), Int32)
+    if cutlass.const_expr(clustered):
+        if csize >= Int32(BOUNDED_MIN):
+            publish_bounds(hist1, published, warp_totals, own_bins, bin_lo, max(n, n2), tid, lane, warp)
+    cluster_barrier(clustered, csize)
+    cl_total = cluster_histogram(hist1, h1_a, published_a, own_bins, cluster_bins, bin_lo, csize, tid, lane, clustered)
+    sg = cluster_bins[0] + cluster_bins[1] + cluster_bins[2] + cluster_bins[3]
+    sl = own_bins[0] + own_bins[1] + own_bins[2] + own_bins[3]
+    ig, il, tg, tl = block_scan2(sg, sl, lane, warp, warp_totals)
+    if cl_total >= Int32(0):
+        tg = cl_total  # (the scan summed only the bins in [lo, hi])
+    if cutlass.const_expr(n2 > 0):
+        locate_boundary_bin(n2, ig, il, sg, sl, cluster_bins, own_bins, bin_lo, scalars, _K)
+    locate_boundary_bin(n, ig, il, sg, sl, cluster_bins, own_bins, bin_lo, scalars, 0)
+    if tid == Int32(0):
+        scalars[_TOTAL] = tg
+        published[1] = tl
+    cute.arch.sync_threads()
+
+# --------------------------------------------------------------------------------------------------
+# Pass 2: the mask and the second histograms
+# --------------------------------------------------------------------------------------------------
+
+
+@cute.jit
+def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, aligned: Int32, keep: Int32, big: Int32,
+          mthr: Uint32, b1c: Int32, b1kc: Int32, cache_a: Int32, h2_a: Int32, mask_a: Int32,
+          xs: cute.Tensor, tid, dual: cutlass.Constexpr, vpr: cutlass.Constexpr):
+    """Pass 2: a mask bit per token of ord16 >= mthr (what the compaction looks at: about n + the
+    boundary bin's count over the row), and in a slice re-read from global memory or a crowded
+    one (``big``) the second histogram of bin b1c's (and b1kc's) tokens, from the
+    tokens in registers; a kept slice counts it from the mask's set bits (hist2_walk)."""
+    for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
+        load_vectors(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
+        for u in cutlass.range_constexpr(vpr):
+            mb = Int32(0)
+            for k in cutlass.range_constexpr(8):
+                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                if o >= mthr:
+                    mb = mb | Int32(1 << k)
+            if (keep == Int32(0) or big != Int32(0)) and mb != Int32(0):
+                for k in cutlass.range_constexpr(8):
+                    o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                    # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
+                    P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                      Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
+                    if cutlass.const_expr(dual):
+                        P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                          Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
+            vi = base + tid + Int32(u * TB)
+            if vi < nvec4:
+                P.st_smem_u8(mask_a + vi, mb)
+
+
+@cute.jit
+def mask_unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
     """(FLAT) Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1)."""
     lo = P.ld_smem_u16_if(mask_a + ua * Int32(2), Int32(ua < u1))
     hi = P.ld_smem_u16_if(mask_a + ua * Int32(2) + Int32(2), Int32(ua + Int32(1) < u1))
@@ -356,7 +585,7 @@ def unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
 
 
 @cute.jit
-def bit_step(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32, keep: Int32):
+def next_two_set_bits(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32, keep: Int32):
     """(FLAT) One step of a walk over the set bits m (some set) of the word whose bit 0 is
     slice token ``base``: the lowest one's token and ord16, and with FLAT == 2 the next one's
     (ord16 0 where there is none: 0 is no valid score, so every walk's rule skips it), both
@@ -383,14 +612,14 @@ def bit_step(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32,
 
 
 @cute.jit
-def h2_add(h2_a: Int32, o: Uint32, b: Int32):
+def hist2_add(h2_a: Int32, o: Uint32, b: Int32):
     """The second histogram's count of ord16 o where its bin is b: an unconditional red of
     (bin == b), no branch (o = 0, no token, is in bin 0, never b)."""
     P.red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(Int32(o >> Uint32(16 - B1)) == b))
 
 
 @cute.jit
-def cnt2_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
+def low_counter_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
     """(CNT2) One token of the hist2 walk (o = 0: none): above + (bin > b1); a bin-b1 token
     adds 1 to its low value's 2-bit counter in lowc, or sets ovf where that counter is 3."""
     bn = Int32(o >> Uint32(16 - B1))
@@ -406,13 +635,242 @@ def cnt2_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
 
 
 @cute.jit
-def cnt2_counts(above: Int32, lowc: Uint64, lowv: Int32):
-    """(CNT2) A thread's compaction counts from its hist2 walk, v = (b1 << 5) | lowv:
-    (> v: above b1, or in b1 with a low value above lowv; == v)."""
-    x = lowc >> Uint64(Int32(2) * lowv)
-    hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
-    ngt = above + P.popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
-    return ngt, Int32(x & Uint64(3))
+def hist2_walk(row_addr: Int64, s0: Int32, keep: Int32, b1: Int32, b1kc: Int32, cache_a: Int32,
+               h2_a: Int32, mask_a: Int32, u0: Int32, u1: Int32, upt: Int32, dual: cutlass.Constexpr):
+    """A kept slice's second histogram from its mask's set bits only (a few % of the tokens),
+    thread tid over its units [u0, u1); one count (no rescue list) also keeps per thread its
+    count above bin b1 and a 2-bit counter per low value of its bin-b1 tokens (low_counter_add) ->
+    (1 where those give the compaction's counts: no counter passed 3, above, counters)."""
+    above = Int32(0)
+    lowc = Uint64(0)
+    ovf = Int32(0)
+    for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
+        m = mask_unit_pair(mask_a, u0 + Int32(2) * j, u1)
+        while m != Uint32(0):
+            _a, oa, _b, ob, m = next_two_set_bits(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
+            hist2_add(h2_a, oa, b1)
+            hist2_add(h2_a, ob, b1)
+            if cutlass.const_expr(not dual):
+                above, lowc, ovf = low_counter_add(oa, b1, above, lowc, ovf)
+                above, lowc, ovf = low_counter_add(ob, b1, above, lowc, ovf)
+            if cutlass.const_expr(dual):
+                hist2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
+                hist2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
+    ok = Int32(0)
+    if cutlass.const_expr(not dual):
+        ok = Int32(1) - ovf
+    return ok, above, lowc
+
+# --------------------------------------------------------------------------------------------------
+# The boundary score (second cluster barrier)
+# --------------------------------------------------------------------------------------------------
+
+
+@cute.jit
+def boundary_score_one_cta(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, published: cute.Tensor,
+                           scalars: cute.Tensor, lane, warp, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
+                           so: cutlass.Constexpr):
+    """boundary_step of a one-CTA cluster: warp 0 scans its own second histogram (nothing
+    precedes the slice), one block barrier instead of three -> (v, need_eq)."""
+    if warp == Int32(0):
+        c = hist2[Int32(ho + NB2 - 1) - lane]  # (bins from the top)
+        inc = C.warp_incl_scan(c, lane)
+        need2 = Int32(nn) - scalars[so + _ABOVE1]
+        if c > Int32(0) and inc >= need2 and inc - c < need2:  # (exactly one lane)
+            scalars[so + _LOWV] = Int32(NB2 - 1) - lane
+            scalars[so + _ABOVE2] = inc - c
+            scalars[so + _GT_OWN] = published[pa] + inc - c
+            scalars[so + _EQ_OWN] = c
+    cute.arch.sync_threads()
+    v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(scalars[so + _LOWV])
+    need_eq = Int32(nn) - scalars[so + _ABOVE1] - scalars[so + _ABOVE2]
+    return v, need_eq
+
+
+@cute.jit
+def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, gsum2: cute.Tensor,
+                           published: cute.Tensor, scalars: cute.Tensor, h2_a: Int32, g2_a: Int32, published_a: Int32,
+                           scalars_a: Int32, r: Int32, j: Int32, lane, warp, csize: Int32, me: Int32,
+                           clustered: cutlass.Constexpr, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
+                           so: cutlass.Constexpr):
+    """boundary_step where the row has more than nn valid tokens: warp r < C adds CTA r's second
+    histogram into gsum2, warp 0 finds the boundary score in it, then every warp r adds CTA r's
+    counts > v / == v to this CTA's counts before its slice (r < me) or in it (r == me); lane j
+    of warp r takes bin j."""
+    x = Int32(0)
+    above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
+    if r < csize:
+        if cutlass.const_expr(clustered):
+            if one_cta(csize) != Int32(0):  # (r == me == 0: its own histogram)
+                x = hist2[ho + j]
+                if j == Int32(0):
+                    above = published[pa]
+            else:
+                x = P.ld_dsmem_u32(P.mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
+                # (only CTAs up to this one count: no remote load whose value is dead, so
+                # every DSMEM load is used before own_part's relaxed arrival)
+                if j == Int32(0) and r <= me:
+                    above = P.ld_dsmem_u32(P.mapa(published_a + Int32(4 * pa), r))
+        else:
+            x = hist2[ho + j]
+            above = published[pa]
+        if x != Int32(0):
+            P.red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
+    cute.arch.sync_threads()
+    need2 = Int32(nn) - scalars[so + _ABOVE1]
+    if warp == Int32(0):
+        c = gsum2[Int32(ho + NB2 - 1) - lane]
+        inc = C.warp_incl_scan(c, lane)
+        if c > Int32(0) and inc >= need2 and inc - c < need2:
+            scalars[so + _LOWV] = Int32(NB2 - 1) - lane
+            scalars[so + _ABOVE2] = inc - c
+    cute.arch.sync_threads()
+    lowv = scalars[so + _LOWV]
+    v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
+    need_eq = Int32(nn) - scalars[so + _ABOVE1] - scalars[so + _ABOVE2]
+    if r < csize:
+        gt = Int32(0)
+        eq = Int32(0)
+        if j > lowv:
+            gt = x
+        if j == lowv:
+            eq = x
+        if j == Int32(0):
+            gt = gt + above
+        if r < me:
+            if gt != Int32(0):
+                P.red_smem_add(scalars_a + Int32((so + _GT_BEFORE) * 4), gt)
+            if eq != Int32(0):
+                P.red_smem_add(scalars_a + Int32((so + _EQ_BEFORE) * 4), eq)
+        if r == me:
+            if gt != Int32(0):
+                P.red_smem_add(scalars_a + Int32((so + _GT_OWN) * 4), gt)
+            if eq != Int32(0):
+                P.red_smem_add(scalars_a + Int32((so + _EQ_OWN) * 4), eq)
+    return v, need_eq
+
+
+@cute.jit
+def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Tensor,
+                  gsum2: cute.Tensor, published: cute.Tensor, scalars: cute.Tensor, h2_a: Int32,
+                  g2_a: Int32, published_a: Int32, scalars_a: Int32, tid, lane, warp, csize: Int32,
+                  me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
+                  pa: cutlass.Constexpr, so: cutlass.Constexpr):
+    """After the second cluster barrier: the boundary score v of the top-nn, need_eq (how many
+    == v are kept), and how many > v / == v precede this slice and lie in it (scalars slots + so)
+    -> (v, need_eq).  ``ho``: this count's second histograms in hist2 / gsum2; ``pa``: published's
+    own count above its b1; (so, ho, pa) = (0, 0, 0) for n, (_K, NB2, 2) for the rescue list's
+    n2.  Ends with a block barrier."""
+    v = Uint32(0)
+    need_eq = Int32(0)
+    r = tid >> Int32(5)
+    j = tid & Int32(31)
+    fast = Int32(0)  # a one-CTA cluster: warp 0 does the step
+    if cutlass.const_expr(clustered):
+        if total > Int32(nn):
+            fast = one_cta(csize)
+    if fast != Int32(0):
+        v, need_eq = boundary_score_one_cta(nn, b1, hist2, published, scalars, lane, warp, ho, pa, so)
+    elif total > Int32(nn):
+        v, need_eq = boundary_score_cluster(nn, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a, scalars_a, r, j,
+                                            lane, warp, csize, me, clustered, ho, pa, so)  # fmt: skip
+    else:
+        # every valid token is kept (v = 0: every ord16 of a valid token is > 0); what precedes
+        # the slice is the valid count of the CTAs before it
+        if tid < csize and tid < me:
+            y = Int32(0)
+            if cutlass.const_expr(clustered):
+                y = P.ld_dsmem_u32(P.mapa(published_a + Int32(4), tid))
+            P.red_smem_add(scalars_a + Int32((so + _GT_BEFORE) * 4), y)
+        if tid == Int32(0):
+            scalars[so + _GT_OWN] = published[1]
+    if fast == Int32(0):  # (the one-CTA step ended with its barrier)
+        cute.arch.sync_threads()
+    return v, need_eq
+
+# --------------------------------------------------------------------------------------------------
+# A crowded slice's list
+# --------------------------------------------------------------------------------------------------
+
+
+@cute.jit
+def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid):
+    """Clear the mask bit of every token whose ord16 is below v (the boundary score): what
+    stays is what the compaction keeps or ties.  Thread tid takes mask words tid, tid + TB,
+    ... (4 vectors each; a vector's ord16 loaded only when it has a set bit)."""
+    for wi in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
+        w = Uint32(mask[wi])
+        if w != Uint32(0):
+            nw = Uint32(0)
+            for j in cutlass.range_constexpr(4):
+                byte = (w >> Uint32(8 * j)) & Uint32(0xFF)
+                if byte != Uint32(0):
+                    a, b, c, d = P.ld_smem_v4(cache_a + (wi * Int32(4) + Int32(j)) * Int32(16))
+                    xs = (a, b, c, d)
+                    ge = Uint32(0)  # (selects, not a branch per token)
+                    for k in cutlass.range_constexpr(8):
+                        o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                        ge = ge | (Uint32(Int32(o >= v)) << Uint32(k))
+                    nw = nw | ((byte & ge) << Uint32(8 * j))
+            mask[wi] = Int32(nw)
+
+
+@cute.jit
+def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, pos: Int32):
+    """mask[lw + pos ..] = (ord16 << 16) | token of every set bit of units [u0, u1), in index
+    order: a unit's 16 tokens' ord16 in two 16-byte loads, then one predicated store per bit
+    (no chain of dependent loads however dense the unit)."""
+    for u in cutlass.range(u0, u1, unroll=1):
+        m = P.ld_smem_u16(mask_a + u * Int32(2))
+        if m != Uint32(0):
+            xs = cute.make_rmem_tensor((8,), Int32)
+            for k in cutlass.range_constexpr(8):
+                xs[k] = Int32(0)
+            if (m & Uint32(0xFF)) != Uint32(0):
+                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32))
+                xs[0] = a
+                xs[1] = b
+                xs[2] = c
+                xs[3] = d
+            if (m >> Uint32(8)) != Uint32(0):  # (a set bit: that vector is inside the slice)
+                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32) + Int32(16))
+                xs[4] = a
+                xs[5] = b
+                xs[6] = c
+                xs[7] = d
+            for k in cutlass.range_constexpr(16):
+                o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                bit = Int32((m >> Uint32(k)) & Uint32(1))
+                P.st_smem_u32_if(mask_a + (lw + pos) * Int32(4),
+                               Int32((o << Uint32(16)) | Uint32(u * Int32(16) + Int32(k))), bit)
+                pos = pos + bit
+
+
+@cute.jit
+def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, lane, warp,
+              warp_totals: cute.Tensor, tid):
+    """The mask's set bits as a list at mask[lw ..] (build_list) when they fit, each thread's
+    share of it: -> (1, r0, r1), thread tid walking entries [r0, r1); (0, 0, 0) when the
+    list does not fit (the walks then take the units).  Every thread of the CTA calls it."""
+    cnt = Int32(0)
+    for u in cutlass.range(u0, u1, unroll=1):
+        cnt = cnt + Int32(cute.arch.popc(P.ld_smem_u16(mask_a + u * Int32(2))))
+    icnt, _, nbits, _ = block_scan2(cnt, Int32(0), lane, warp, warp_totals)
+    ok = Int32(0)
+    r0 = Int32(0)
+    r1 = Int32(0)
+    if nbits <= Int32(MASK_WORDS) - lw:
+        ok = Int32(1)
+        build_list(mask_a, cache_a, lw, u0, u1, icnt - cnt)
+        cute.arch.sync_threads()
+        q = (nbits + Int32(TB - 1)) // Int32(TB)
+        r0 = cutlass.min(tid * q, nbits)
+        r1 = cutlass.min(r0 + q, nbits)
+    return ok, r0, r1
+
+# --------------------------------------------------------------------------------------------------
+# The compaction
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
@@ -423,6 +881,16 @@ def count_token(o: Uint32, v: Uint32, ngt: Int32, neq: Int32):
     if o == v and v != Uint32(0):
         neq = neq + Int32(1)
     return ngt, neq
+
+
+@cute.jit
+def counts_from_low_counters(above: Int32, lowc: Uint64, lowv: Int32):
+    """(CNT2) A thread's compaction counts from its hist2 walk, v = (b1 << 5) | lowv:
+    (> v: above b1, or in b1 with a low value above lowv; == v)."""
+    x = lowc >> Uint64(Int32(2) * lowv)
+    hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
+    ngt = above + P.popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
+    return ngt, Int32(x & Uint64(3))
 
 
 @cute.jit
@@ -462,7 +930,7 @@ def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_
                 P.red_dsmem_or(maddr, mbit)
         else:
             # own shared memory by plain shared accesses (a cluster of one CTA too): what
-            # csync_end's relaxed barrier releases
+            # closing_barrier's relaxed barrier releases
             row[pos] = word
             if hi:
                 P.red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
@@ -502,481 +970,13 @@ def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> In
 
 
 @cute.jit
-def boundary_score_one_cta(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, pub: cute.Tensor,
-                           scal: cute.Tensor, lane, warp, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
-                           so: cutlass.Constexpr):
-    """boundary_step of a one-CTA cluster: warp 0 scans its own second histogram (nothing
-    precedes the slice), one block barrier instead of three -> (v, need_eq)."""
-    if warp == Int32(0):
-        c = hist2[Int32(ho + NB2 - 1) - lane]  # (bins from the top)
-        inc = C.warp_incl_scan(c, lane)
-        need2 = Int32(nn) - scal[so + _ABOVE1]
-        if c > Int32(0) and inc >= need2 and inc - c < need2:  # (exactly one lane)
-            scal[so + _LOWV] = Int32(NB2 - 1) - lane
-            scal[so + _ABOVE2] = inc - c
-            scal[so + _GT_OWN] = pub[pa] + inc - c
-            scal[so + _EQ_OWN] = c
-    cute.arch.sync_threads()
-    v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(scal[so + _LOWV])
-    need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
-    return v, need_eq
-
-
-@cute.jit
-def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, gsum2: cute.Tensor,
-                           pub: cute.Tensor, scal: cute.Tensor, h2_a: Int32, g2_a: Int32, pub_a: Int32,
-                           scal_a: Int32, r: Int32, j: Int32, lane, warp, csize: Int32, me: Int32,
-                           clustered: cutlass.Constexpr, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
-                           so: cutlass.Constexpr):
-    """boundary_step where the row has more than nn valid tokens: warp r < C adds CTA r's second
-    histogram into gsum2, warp 0 finds the boundary score in it, then every warp r adds CTA r's
-    counts > v / == v to this CTA's counts before its slice (r < me) or in it (r == me); lane j
-    of warp r takes bin j."""
-    x = Int32(0)
-    above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
-    if r < csize:
-        if cutlass.const_expr(clustered):
-            if one_cta(csize) != Int32(0):  # (r == me == 0: its own histogram)
-                x = hist2[ho + j]
-                if j == Int32(0):
-                    above = pub[pa]
-            else:
-                x = P.ld_dsmem_u32(P.mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
-                # (only CTAs up to this one count: no remote load whose value is dead, so
-                # every DSMEM load is used before own_part's relaxed arrival)
-                if j == Int32(0) and r <= me:
-                    above = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4 * pa), r))
-        else:
-            x = hist2[ho + j]
-            above = pub[pa]
-        if x != Int32(0):
-            P.red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
-    cute.arch.sync_threads()
-    need2 = Int32(nn) - scal[so + _ABOVE1]
-    if warp == Int32(0):
-        c = gsum2[Int32(ho + NB2 - 1) - lane]
-        inc = C.warp_incl_scan(c, lane)
-        if c > Int32(0) and inc >= need2 and inc - c < need2:
-            scal[so + _LOWV] = Int32(NB2 - 1) - lane
-            scal[so + _ABOVE2] = inc - c
-    cute.arch.sync_threads()
-    lowv = scal[so + _LOWV]
-    v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
-    need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
-    if r < csize:
-        gt = Int32(0)
-        eq = Int32(0)
-        if j > lowv:
-            gt = x
-        if j == lowv:
-            eq = x
-        if j == Int32(0):
-            gt = gt + above
-        if r < me:
-            if gt != Int32(0):
-                P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), gt)
-            if eq != Int32(0):
-                P.red_smem_add(scal_a + Int32((so + _EQ_BEFORE) * 4), eq)
-        if r == me:
-            if gt != Int32(0):
-                P.red_smem_add(scal_a + Int32((so + _GT_OWN) * 4), gt)
-            if eq != Int32(0):
-                P.red_smem_add(scal_a + Int32((so + _EQ_OWN) * 4), eq)
-    return v, need_eq
-
-
-@cute.jit
-def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Tensor,
-                  gsum2: cute.Tensor, pub: cute.Tensor, scal: cute.Tensor, h2_a: Int32,
-                  g2_a: Int32, pub_a: Int32, scal_a: Int32, tid, lane, warp, csize: Int32,
-                  me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
-                  pa: cutlass.Constexpr, so: cutlass.Constexpr):
-    """After the second cluster barrier: the boundary score v of the top-nn, need_eq (how many
-    == v are kept), and how many > v / == v precede this slice and lie in it (scal slots + so)
-    -> (v, need_eq).  ``ho``: this count's second histograms in hist2 / gsum2; ``pa``: pub's
-    own count above its b1; (so, ho, pa) = (0, 0, 0) for n, (_K, NB2, 2) for the rescue list's
-    n2.  Ends with a block barrier."""
-    v = Uint32(0)
-    need_eq = Int32(0)
-    r = tid >> Int32(5)
-    j = tid & Int32(31)
-    fast = Int32(0)  # a one-CTA cluster: warp 0 does the step
-    if cutlass.const_expr(clustered):
-        if total > Int32(nn):
-            fast = one_cta(csize)
-    if fast != Int32(0):
-        v, need_eq = boundary_score_one_cta(nn, b1, hist2, pub, scal, lane, warp, ho, pa, so)
-    elif total > Int32(nn):
-        v, need_eq = boundary_score_cluster(nn, b1, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a, scal_a, r, j,
-                                            lane, warp, csize, me, clustered, ho, pa, so)  # fmt: skip
-    else:
-        # every valid token is kept (v = 0: every ord16 of a valid token is > 0); what precedes
-        # the slice is the valid count of the CTAs before it
-        if tid < csize and tid < me:
-            y = Int32(0)
-            if cutlass.const_expr(clustered):
-                y = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4), tid))
-            P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), y)
-        if tid == Int32(0):
-            scal[so + _GT_OWN] = pub[1]
-    if fast == Int32(0):  # (the one-CTA step ended with its barrier)
-        cute.arch.sync_threads()
-    return v, need_eq
-
-
-@cute.jit
-def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, pos: Int32):
-    """mask[lw + pos ..] = (ord16 << 16) | token of every set bit of units [u0, u1), in index
-    order: a unit's 16 tokens' ord16 in two 16-byte loads, then one predicated store per bit
-    (no chain of dependent loads however dense the unit)."""
-    for u in cutlass.range(u0, u1, unroll=1):
-        m = P.ld_smem_u16(mask_a + u * Int32(2))
-        if m != Uint32(0):
-            xs = cute.make_rmem_tensor((8,), Int32)
-            for k in cutlass.range_constexpr(8):
-                xs[k] = Int32(0)
-            if (m & Uint32(0xFF)) != Uint32(0):
-                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32))
-                xs[0] = a
-                xs[1] = b
-                xs[2] = c
-                xs[3] = d
-            if (m >> Uint32(8)) != Uint32(0):  # (a set bit: that vector is inside the slice)
-                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32) + Int32(16))
-                xs[4] = a
-                xs[5] = b
-                xs[6] = c
-                xs[7] = d
-            for k in cutlass.range_constexpr(16):
-                o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                bit = Int32((m >> Uint32(k)) & Uint32(1))
-                P.st_smem_u32_if(mask_a + (lw + pos) * Int32(4),
-                               Int32((o << Uint32(16)) | Uint32(u * Int32(16) + Int32(k))), bit)
-                pos = pos + bit
-
-
-@cute.jit
-def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, lane, warp,
-              wt: cute.Tensor, tid):
-    """The mask's set bits as a list at mask[lw ..] (build_list) when they fit, each thread's
-    share of it: -> (1, r0, r1), thread tid walking entries [r0, r1); (0, 0, 0) when the
-    list does not fit (the walks then take the units).  Every thread of the CTA calls it."""
-    cnt = Int32(0)
-    for u in cutlass.range(u0, u1, unroll=1):
-        cnt = cnt + Int32(cute.arch.popc(P.ld_smem_u16(mask_a + u * Int32(2))))
-    icnt, _, nbits, _ = block_scan2(cnt, Int32(0), lane, warp, wt)
-    ok = Int32(0)
-    r0 = Int32(0)
-    r1 = Int32(0)
-    if nbits <= Int32(MASK_WORDS) - lw:
-        ok = Int32(1)
-        build_list(mask_a, cache_a, lw, u0, u1, icnt - cnt)
-        cute.arch.sync_threads()
-        q = (nbits + Int32(TB - 1)) // Int32(TB)
-        r0 = cutlass.min(tid * q, nbits)
-        r1 = cutlass.min(r0 + q, nbits)
-    return ok, r0, r1
-
-
-@cute.jit
-def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid):
-    """Clear the mask bit of every token whose ord16 is below v (the boundary score): what
-    stays is what the compaction keeps or ties.  Thread tid takes mask words tid, tid + TB,
-    ... (4 vectors each; a vector's ord16 loaded only when it has a set bit)."""
-    for wi in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
-        w = Uint32(mask[wi])
-        if w != Uint32(0):
-            nw = Uint32(0)
-            for j in cutlass.range_constexpr(4):
-                byte = (w >> Uint32(8 * j)) & Uint32(0xFF)
-                if byte != Uint32(0):
-                    a, b, c, d = P.ld_smem_v4(cache_a + (wi * Int32(4) + Int32(j)) * Int32(16))
-                    xs = (a, b, c, d)
-                    ge = Uint32(0)  # (selects, not a branch per token)
-                    for k in cutlass.range_constexpr(8):
-                        o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                        ge = ge | (Uint32(Int32(o >= v)) << Uint32(k))
-                    nw = nw | ((byte & ge) << Uint32(8 * j))
-            mask[wi] = Int32(nw)
-
-
-@cute.jit
-def start_bulk_copies(row_addr: Int64, s0: Int32, nfull: Int32, copies: Int32, cache_a: Int32,
-                      mbar_a: Int32, tid):
-    """Pass 1's loads of a kept, 16-byte aligned slice: its ``nfull`` full vectors in flight at
-    once, as ``copies`` cp.async.bulk copies of TB vectors into the cache, one lane of warp 0
-    each (each completes on its own mbarrier, waited for in pass 1)."""
-    if tid < copies:
-        nb = cutlass.min(Int32(TB), nfull - tid * Int32(TB)) * Int32(16)
-        P.bulk_start(mbar_a + tid * Int32(8), cache_a + tid * Int32(TB * 16),
-                     row_addr + Int64(s0 + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
-
-
-@cute.jit
-def zero_counters(hist1: cute.Tensor, hist2: cute.Tensor, gsum2: cute.Tensor, scal: cute.Tensor,
-                  row: cute.Tensor, rw: cutlass.Constexpr, dual: cutlass.Constexpr, tid):
-    """Zero the histograms, the scalars and the row buffer (other CTAs write into the row only
-    after the first cluster barrier, which orders this); ends with a block barrier."""
-    for i in cutlass.range(tid, rw, TB, unroll=1):
-        row[i] = Int32(0)
-    for i in cutlass.range_constexpr(BPT):
-        hist1[tid + Int32(i * TB)] = Int32(0)
-    if tid < Int32(NB2 * (1 + int(dual))):
-        hist2[tid] = Int32(0)
-        gsum2[tid] = Int32(0)
-    if tid < Int32(NB2):
-        scal[tid] = Int32(0)
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32, keep: Int32, bulk: Int32,
-          copies: Int32, cache_a: Int32, mbar_a: Int32, h1_a: Int32, xs: cute.Tensor, tid,
-          cached: cutlass.Constexpr, vpr: cutlass.Constexpr):
-    """Pass 1: the slice read once (from the bulk copies' landing place, else by 16-byte loads),
-    its ord16 kept in the cache (a kept slice), and the first histogram of every token."""
-    for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
-        if cutlass.const_expr(cached):
-            if bulk != Int32(0):
-                for u in cutlass.range_constexpr(vpr):
-                    c = base // Int32(TB) + Int32(u)
-                    if c < copies:  # (every issued copy: one may cover the partial last vector)
-                        P.mbar_wait0(mbar_a + c * Int32(8))
-                for u in cutlass.range_constexpr(vpr):
-                    vi = base + tid + Int32(u * TB)
-                    for k in cutlass.range_constexpr(4):
-                        xs[4 * u + k] = Int32(0)
-                    if vi < nfull:
-                        a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
-                        ord16_quad(a, b, c, d, xs, 4 * u)
-                    elif vi < nvec:
-                        load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)  # the partial last
-            else:
-                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
-        else:
-            get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
-        for u in cutlass.range_constexpr(vpr):
-            vi = base + tid + Int32(u * TB)
-            if cutlass.const_expr(cached):
-                if vi < nvec and keep != Int32(0):
-                    P.st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
-                                 xs[4 * u + 3])  # fmt: skip
-            for k in cutlass.range_constexpr(8):
-                # every token, unconditionally (a predicated red compiles to a branch and a
-                # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
-                # which no valid score reaches and the boundary search drops
-                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
-    if cutlass.const_expr(cached):
-        if bulk != Int32(0):
-            # the copies of vectors no round took are waited for too: none may still be landing
-            # in the cache after this
-            done = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
-            for c in cutlass.range(done, copies, unroll=1):
-                P.mbar_wait0(mbar_a + c * Int32(8))
-
-
-@cute.jit
-def publish_bounds(hist1: cute.Tensor, pub: cute.Tensor, wt: cute.Tensor, lc: cute.Tensor, hb: Int32,
-                   count: cutlass.Constexpr, tid, lane, warp):
-    """Before the first cluster barrier of a cluster of at least BOUNDED_MIN CTAs: this CTA's
-    [valid count, own count-th bin (0: fewer), own top non-empty bin (0: none)] in pub[4..6].
-    The cluster's count-th score lies in a bin >= the largest of the CTAs' own count-th bins, and
-    no bin above the largest of their top bins holds one: only the bins between are summed."""
-    cute.arch.sync_threads()  # hist1 complete
-    for p in cutlass.range_constexpr(BPT):
-        lc[p] = hist1[hb + Int32(p)]
-    if tid == Int32(TB - 1):
-        lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-    own = lc[0] + lc[1] + lc[2] + lc[3]
-    inc = C.warp_incl_scan(own, lane)
-    if lane == Int32(31):
-        wt[warp] = inc
-    cute.arch.sync_threads()
-    total = Int32(0)
-    for w in cutlass.range_constexpr(NWARPS):
-        x = wt[w]
-        if Int32(w) < warp:
-            inc = inc + x
-        total = total + x
-    above = inc - own  # own scores in bins above this thread's
-    if above < Int32(count) and inc >= Int32(count):
-        for p in cutlass.range_constexpr(BPT):
-            c = lc[BPT - 1 - p]
-            if c > Int32(0) and above < Int32(count) and above + c >= Int32(count):
-                pub[5] = hb + Int32(BPT - 1 - p)
-            above = above + c
-    if own > Int32(0) and inc == own:
-        top = hb
-        for p in cutlass.range_constexpr(1, BPT):
-            if lc[p] > Int32(0):
-                top = hb + Int32(p)
-        pub[6] = top
-    if tid == Int32(0):
-        pub[4] = total
-        if total < Int32(count):
-            pub[5] = Int32(0)
-        if total == Int32(0):
-            pub[6] = Int32(0)
-
-
-@cute.jit
-def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, pub_a: Int32, lc: cute.Tensor, gc: cute.Tensor,
-                      hb: Int32, csize: Int32, tid, lane, clustered: cutlass.Constexpr) -> Int32:
-    """After the first cluster barrier: lc = this thread's 4 bins of its CTA's first histogram,
-    gc = the same bins summed over the cluster (bin 0 dropped from both) -> the cluster's valid
-    count where only the bounded bins were summed, else -1 (the scan's total is it)."""
-    for p in cutlass.range_constexpr(BPT):
-        lc[p] = hist1[hb + Int32(p)]
-        gc[p] = Int32(0)
-    if tid == Int32(TB - 1):
-        lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-    cl_total = Int32(-1)
-    if cutlass.const_expr(clustered):
-        if csize >= Int32(BOUNDED_MIN):
-            # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
-            pt = Int32(0)
-            pl = Int32(0)
-            ph = Int32(0)
-            pz = Int32(0)
-            if lane < csize:
-                pt, pl, ph, pz = P.ld_dsmem_v4(P.mapa(pub_a + Int32(16), lane))
-            cl_total = cute.arch.warp_redux_sync(pt, "add")
-            lo = cute.arch.warp_redux_sync(pl, "max")
-            hi = cute.arch.warp_redux_sync(ph, "max")
-            if hb + Int32(BPT - 1) >= lo and hb <= hi:
-                sum_cluster_bins(h1_a, hb, csize, gc)
-        elif one_cta(csize) != Int32(0):
-            for p in cutlass.range_constexpr(BPT):
-                gc[p] = lc[p]
-        else:
-            sum_cluster_bins(h1_a, hb, csize, gc)  # every bin
-    else:
-        for p in cutlass.range_constexpr(BPT):
-            gc[p] = lc[p]
-    if tid == Int32(TB - 1):
-        gc[0] = Int32(0)
-    return cl_total
-
-
-@cute.jit
-def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32,
-                        gc: cute.Tensor, lc: cute.Tensor, hb: Int32, scal: cute.Tensor,
-                        so: cutlass.Constexpr):
-    """The thread whose bins hold the cluster's count-th score (from the top; ig / il: the
-    inclusive scans of the cluster's / own bin sums sg / sl) writes its bin, the cluster's
-    scores above it and its CTA's own above it into scal[so + _B1, _ABOVE1, _OWN_ABOVE1]."""
-    above = ig - sg
-    own_above = il - sl
-    if above < Int32(count) and ig >= Int32(count):
-        for p in cutlass.range_constexpr(BPT):
-            c = gc[BPT - 1 - p]
-            if c > Int32(0) and above < Int32(count) and above + c >= Int32(count):
-                scal[so + _B1] = hb + Int32(BPT - 1 - p)
-                scal[so + _ABOVE1] = above
-                scal[so + _OWN_ABOVE1] = own_above
-            above = above + c
-            own_above = own_above + lc[BPT - 1 - p]
-
-
-@cute.jit
-def boundary_bin(hist1: cute.Tensor, h1_a: Int32, pub: cute.Tensor, pub_a: Int32, scal: cute.Tensor,
-                 wt: cute.Tensor, csize: Int32, tid, lane, warp, n: cutlass.Constexpr,
-                 n2: cutlass.Constexpr, clustered: cutlass.Constexpr):
-    """Before the first cluster barrier (bounded clusters: publish_bounds) and after it: the
-    cluster's first histogram, one block scan from the top bin, the boundary bin of the top-n
-    (and of the top-n2) in scal, the row's valid count in scal[_TOTAL], this CTA's in pub[1].
-    Ends with a block barrier."""
-    # thread tid owns bins hb+3 .. hb of the first histogram, hb = NB1 - 4 (tid + 1): the
-    # scans below rank the bins from the top
-    hb = Int32(NB1 - BPT) - tid * Int32(BPT)
-    lc = cute.make_rmem_tensor((BPT,), Int32)
-    gc = cute.make_rmem_tensor((BPT,), Int32)
-    if cutlass.const_expr(clustered):
-        if csize >= Int32(BOUNDED_MIN):
-            publish_bounds(hist1, pub, wt, lc, hb, max(n, n2), tid, lane, warp)
-    csync_n(clustered, csize)
-    cl_total = cluster_histogram(hist1, h1_a, pub_a, lc, gc, hb, csize, tid, lane, clustered)
-    sg = gc[0] + gc[1] + gc[2] + gc[3]
-    sl = lc[0] + lc[1] + lc[2] + lc[3]
-    ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
-    if cl_total >= Int32(0):
-        tg = cl_total  # (the scan summed only the bins in [lo, hi])
-    if cutlass.const_expr(n2 > 0):
-        locate_boundary_bin(n2, ig, il, sg, sl, gc, lc, hb, scal, _K)
-    locate_boundary_bin(n, ig, il, sg, sl, gc, lc, hb, scal, 0)
-    if tid == Int32(0):
-        scal[_TOTAL] = tg
-        pub[1] = tl
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, aligned: Int32, keep: Int32, big: Int32,
-          mthr: Uint32, b1c: Int32, b1kc: Int32, cache_a: Int32, h2_a: Int32, mask_a: Int32,
-          xs: cute.Tensor, tid, dual: cutlass.Constexpr, vpr: cutlass.Constexpr):
-    """Pass 2: a mask bit per token of ord16 >= mthr (what the compaction looks at: about n + the
-    boundary bin's count over the row), and in a slice re-read from global memory or a crowded
-    one (``big``) the second histogram of bin b1c's (and b1kc's) tokens, from the
-    tokens in registers; a kept slice counts it from the mask's set bits (hist2_walk)."""
-    for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
-        get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
-        for u in cutlass.range_constexpr(vpr):
-            mb = Int32(0)
-            for k in cutlass.range_constexpr(8):
-                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                if o >= mthr:
-                    mb = mb | Int32(1 << k)
-            if (keep == Int32(0) or big != Int32(0)) and mb != Int32(0):
-                for k in cutlass.range_constexpr(8):
-                    o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                    # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
-                    P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                      Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
-                    if cutlass.const_expr(dual):
-                        P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                          Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
-            vi = base + tid + Int32(u * TB)
-            if vi < nvec4:
-                P.st_smem_u8(mask_a + vi, mb)
-
-
-@cute.jit
-def hist2_walk(row_addr: Int64, s0: Int32, keep: Int32, b1: Int32, b1kc: Int32, cache_a: Int32,
-               h2_a: Int32, mask_a: Int32, u0: Int32, u1: Int32, upt: Int32, dual: cutlass.Constexpr):
-    """A kept slice's second histogram from its mask's set bits only (a few % of the tokens),
-    thread tid over its units [u0, u1); one count (no rescue list) also keeps per thread its
-    count above bin b1 and a 2-bit counter per low value of its bin-b1 tokens (cnt2_add) ->
-    (1 where those give the compaction's counts: no counter passed 3, above, counters)."""
-    above = Int32(0)
-    lowc = Uint64(0)
-    ovf = Int32(0)
-    for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-        m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
-        while m != Uint32(0):
-            _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
-            h2_add(h2_a, oa, b1)
-            h2_add(h2_a, ob, b1)
-            if cutlass.const_expr(not dual):
-                above, lowc, ovf = cnt2_add(oa, b1, above, lowc, ovf)
-                above, lowc, ovf = cnt2_add(ob, b1, above, lowc, ovf)
-            if cutlass.const_expr(dual):
-                h2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
-                h2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
-    ok = Int32(0)
-    if cutlass.const_expr(not dual):
-        ok = Int32(1) - ovf
-    return ok, above, lowc
-
-
-@cute.jit
-def own_range(scal: cute.Tensor, so: cutlass.Constexpr, need_eq: Int32, count: cutlass.Constexpr):
+def own_range(scalars: cute.Tensor, so: cutlass.Constexpr, need_eq: Int32, count: cutlass.Constexpr):
     """After the boundary step: (> v, == v kept before this slice, the same up to its end, its
     positions [p0, p1) of the packed row of ``count``)."""
-    gt_run = scal[so + _GT_BEFORE]
-    eq_run = scal[so + _EQ_BEFORE]
-    gt_end = gt_run + scal[so + _GT_OWN]
-    eq_end = cutlass.min(eq_run + scal[so + _EQ_OWN], need_eq)
+    gt_run = scalars[so + _GT_BEFORE]
+    eq_run = scalars[so + _EQ_BEFORE]
+    gt_end = gt_run + scalars[so + _GT_OWN]
+    eq_end = cutlass.min(eq_run + scalars[so + _EQ_OWN], need_eq)
     p0 = cutlass.min(gt_run + cutlass.min(eq_run, need_eq), Int32(count))
     p1 = cutlass.min(gt_end + eq_end, Int32(count))
     return gt_run, eq_run, gt_end, eq_end, p0, p1
@@ -1000,12 +1000,12 @@ def count_kept(row_addr: Int64, s0: Int32, keep: Int32, v: Uint32, vk: Uint32, c
             if cutlass.const_expr(dual):
                 ngtk, neqk = count_token(o, vk, ngtk, neqk)
     elif cnt_ok != Int32(0):
-        ngt, neq = cnt2_counts(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
+        ngt, neq = counts_from_low_counters(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
     else:
         for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-            m = unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)
+            m = mask_unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)
             while m != Uint32(0):
-                _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
+                _a, oa, _b, ob, m = next_two_set_bits(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
                 ngt, neq = count_token(oa, v, ngt, neq)
                 ngt, neq = count_token(ob, v, ngt, neq)
                 if cutlass.const_expr(dual):
@@ -1020,7 +1020,7 @@ def emit_kept(row_addr: Int64, s0: Int32, keep: Int32, v: Uint32, need_eq: Int32
               mask: cute.Tensor, mask_a: Int32, lw: Int32, r0: Int32, r1: Int32, use_list: Int32,
               u0: Int32, u1: Int32, upt: Int32, remote: Int32, dst_a: Int32, row: cute.Tensor,
               row_a: Int32, k_out, h1_a: Int32, p0k: Int32, n: cutlass.Constexpr, n2: cutlass.Constexpr,
-              kst: cutlass.Constexpr):
+              stage_klist: cutlass.Constexpr):
     """The compaction's second walk, over the same tokens as count_kept: each kept token's
     packed word at its position (emit_token; and the K-list's, emit_k) -> this thread's kept
     K-list tokens with l < 2**16."""
@@ -1032,22 +1032,22 @@ def emit_kept(row_addr: Int64, s0: Int32, keep: Int32, v: Uint32, need_eq: Int32
             lu = Uint32(s0) + (e & Uint32(0xFFFF))
             gt_b, eq_b = emit_token(o, lu, v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
             if cutlass.const_expr(n2 > 0):
-                gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16, kst, h1_a - p0k * Int32(4))
+                gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16, stage_klist, h1_a - p0k * Int32(4))
     else:
         for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-            m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
+            m = mask_unit_pair(mask_a, u0 + Int32(2) * j, u1)
             while m != Uint32(0):
-                lta, oa, ltb, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
+                lta, oa, ltb, ob, m = next_two_set_bits(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
                 gt_b, eq_b = emit_token(oa, Uint32(s0 + lta), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
                                         row_a)  # fmt: skip
                 if cutlass.const_expr(n2 > 0):
                     gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(s0 + lta), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
-                                                lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
+                                                lo16, stage_klist, h1_a - p0k * Int32(4))  # fmt: skip
                 gt_b, eq_b = emit_token(ob, Uint32(s0 + ltb), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
                                         row_a)  # fmt: skip
                 if cutlass.const_expr(n2 > 0):
                     gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(s0 + ltb), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
-                                                lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
+                                                lo16, stage_klist, h1_a - p0k * Int32(4))  # fmt: skip
     return lo16
 
 
@@ -1059,6 +1059,10 @@ def write_klist_tail(k_out: Int64, p16: Int32, cnt: Int32, n2: cutlass.Constexpr
         P.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, n2 // 32))
     for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
         P.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
+
+# --------------------------------------------------------------------------------------------------
+# The select
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
@@ -1092,13 +1096,13 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     dual = cutlass.const_expr(n2 > 0)
     if cutlass.const_expr(dual):
         assert n2 > n and n2 % 32 == 0, (n, n2)
-    cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
+    cache, hist1, hist2, gsum2, published, scalars, warp_totals, row, mask, mbar = parts
     cache_a = P.smem_addr(cache)
     h1_a = P.smem_addr(hist1)
     h2_a = P.smem_addr(hist2)
     g2_a = P.smem_addr(gsum2)
-    pub_a = P.smem_addr(pub)
-    scal_a = P.smem_addr(scal)
+    published_a = P.smem_addr(published)
+    scalars_a = P.smem_addr(scalars)
     row_a = P.smem_addr(row)
     mbar_a = P.smem_addr(mbar)
     # ---- this CTA's slice: S tokens from s0 (S = ceil(end / csize) rounded up to 8; end >= 0
@@ -1125,14 +1129,14 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if cutlass.const_expr(early is not None):
         early()  # the caller's work that waits on a load (after the copies are on their way)
     nvec = (s_len + Int32(7)) // Int32(8)
-    zero_counters(hist1, hist2, gsum2, scal, row, rw, dual, tid)
+    zero_counters(hist1, hist2, gsum2, scalars, row, rw, dual, tid)
     # ---- pass 1, then the boundary bin over the cluster (first cluster barrier)
     xs = cute.make_rmem_tensor((4 * vpr,), Int32)
     pass1(row_addr, s0, s_len, nvec, nfull, aligned, keep, bulk, copies, cache_a, mbar_a, h1_a, xs, tid, cached, vpr)
-    boundary_bin(hist1, h1_a, pub, pub_a, scal, wt, csize, tid, lane, warp, n, n2, clustered)
-    total = scal[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
-    b1 = scal[_B1]
-    b1k = scal[_K + _B1]  # (the rescue list)
+    boundary_bin(hist1, h1_a, published, published_a, scalars, warp_totals, csize, tid, lane, warp, n, n2, clustered)
+    total = scalars[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
+    b1 = scalars[_B1]
+    b1k = scalars[_K + _B1]  # (the rescue list)
     # ---- pass 2: the mask from the lower boundary bin (every valid token where the row has at
     # most that count), the second histograms of the boundary bins
     mthr = Uint32(1)  # ord16 >= 1: valid
@@ -1149,11 +1153,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
     mask_a = P.smem_addr(mask)
     # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
-    listed = cutlass.const_expr(cached and CACHE_MAX <= 65536)
+    listed = cutlass.const_expr(cached)
     big = Int32(0)  # a kept slice with a crowded boundary bin: see BIG_B1
     if cutlass.const_expr(listed):
         if keep != Int32(0) and total > Int32(n):
-            if hist1[b1] > cutlass.max(Int32(BIG_B1), Int32(BIG_RATIO) * scal[_OWN_ABOVE1]):
+            if hist1[b1] > cutlass.max(Int32(BIG_B1), Int32(BIG_RATIO) * scalars[_OWN_ABOVE1]):
                 big = Int32(1)
     if total > Int32(0):
         pass2(row_addr, s0, s_len, nvec, nvec4, aligned, keep, big, mthr, b1c, b1kc,
@@ -1170,22 +1174,22 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     c2_low = Uint64(0)
     if total > Int32(n):
         if tid == Int32(0):
-            pub[0] = scal[_OWN_ABOVE1]
+            published[0] = scalars[_OWN_ABOVE1]
             if cutlass.const_expr(dual):
-                pub[2] = scal[_K + _OWN_ABOVE1]
+                published[2] = scalars[_K + _OWN_ABOVE1]
         if keep != Int32(0) and big == Int32(0):
             cute.arch.sync_threads()  # the mask bytes of the other threads
             cnt_ok, c2_above, c2_low = hist2_walk(row_addr, s0, keep, b1, b1kc, cache_a, h2_a, mask_a, u0, u1,
                                                   upt, dual)  # fmt: skip
     # ---- the boundary score v, need_eq and what precedes this slice (second cluster barrier)
-    csync_n(clustered, csize)
-    v, need_eq = boundary_step(n, total, b1, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a, scal_a,
+    cluster_barrier(clustered, csize)
+    v, need_eq = boundary_step(n, total, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a, scalars_a,
                                tid, lane, warp, csize, me, clustered, 0, 0, 0)  # fmt: skip
     vk = Uint32(0)  # (the rescue list) n2's
     need_eqk = Int32(0)
     if cutlass.const_expr(dual):
-        vk, need_eqk = boundary_step(n2, total, b1k, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a,
-                                     scal_a, tid, lane, warp, csize, me, clustered, NB2, 2, _K)  # fmt: skip
+        vk, need_eqk = boundary_step(n2, total, b1k, hist2, gsum2, published, scalars, h2_a, g2_a, published_a,
+                                     scalars_a, tid, lane, warp, csize, me, clustered, NB2, 2, _K)  # fmt: skip
     if cutlass.const_expr(own):
         # every DSMEM load of this CTA was used above; a one-CTA cluster neither arrives nor waits
         if one_cta(csize) == Int32(0):
@@ -1203,9 +1207,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 vlo = vk
             refine_mask(mask, cache_a, nvec4, vlo, tid)
             cute.arch.sync_threads()
-            use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, wt, tid)
+            use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, warp_totals, tid)
     # ---- the compaction, in index order, straight to the final positions
-    gt_run, eq_run, gt_end, eq_end, p0, p1 = own_range(scal, 0, need_eq, n)
+    gt_run, eq_run, gt_end, eq_end, p0, p1 = own_range(scalars, 0, need_eq, n)
     dst_a = row_a
     remote = Int32(0)  # the row lives in another CTA (DSMEM stores)
     if cutlass.const_expr(clustered and not own):
@@ -1218,20 +1222,20 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     p1k = Int32(0)
     # (the rescue list) this CTA's K-list words staged in hist1 (free since the second cluster
     # barrier: no CTA reads another's first histogram after it) when they fit, then stored whole
-    kst = cutlass.const_expr(dual and n2 <= NB1)
+    stage_klist = cutlass.const_expr(dual and n2 <= NB1)
     work = Int32(0)  # (the rescue list) n2's tokens to write
     if cutlass.const_expr(dual):
-        gtk_run, eqk_run, gtk_end, eqk_end, p0k, p1k = own_range(scal, _K, need_eqk, n2)
+        gtk_run, eqk_run, gtk_end, eqk_end, p0k, p1k = own_range(scalars, _K, need_eqk, n2)
         work = Int32(gtk_run < gtk_end) | Int32(eqk_run < eqk_end)
     lo16 = Int32(0)  # (the rescue list) this thread's kept n2 tokens with l < 2**16
     if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
         ngt, neq, ngtk, neqk = count_kept(row_addr, s0, keep, v, vk, cache_a, mask, mask_a, lw, r0, r1, use_list,
                                           cnt_ok, c2_above, c2_low, u0, u1, upt, dual)  # fmt: skip
-        igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, wt)
+        igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, warp_totals)
         gtk_b = Int32(0)
         eqk_b = Int32(0)
         if cutlass.const_expr(dual):
-            igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, wt)
+            igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, warp_totals)
             gtk_b = gtk_run + igtk - ngtk
             eqk_b = eqk_run + ieqk - neqk
         gt_b = gt_run + igt - ngt
@@ -1239,22 +1243,22 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         if ngt + neq + ngtk + neqk != Int32(0):
             lo16 = emit_kept(row_addr, s0, keep, v, need_eq, gt_b, eq_b, vk, need_eqk, gtk_b, eqk_b, cache_a,
                              mask, mask_a, lw, r0, r1, use_list, u0, u1, upt, remote, dst_a, row, row_a,
-                             k_out, h1_a, p0k, n, n2, kst)  # fmt: skip
+                             k_out, h1_a, p0k, n, n2, stage_klist)  # fmt: skip
     if cutlass.const_expr(dual):
         if lo16 != Int32(0):
-            P.red_smem_add(scal_a + Int32((_K + _TOTAL) * 4), lo16)
+            P.red_smem_add(scalars_a + Int32((_K + _TOTAL) * 4), lo16)
     if cutlass.const_expr(own):
         cute.arch.sync_threads()  # this CTA's part of the row is complete
     else:
-        csync_end(clustered, csize)
+        closing_barrier(clustered, csize)
     # the CTA whose slice holds token 2**16 (else the last): own_part's writer of the mask words
-    wc = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
-    if cutlass.const_expr(kst):
+    writer = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
+    if cutlass.const_expr(stage_klist):
         for i in cutlass.range(tid, p1k - p0k, TB, unroll=1):
             P.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])
     if cutlass.const_expr(dual):
         # positions ascend with l, so bit 16 is set at [p16, count), p16 = the writer's first
         # position + its kept tokens below 2**16 (every earlier CTA's are below, every later's above)
-        if me == wc:
-            write_klist_tail(k_out, p0k + scal[_K + _TOTAL], cutlass.min(total, Int32(n2)), n2, tid)
-    return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)
+        if me == writer:
+            write_klist_tail(k_out, p0k + scalars[_K + _TOTAL], cutlass.min(total, Int32(n2)), n2, tid)
+    return p0, p1, cutlass.min(total, Int32(n)), Int32(me == writer)

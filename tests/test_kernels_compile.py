@@ -272,6 +272,25 @@ def test_lean_producer_image():
         assert layout.producer_lean_cluster(rows, cols, c, dict(lp.split, cluster_max=1, fill_ctas=0)) == c
 
 
+def test_producer_config_objects(tmp_path):
+    """A producer image is its frozen ProducerConfig: producer_configs picks them (the lean one
+    where lean_ok), SelectPush takes one and caches its compile on the object."""
+    import dataclasses
+
+    from jax_dsa_exchange.kernels.select_push import ProducerConfig, SelectPush, producer_configs
+
+    cfg = ProducerConfig(2, 256, 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lean = True
+    assert producer_configs(2, 256, 64) == (cfg, ProducerConfig(2, 256, 64, lean=True))
+    assert producer_configs(2, 4096, 4096) == (ProducerConfig(2, 4096, 4096),)
+    assert cache.producer_images(2, 256, 64) == ("select_push", "select_push_lean")
+    assert cache.producer_images(8, 2048, 512, rescue_list=True) == ("select_push",)
+    obj = SelectPush(cfg)
+    first = obj.compile("sm_90a", str(tmp_path))
+    assert obj.compile("sm_90a", str(tmp_path)) is first
+
+
 def test_kernel_signatures_are_the_abi():
     """The CuTe DSL kernel and entry spell out kernels/abi.py's parameters: same names,
     same order, annotated Int64 / Int32 as declared; the compile dummies follow it."""

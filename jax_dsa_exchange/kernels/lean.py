@@ -184,6 +184,20 @@ def zero_counters(h1_a: Int32, hist2: cute.Tensor, scalars: cute.Tensor, publish
 
 
 @cute.jit
+def clear_past_end(xs: cute.Tensor, k: cutlass.Constexpr, l0: Int32, s_lim: Int32):
+    """ord16 0 for the tokens of vector k (slice tokens l0 ..) at or past s_lim (slices cut past
+    the row's end: its tokens there are invalid)."""
+    for p in cutlass.range_constexpr(4):
+        nk = cutlass.min(cutlass.max(s_lim - l0 - Int32(2 * p), Int32(0)), Int32(2))
+        keep = Uint32(0)
+        if nk == Int32(1):
+            keep = Uint32(0xFFFF)
+        if nk == Int32(2):
+            keep = Uint32(0xFFFFFFFF)
+        xs[4 * k + p] = Int32(Uint32(xs[4 * k + p]) & keep)
+
+
+@cute.jit
 def pass1(row_addr: Int64, xs: cute.Tensor, vok: cute.Tensor, ch: Int32, t0: Int32, s0: Int32, s_buf: Int32,
           end: Int32, aligned: Int32, cache_a: Int32, h1_a: Int32, published_a: Int32, lane):
     """Pass 1 from registers: ord16 (in xs, and the slice copy at each token's slice position),
@@ -196,15 +210,7 @@ def pass1(row_addr: Int64, xs: cute.Tensor, vok: cute.Tensor, ch: Int32, t0: Int
             if vok[k] != Int32(0):
                 S.ord16_quad(xs[4 * k], xs[4 * k + 1], xs[4 * k + 2], xs[4 * k + 3], xs, 4 * k)
                 if l0 + Int32(8) > s_lim:
-                    # (slices cut past the row's end: its tokens there are invalid, ord16 0)
-                    for p in cutlass.range_constexpr(4):
-                        nk = cutlass.min(cutlass.max(s_lim - l0 - Int32(2 * p), Int32(0)), Int32(2))
-                        keep = Uint32(0)
-                        if nk == Int32(1):
-                            keep = Uint32(0xFFFF)
-                        if nk == Int32(2):
-                            keep = Uint32(0xFFFFFFFF)
-                        xs[4 * k + p] = Int32(Uint32(xs[4 * k + p]) & keep)
+                    clear_past_end(xs, k, l0, s_lim)
             elif l0 < s_lim:
                 # an unaligned row or the buffer's partial last vector: token by token
                 S.load_vector(row_addr, s0, l0 >> Int32(3), s_lim, aligned, xs, 4 * k)

@@ -48,7 +48,7 @@ def ld_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
 def ld_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Int32:
     """ld_u32 where ``pred`` != 0, else 0, by a predicated load: the same load under an
     ``if`` lets LLVM fold the value's users into the branch (a multiply right after the
-    load), so each such load waited for the one before (kernels/NOTES.md, 7th session).
+    load), so each such load waited for the one before.
     The zero is written first: the output is early-clobber (``=&``), never the address's
     register."""
     return Int32(_asm(T.i32(), [Int64(addr), Int32(pred)],
@@ -406,7 +406,7 @@ def cluster_sync_local(*, loc=None, ip=None) -> None:
     CTAs read after it through DSMEM) at cluster scope: fence.release.sync_restrict::
     shared::cta.cluster (MEMBAR.ALL.CTA in SASS, where arrive.release gives MEMBAR.ALL.GPU),
     barrier.cluster.arrive.relaxed, barrier.cluster.wait (acquire).  Not enough where a CTA
-    wrote into ANOTHER CTA's shared memory before it (select.RELAX)."""
+    wrote into ANOTHER CTA's shared memory before it (select.closing_barrier)."""
     _asm(None, [], "fence.release.sync_restrict::shared::cta.cluster;\n\t"
          "barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;",
          "~{memory}", loc, ip)  # fmt: skip

@@ -38,6 +38,8 @@ from exact integer counts over the whole row.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32, Uint64
@@ -74,7 +76,8 @@ CACHE_MAX = layout.PRODUCER_CACHE_MAX
 CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX  # CTAs per cluster summed over (the portable limit)
 MASK_WORDS = layout.MAX_LOCAL_LEN // 32  # pass 2's mask: a bit per token of the longest slice
 NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
-assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 65536, CACHE_MAX  # (16-bit list entries)
+# (CACHE_MAX <= 2**16: a kept slice's tokens are 16-bit list entries)
+assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 65536, CACHE_MAX
 assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary score: warp r sums CTA r
 assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
 
@@ -85,10 +88,48 @@ _GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
 _K = 12
 
 
+class Slice(NamedTuple):
+    """This CTA's slice: token lt's bf16 at row_addr + 2 (s0 + lt), its ord16 at shared address
+    cache_a + 2 lt where ``keep`` (the slice is kept on chip)."""
+
+    row_addr: Int64
+    s0: Int32
+    keep: Int32
+    cache_a: Int32
+
+
+class Units(NamedTuple):
+    """A thread's share of the walks over the mask (shared address mask_a): its contiguous
+    16-token units [u0, u1), ``per_thread`` of them at most."""
+
+    mask_a: Int32
+    u0: Int32
+    u1: Int32
+    per_thread: Int32
+
+
+class ListShare(NamedTuple):
+    """A crowded slice's list (mask words from ``first_word``): where ``used``, a thread walks its
+    entries [r0, r1) instead of its units."""
+
+    mask: cute.Tensor
+    first_word: Int32
+    r0: Int32
+    r1: Int32
+    used: Int32
+
+
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
     """The second count select_push makes and the merge's rescue takes (the rescue list): K
     where a rescue can happen (K > n), else 0."""
     return topk if rescue_list and topk > n else 0
+
+
+def klist_staged(n2: int) -> bool:
+    """Whether the rescue list's K-list words of a CTA are staged in hist1 (free after the second
+    cluster barrier: no CTA reads another's first histogram after it), then stored whole
+    (coalesced): where they fit."""
+    return 0 < n2 <= NB1
 
 
 def smem_words(rw: int, cached: bool, dual: bool = False) -> int:
@@ -242,6 +283,7 @@ def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int3
             else:
                 load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
 
+
 # --------------------------------------------------------------------------------------------------
 # Scans and barriers
 # --------------------------------------------------------------------------------------------------
@@ -315,9 +357,9 @@ def closing_barrier(clustered: cutlass.Constexpr, csize: Int32):
 
 @cute.jit
 def sum_cluster_bins(h1_a: Int32, bin_lo: Int32, csize: Int32, cluster_bins: cute.Tensor):
-    """cluster_bins[0..4) += bins bin_lo .. bin_lo + 3 of the first histogram (shared address h1_a) of every CTA
-    r < csize of the cluster (one 16-byte DSMEM load each, all in flight at once: a remote
-    load costs a round trip)."""
+    """cluster_bins[0..4) += bins bin_lo .. bin_lo + 3 of the first histogram (shared address
+    h1_a) of every CTA r < csize of the cluster (one 16-byte DSMEM load each, all in flight at
+    once: a remote load costs a round trip)."""
     for r in cutlass.range_constexpr(CLUSTER_MAX):
         if Int32(r) < csize:
             a, b, c, d = P.ld_dsmem_v4(P.mapa(h1_a + bin_lo * Int32(4), Int32(r)))
@@ -325,6 +367,7 @@ def sum_cluster_bins(h1_a: Int32, bin_lo: Int32, csize: Int32, cluster_bins: cut
             cluster_bins[1] = cluster_bins[1] + b
             cluster_bins[2] = cluster_bins[2] + c
             cluster_bins[3] = cluster_bins[3] + d
+
 
 # --------------------------------------------------------------------------------------------------
 # Pass 1 and the boundary bin (first cluster barrier)
@@ -361,27 +404,37 @@ def zero_counters(hist1: cute.Tensor, hist2: cute.Tensor, gsum2: cute.Tensor, sc
 
 
 @cute.jit
-def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32, keep: Int32, bulk: Int32,
-          copies: Int32, cache_a: Int32, mbar_a: Int32, h1_a: Int32, xs: cute.Tensor, tid,
-          cached: cutlass.Constexpr, vpr: cutlass.Constexpr):
+def load_landed_vectors(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32,
+                        copies: Int32, cache_a: Int32, mbar_a: Int32, xs: cute.Tensor, base: Int32, tid,
+                        vpr: cutlass.Constexpr):
+    """A round of pass 1 over bulk-copied vectors: their copies waited for, their ord16 into xs
+    (the partial last vector from global memory)."""
+    for u in cutlass.range_constexpr(vpr):
+        c = base // Int32(TB) + Int32(u)
+        if c < copies:  # (every issued copy: one may cover the partial last vector)
+            P.mbar_wait0(mbar_a + c * Int32(8))
+    for u in cutlass.range_constexpr(vpr):
+        vi = base + tid + Int32(u * TB)
+        for k in cutlass.range_constexpr(4):
+            xs[4 * u + k] = Int32(0)
+        if vi < nfull:
+            a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
+            ord16_quad(a, b, c, d, xs, 4 * u)
+        elif vi < nvec:
+            load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
+
+
+@cute.jit
+def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32,
+          keep: Int32, bulk: Int32, copies: Int32, cache_a: Int32, mbar_a: Int32, h1_a: Int32,
+          xs: cute.Tensor, tid, cached: cutlass.Constexpr, vpr: cutlass.Constexpr):
     """Pass 1: the slice read once (from the bulk copies' landing place, else by 16-byte loads),
     its ord16 kept in the cache (a kept slice), and the first histogram of every token."""
     for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
         if cutlass.const_expr(cached):
             if bulk != Int32(0):
-                for u in cutlass.range_constexpr(vpr):
-                    c = base // Int32(TB) + Int32(u)
-                    if c < copies:  # (every issued copy: one may cover the partial last vector)
-                        P.mbar_wait0(mbar_a + c * Int32(8))
-                for u in cutlass.range_constexpr(vpr):
-                    vi = base + tid + Int32(u * TB)
-                    for k in cutlass.range_constexpr(4):
-                        xs[4 * u + k] = Int32(0)
-                    if vi < nfull:
-                        a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
-                        ord16_quad(a, b, c, d, xs, 4 * u)
-                    elif vi < nvec:
-                        load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)  # the partial last
+                load_landed_vectors(row_addr, s0, s_len, nvec, nfull, aligned, copies, cache_a, mbar_a, xs, base,
+                                    tid, vpr)  # fmt: skip
             else:
                 load_vectors(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
         else:
@@ -408,8 +461,8 @@ def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, a
 
 
 @cute.jit
-def publish_bounds(hist1: cute.Tensor, published: cute.Tensor, warp_totals: cute.Tensor, own_bins: cute.Tensor, bin_lo: Int32,
-                   count: cutlass.Constexpr, tid, lane, warp):
+def publish_bounds(hist1: cute.Tensor, published: cute.Tensor, warp_totals: cute.Tensor,
+                   own_bins: cute.Tensor, bin_lo: Int32, count: cutlass.Constexpr, tid, lane, warp):
     """Before the first cluster barrier of a cluster of at least BOUNDED_MIN CTAs: this CTA's
     [valid count, own count-th bin (0: fewer), own top non-empty bin (0: none)] in published[4..6].
     The cluster's count-th score lies in a bin >= the largest of the CTAs' own count-th bins, and
@@ -452,8 +505,9 @@ def publish_bounds(hist1: cute.Tensor, published: cute.Tensor, warp_totals: cute
 
 
 @cute.jit
-def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_bins: cute.Tensor, cluster_bins: cute.Tensor,
-                      bin_lo: Int32, csize: Int32, tid, lane, clustered: cutlass.Constexpr) -> Int32:
+def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_bins: cute.Tensor,
+                      cluster_bins: cute.Tensor, bin_lo: Int32, csize: Int32, tid, lane,
+                      clustered: cutlass.Constexpr) -> Int32:
     """After the first cluster barrier: own_bins = this thread's 4 bins of its CTA's first histogram,
     cluster_bins = the same bins summed over the cluster (bin 0 dropped from both) -> the cluster's valid
     count where only the bounded bins were summed, else -1 (the scan's total is it)."""
@@ -492,8 +546,8 @@ def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_b
 
 @cute.jit
 def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32,
-                        cluster_bins: cute.Tensor, own_bins: cute.Tensor, bin_lo: Int32, scalars: cute.Tensor,
-                        so: cutlass.Constexpr):
+                        cluster_bins: cute.Tensor, own_bins: cute.Tensor, bin_lo: Int32,
+                        scalars: cute.Tensor, so: cutlass.Constexpr):
     """The thread whose bins hold the cluster's count-th score (from the top; ig / il: the
     inclusive scans of the cluster's / own bin sums sg / sl) writes its bin, the cluster's
     scores above it and its CTA's own above it into scalars[so + _B1, _ABOVE1, _OWN_ABOVE1]."""
@@ -511,9 +565,9 @@ def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int3
 
 
 @cute.jit
-def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, published_a: Int32, scalars: cute.Tensor,
-                 warp_totals: cute.Tensor, csize: Int32, tid, lane, warp, n: cutlass.Constexpr,
-                 n2: cutlass.Constexpr, clustered: cutlass.Constexpr):
+def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, published_a: Int32,
+                 scalars: cute.Tensor, warp_totals: cute.Tensor, csize: Int32, tid, lane, warp,
+                 n: cutlass.Constexpr, n2: cutlass.Constexpr, clustered: cutlass.Constexpr):
     """Before the first cluster barrier (bounded clusters: publish_bounds) and after it: the
     cluster's first histogram, one block scan from the top bin, the boundary bin of the top-n
     (and of the top-n2) in scalars, the row's valid count in scalars[_TOTAL], this CTA's in published[1].
@@ -527,7 +581,8 @@ def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, publis
         if csize >= Int32(BOUNDED_MIN):
             publish_bounds(hist1, published, warp_totals, own_bins, bin_lo, max(n, n2), tid, lane, warp)
     cluster_barrier(clustered, csize)
-    cl_total = cluster_histogram(hist1, h1_a, published_a, own_bins, cluster_bins, bin_lo, csize, tid, lane, clustered)
+    cl_total = cluster_histogram(hist1, h1_a, published_a, own_bins, cluster_bins, bin_lo, csize, tid, lane,
+                                 clustered)  # fmt: skip
     sg = cluster_bins[0] + cluster_bins[1] + cluster_bins[2] + cluster_bins[3]
     sl = own_bins[0] + own_bins[1] + own_bins[2] + own_bins[3]
     ig, il, tg, tl = block_scan2(sg, sl, lane, warp, warp_totals)
@@ -541,15 +596,16 @@ def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, publis
         published[1] = tl
     cute.arch.sync_threads()
 
+
 # --------------------------------------------------------------------------------------------------
 # Pass 2: the mask and the second histograms
 # --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
-def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, aligned: Int32, keep: Int32, big: Int32,
-          mthr: Uint32, b1c: Int32, b1kc: Int32, cache_a: Int32, h2_a: Int32, mask_a: Int32,
-          xs: cute.Tensor, tid, dual: cutlass.Constexpr, vpr: cutlass.Constexpr):
+def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, aligned: Int32,
+          keep: Int32, big: Int32, mthr: Uint32, b1c: Int32, b1kc: Int32, cache_a: Int32, h2_a: Int32,
+          mask_a: Int32, xs: cute.Tensor, tid, dual: cutlass.Constexpr, vpr: cutlass.Constexpr):
     """Pass 2: a mask bit per token of ord16 >= mthr (what the compaction looks at: about n + the
     boundary bin's count over the row), and in a slice re-read from global memory or a crowded
     one (``big``) the second histogram of bin b1c's (and b1kc's) tokens, from the
@@ -577,19 +633,38 @@ def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, a
 
 
 @cute.jit
+def pass2_thresholds(total: Int32, b1: Int32, b1k: Int32, n: cutlass.Constexpr, n2: cutlass.Constexpr):
+    """(pass 2's mask threshold: the lower boundary bin's first ord16, 1 where the row has at most
+    that count; the bin whose second histogram is counted, -1: none; the rescue list's)."""
+    mthr = Uint32(1)  # ord16 >= 1: valid
+    b1c = Int32(-1)
+    if total > Int32(n):
+        mthr = Uint32(b1) << Uint32(16 - B1)
+        b1c = b1
+    b1kc = Int32(-1)
+    if cutlass.const_expr(n2 > 0):
+        mthr = Uint32(1)
+        if total > Int32(n2):
+            mthr = Uint32(b1k) << Uint32(16 - B1)
+            b1kc = b1k
+    return mthr, b1c, b1kc
+
+
+@cute.jit
 def mask_unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
-    """(FLAT) Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1)."""
+    """Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1): the walks take
+    a thread's units two at a time (two predicated loads, no branch per unit)."""
     lo = P.ld_smem_u16_if(mask_a + ua * Int32(2), Int32(ua < u1))
     hi = P.ld_smem_u16_if(mask_a + ua * Int32(2) + Int32(2), Int32(ua + Int32(1) < u1))
     return lo | (hi << Uint32(16))
 
 
 @cute.jit
-def next_two_set_bits(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32, keep: Int32):
-    """(FLAT) One step of a walk over the set bits m (some set) of the word whose bit 0 is
-    slice token ``base``: the lowest one's token and ord16, and with FLAT == 2 the next one's
-    (ord16 0 where there is none: 0 is no valid score, so every walk's rule skips it), both
-    loads issued before either is used -> (lta, oa, ltb, ob, m without them)."""
+def next_two_set_bits(m: Uint32, base: Int32, sl: Slice):
+    """One step of a walk over the set bits m (some set) of the word whose bit 0 is slice token
+    ``base``: the lowest two set bits' tokens and ord16 (the second's 0 where there is none: 0 is
+    no valid score, so every walk's rule skips it), both loads issued before either is used (a
+    chain of dependent loads per bit was the walks' cost) -> (lta, oa, ltb, ob, m without them)."""
     lta = base + P.low_bit(Int32(m))
     m = m & (m - Uint32(1))
     ltb = lta
@@ -600,12 +675,12 @@ def next_two_set_bits(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_
     m = m & (m - Uint32(1))  # (m = 0 stays 0)
     oa = Uint32(0)
     ob = Uint32(0)
-    if keep != Int32(0):
-        oa = P.ld_smem_u16(cache_a + lta * Int32(2))
-        ob = P.ld_smem_u16(cache_a + ltb * Int32(2))
+    if sl.keep != Int32(0):
+        oa = P.ld_smem_u16(sl.cache_a + lta * Int32(2))
+        ob = P.ld_smem_u16(sl.cache_a + ltb * Int32(2))
     else:
-        oa = C.ord16(P.ld_u16(row_addr + Int64(s0 + lta) * Int64(2)))
-        ob = C.ord16(P.ld_u16(row_addr + Int64(s0 + ltb) * Int64(2)))
+        oa = C.ord16(P.ld_u16(sl.row_addr + Int64(sl.s0 + lta) * Int64(2)))
+        ob = C.ord16(P.ld_u16(sl.row_addr + Int64(sl.s0 + ltb) * Int64(2)))
     if more == Int32(0):
         ob = Uint32(0)
     return lta, oa, ltb, ob, m
@@ -620,8 +695,9 @@ def hist2_add(h2_a: Int32, o: Uint32, b: Int32):
 
 @cute.jit
 def low_counter_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
-    """(CNT2) One token of the hist2 walk (o = 0: none): above + (bin > b1); a bin-b1 token
-    adds 1 to its low value's 2-bit counter in lowc, or sets ovf where that counter is 3."""
+    """One token of the hist2 walk (o = 0: none): above + (bin > b1); a bin-b1 token adds 1 to
+    its low value's 2-bit counter in lowc (32 of them in 64 bits), or sets ovf where that counter
+    is 3.  Once v is known they give the compaction's counts without its first walk."""
     bn = Int32(o >> Uint32(16 - B1))
     if bn > b1:
         above = above + Int32(1)
@@ -635,19 +711,18 @@ def low_counter_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32
 
 
 @cute.jit
-def hist2_walk(row_addr: Int64, s0: Int32, keep: Int32, b1: Int32, b1kc: Int32, cache_a: Int32,
-               h2_a: Int32, mask_a: Int32, u0: Int32, u1: Int32, upt: Int32, dual: cutlass.Constexpr):
+def hist2_walk(sl: Slice, units: Units, b1: Int32, b1kc: Int32, h2_a: Int32, dual: cutlass.Constexpr):
     """A kept slice's second histogram from its mask's set bits only (a few % of the tokens),
-    thread tid over its units [u0, u1); one count (no rescue list) also keeps per thread its
+    over the thread's units; one count (no rescue list) also keeps per thread its
     count above bin b1 and a 2-bit counter per low value of its bin-b1 tokens (low_counter_add) ->
     (1 where those give the compaction's counts: no counter passed 3, above, counters)."""
     above = Int32(0)
     lowc = Uint64(0)
     ovf = Int32(0)
-    for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-        m = mask_unit_pair(mask_a, u0 + Int32(2) * j, u1)
+    for j in cutlass.range(0, (units.per_thread + Int32(1)) >> Int32(1), unroll=1):
+        m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)
         while m != Uint32(0):
-            _a, oa, _b, ob, m = next_two_set_bits(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
+            _a, oa, _b, ob, m = next_two_set_bits(m, (units.u0 + Int32(2) * j) * Int32(16), sl)
             hist2_add(h2_a, oa, b1)
             hist2_add(h2_a, ob, b1)
             if cutlass.const_expr(not dual):
@@ -660,6 +735,7 @@ def hist2_walk(row_addr: Int64, s0: Int32, keep: Int32, b1: Int32, b1kc: Int32, 
     if cutlass.const_expr(not dual):
         ok = Int32(1) - ovf
     return ok, above, lowc
+
 
 # --------------------------------------------------------------------------------------------------
 # The boundary score (second cluster barrier)
@@ -689,10 +765,10 @@ def boundary_score_one_cta(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor,
 
 @cute.jit
 def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, gsum2: cute.Tensor,
-                           published: cute.Tensor, scalars: cute.Tensor, h2_a: Int32, g2_a: Int32, published_a: Int32,
-                           scalars_a: Int32, r: Int32, j: Int32, lane, warp, csize: Int32, me: Int32,
-                           clustered: cutlass.Constexpr, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
-                           so: cutlass.Constexpr):
+                           published: cute.Tensor, scalars: cute.Tensor, h2_a: Int32, g2_a: Int32,
+                           published_a: Int32, scalars_a: Int32, r: Int32, j: Int32, lane, warp,
+                           csize: Int32, me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
+                           pa: cutlass.Constexpr, so: cutlass.Constexpr):
     """boundary_step where the row has more than nn valid tokens: warp r < C adds CTA r's second
     histogram into gsum2, warp 0 finds the boundary score in it, then every warp r adds CTA r's
     counts > v / == v to this CTA's counts before its slice (r < me) or in it (r == me); lane j
@@ -772,8 +848,9 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
     if fast != Int32(0):
         v, need_eq = boundary_score_one_cta(nn, b1, hist2, published, scalars, lane, warp, ho, pa, so)
     elif total > Int32(nn):
-        v, need_eq = boundary_score_cluster(nn, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a, scalars_a, r, j,
-                                            lane, warp, csize, me, clustered, ho, pa, so)  # fmt: skip
+        v, need_eq = boundary_score_cluster(nn, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a,
+                                            scalars_a, r, j, lane, warp, csize, me, clustered, ho, pa,
+                                            so)  # fmt: skip
     else:
         # every valid token is kept (v = 0: every ord16 of a valid token is > 0); what precedes
         # the slice is the valid count of the CTAs before it
@@ -787,6 +864,7 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
     if fast == Int32(0):  # (the one-CTA step ended with its barrier)
         cute.arch.sync_threads()
     return v, need_eq
+
 
 # --------------------------------------------------------------------------------------------------
 # A crowded slice's list
@@ -868,6 +946,7 @@ def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, la
         r1 = cutlass.min(r0 + q, nbits)
     return ok, r0, r1
 
+
 # --------------------------------------------------------------------------------------------------
 # The compaction
 # --------------------------------------------------------------------------------------------------
@@ -885,11 +964,12 @@ def count_token(o: Uint32, v: Uint32, ngt: Int32, neq: Int32):
 
 @cute.jit
 def counts_from_low_counters(above: Int32, lowc: Uint64, lowv: Int32):
-    """(CNT2) A thread's compaction counts from its hist2 walk, v = (b1 << 5) | lowv:
-    (> v: above b1, or in b1 with a low value above lowv; == v)."""
+    """A thread's compaction counts from its hist2 walk's counters (low_counter_add), v = (b1 << 5)
+    | lowv: (> v: above b1, or in b1 with a low value above lowv; == v)."""
     x = lowc >> Uint64(Int32(2) * lowv)
     hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
-    ngt = above + P.popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
+    ngt = (above + P.popc64(hi & Uint64(0x5555555555555555))
+           + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA)))  # fmt: skip
     return ngt, Int32(x & Uint64(3))
 
 
@@ -907,8 +987,8 @@ def kept_pos(o: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32, n: 
             pos = gt_b + eq_b
         eq_b = eq_b + Int32(1)
     if pos >= Int32(n):
-        # never write past the row: timing-only builds' counts overshoot, and so would exact
-        # ones on logits changed while the kernel reads them
+        # never write past the row: counts over logits changed while the kernel reads them
+        # could overshoot
         pos = Int32(-1)
     return pos, gt_b, eq_b
 
@@ -965,7 +1045,8 @@ def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> In
     b = cutlass.min(cutlass.max(p_end - Int32(32) * k, Int32(0)), Int32(32))
     bits = Int32(0)
     if b > a and k < Int32(nmw):
-        bits = Int32(Uint64(((Uint64(1) << Uint64(b)) - Uint64(1)) ^ ((Uint64(1) << Uint64(a)) - Uint64(1))))
+        ones_b = (Uint64(1) << Uint64(b)) - Uint64(1)
+        bits = Int32(Uint64(ones_b ^ ((Uint64(1) << Uint64(a)) - Uint64(1))))
     return bits
 
 
@@ -983,29 +1064,27 @@ def own_range(scalars: cute.Tensor, so: cutlass.Constexpr, need_eq: Int32, count
 
 
 @cute.jit
-def count_kept(row_addr: Int64, s0: Int32, keep: Int32, v: Uint32, vk: Uint32, cache_a: Int32,
-               mask: cute.Tensor, mask_a: Int32, lw: Int32, r0: Int32, r1: Int32, use_list: Int32,
-               cnt_ok: Int32, c2_above: Int32, c2_low: Uint64, u0: Int32, u1: Int32, upt: Int32,
-               dual: cutlass.Constexpr):
+def count_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, vk: Uint32, cnt_ok: Int32,
+               c2_above: Int32, c2_low: Uint64, dual: cutlass.Constexpr):
     """The compaction's first walk: this thread's counts (> v, == v; and for vk) over its list
     entries, from its hist2 walk's counters, or over its mask units -> (ngt, neq, ngtk, neqk)."""
     ngt = Int32(0)
     neq = Int32(0)
     ngtk = Int32(0)
     neqk = Int32(0)
-    if use_list != Int32(0):
-        for r in cutlass.range(r0, r1, unroll=1):
-            o = Uint32(mask[lw + r]) >> Uint32(16)
+    if share.used != Int32(0):
+        for r in cutlass.range(share.r0, share.r1, unroll=1):
+            o = Uint32(share.mask[share.first_word + r]) >> Uint32(16)
             ngt, neq = count_token(o, v, ngt, neq)
             if cutlass.const_expr(dual):
                 ngtk, neqk = count_token(o, vk, ngtk, neqk)
     elif cnt_ok != Int32(0):
         ngt, neq = counts_from_low_counters(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
     else:
-        for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-            m = mask_unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)
+        for j in cutlass.range(0, (units.per_thread + Int32(1)) >> Int32(1), unroll=1):
+            m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)  # (the refined mask where big)
             while m != Uint32(0):
-                _a, oa, _b, ob, m = next_two_set_bits(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
+                _a, oa, _b, ob, m = next_two_set_bits(m, (units.u0 + Int32(2) * j) * Int32(16), sl)
                 ngt, neq = count_token(oa, v, ngt, neq)
                 ngt, neq = count_token(ob, v, ngt, neq)
                 if cutlass.const_expr(dual):
@@ -1015,40 +1094,87 @@ def count_kept(row_addr: Int64, s0: Int32, keep: Int32, v: Uint32, vk: Uint32, c
 
 
 @cute.jit
-def emit_kept(row_addr: Int64, s0: Int32, keep: Int32, v: Uint32, need_eq: Int32, gt_b: Int32,
-              eq_b: Int32, vk: Uint32, need_eqk: Int32, gtk_b: Int32, eqk_b: Int32, cache_a: Int32,
-              mask: cute.Tensor, mask_a: Int32, lw: Int32, r0: Int32, r1: Int32, use_list: Int32,
-              u0: Int32, u1: Int32, upt: Int32, remote: Int32, dst_a: Int32, row: cute.Tensor,
-              row_a: Int32, k_out, h1_a: Int32, p0k: Int32, n: cutlass.Constexpr, n2: cutlass.Constexpr,
-              stage_klist: cutlass.Constexpr):
+def emit_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, need_eq: Int32, gt_b: Int32,
+              eq_b: Int32, vk: Uint32, need_eqk: Int32, gtk_b: Int32, eqk_b: Int32, remote: Int32,
+              dst_a: Int32, row: cute.Tensor, row_a: Int32, k_out, h1_a: Int32, p0k: Int32,
+              n: cutlass.Constexpr, n2: cutlass.Constexpr, stage_klist: cutlass.Constexpr):
     """The compaction's second walk, over the same tokens as count_kept: each kept token's
     packed word at its position (emit_token; and the K-list's, emit_k) -> this thread's kept
     K-list tokens with l < 2**16."""
     lo16 = Int32(0)
-    if use_list != Int32(0):
-        for r in cutlass.range(r0, r1, unroll=1):
-            e = Uint32(mask[lw + r])
+    if share.used != Int32(0):
+        for r in cutlass.range(share.r0, share.r1, unroll=1):
+            e = Uint32(share.mask[share.first_word + r])
             o = e >> Uint32(16)
-            lu = Uint32(s0) + (e & Uint32(0xFFFF))
+            lu = Uint32(sl.s0) + (e & Uint32(0xFFFF))
             gt_b, eq_b = emit_token(o, lu, v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
             if cutlass.const_expr(n2 > 0):
-                gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16, stage_klist, h1_a - p0k * Int32(4))
+                gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16, stage_klist,
+                                            h1_a - p0k * Int32(4))  # fmt: skip
     else:
-        for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-            m = mask_unit_pair(mask_a, u0 + Int32(2) * j, u1)
+        for j in cutlass.range(0, (units.per_thread + Int32(1)) >> Int32(1), unroll=1):
+            m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)
             while m != Uint32(0):
-                lta, oa, ltb, ob, m = next_two_set_bits(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0, cache_a, keep)
-                gt_b, eq_b = emit_token(oa, Uint32(s0 + lta), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
+                lta, oa, ltb, ob, m = next_two_set_bits(m, (units.u0 + Int32(2) * j) * Int32(16), sl)
+                gt_b, eq_b = emit_token(oa, Uint32(sl.s0 + lta), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
                                         row_a)  # fmt: skip
                 if cutlass.const_expr(n2 > 0):
-                    gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(s0 + lta), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
+                    gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(sl.s0 + lta), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
                                                 lo16, stage_klist, h1_a - p0k * Int32(4))  # fmt: skip
-                gt_b, eq_b = emit_token(ob, Uint32(s0 + ltb), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
+                gt_b, eq_b = emit_token(ob, Uint32(sl.s0 + ltb), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
                                         row_a)  # fmt: skip
                 if cutlass.const_expr(n2 > 0):
-                    gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(s0 + ltb), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
+                    gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(sl.s0 + ltb), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
                                                 lo16, stage_klist, h1_a - p0k * Int32(4))  # fmt: skip
     return lo16
+
+
+@cute.jit
+def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, scalars_a: Int32,
+            warp_totals: cute.Tensor, row: cute.Tensor, row_a: Int32, h1_a: Int32, k_out, v: Uint32,
+            need_eq: Int32, vk: Uint32, need_eqk: Int32, cnt_ok: Int32, c2_above: Int32, c2_low: Uint64,
+            csize: Int32, lane, warp, n: cutlass.Constexpr, n2: cutlass.Constexpr,
+            clustered: cutlass.Constexpr, own: cutlass.Constexpr):
+    """The compaction after the boundary step: this thread's counts (count_kept), one pair block
+    scan, then every kept token's packed word at its final position (emit_kept), into this CTA's
+    row buffer (``own``) or CTA 0's; the rescue list's K-list alike -> this CTA's positions
+    [p0, p1) of the packed row and [p0k, p1k) of the K-list."""
+    dual = cutlass.const_expr(n2 > 0)
+    gt_run, eq_run, gt_end, eq_end, p0, p1 = own_range(scalars, 0, need_eq, n)
+    dst_a = row_a
+    remote = Int32(0)  # the row lives in another CTA (DSMEM stores)
+    if cutlass.const_expr(clustered and not own):
+        dst_a = P.mapa(row_a, Int32(0))
+        if csize > Int32(1):
+            remote = Int32(1)
+    gtk_run = Int32(0)  # (the rescue list) the same for n2
+    eqk_run = Int32(0)
+    p0k = Int32(0)
+    p1k = Int32(0)
+    stage_klist = cutlass.const_expr(klist_staged(n2))
+    work = Int32(0)  # (the rescue list) n2's tokens to write
+    if cutlass.const_expr(dual):
+        gtk_run, eqk_run, gtk_end, eqk_end, p0k, p1k = own_range(scalars, _K, need_eqk, n2)
+        work = Int32(gtk_run < gtk_end) | Int32(eqk_run < eqk_end)
+    lo16 = Int32(0)  # (the rescue list) this thread's kept n2 tokens with l < 2**16
+    if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
+        ngt, neq, ngtk, neqk = count_kept(sl, units, share, v, vk, cnt_ok, c2_above, c2_low, dual)
+        igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, warp_totals)
+        gtk_b = Int32(0)
+        eqk_b = Int32(0)
+        if cutlass.const_expr(dual):
+            igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, warp_totals)
+            gtk_b = gtk_run + igtk - ngtk
+            eqk_b = eqk_run + ieqk - neqk
+        gt_b = gt_run + igt - ngt
+        eq_b = eq_run + ieq - neq
+        if ngt + neq + ngtk + neqk != Int32(0):
+            lo16 = emit_kept(sl, units, share, v, need_eq, gt_b, eq_b, vk, need_eqk, gtk_b, eqk_b, remote, dst_a,
+                             row, row_a, k_out, h1_a, p0k, n, n2, stage_klist)  # fmt: skip
+    if cutlass.const_expr(dual):
+        if lo16 != Int32(0):
+            P.red_smem_add(scalars_a + Int32((_K + _TOTAL) * 4), lo16)
+    return p0, p1, p0k, p1k
 
 
 @cute.jit
@@ -1059,6 +1185,7 @@ def write_klist_tail(k_out: Int64, p16: Int32, cnt: Int32, n2: cutlass.Constexpr
         P.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, n2 // 32))
     for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
         P.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
+
 
 # --------------------------------------------------------------------------------------------------
 # The select
@@ -1132,24 +1259,16 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     zero_counters(hist1, hist2, gsum2, scalars, row, rw, dual, tid)
     # ---- pass 1, then the boundary bin over the cluster (first cluster barrier)
     xs = cute.make_rmem_tensor((4 * vpr,), Int32)
-    pass1(row_addr, s0, s_len, nvec, nfull, aligned, keep, bulk, copies, cache_a, mbar_a, h1_a, xs, tid, cached, vpr)
-    boundary_bin(hist1, h1_a, published, published_a, scalars, warp_totals, csize, tid, lane, warp, n, n2, clustered)
+    pass1(row_addr, s0, s_len, nvec, nfull, aligned, keep, bulk, copies, cache_a, mbar_a, h1_a, xs, tid,
+          cached, vpr)  # fmt: skip
+    boundary_bin(hist1, h1_a, published, published_a, scalars, warp_totals, csize, tid, lane, warp, n, n2,
+                 clustered)  # fmt: skip
     total = scalars[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
     b1 = scalars[_B1]
     b1k = scalars[_K + _B1]  # (the rescue list)
     # ---- pass 2: the mask from the lower boundary bin (every valid token where the row has at
     # most that count), the second histograms of the boundary bins
-    mthr = Uint32(1)  # ord16 >= 1: valid
-    b1c = Int32(-1)  # no bin: no second histogram
-    if total > Int32(n):
-        mthr = Uint32(b1) << Uint32(16 - B1)
-        b1c = b1
-    b1kc = Int32(-1)  # (the rescue list) n2's bin
-    if cutlass.const_expr(dual):
-        mthr = Uint32(1)
-        if total > Int32(n2):
-            mthr = Uint32(b1k) << Uint32(16 - B1)
-            b1kc = b1k
+    mthr, b1c, b1kc = pass2_thresholds(total, b1, b1k, n, n2)
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
     mask_a = P.smem_addr(mask)
     # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
@@ -1169,6 +1288,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     u0 = cutlass.min(tid * upt, nu)
     u1 = cutlass.min(u0 + upt, nu)
     lw = (nvec4 + Int32(15)) // Int32(16) * Int32(4)  # the list's first word in mask
+    sl = Slice(row_addr, s0, keep, cache_a)
+    units = Units(mask_a, u0, u1, upt)
     cnt_ok = Int32(0)  # this thread's compaction counts come from its hist2 walk
     c2_above = Int32(0)
     c2_low = Uint64(0)
@@ -1179,12 +1300,11 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 published[2] = scalars[_K + _OWN_ABOVE1]
         if keep != Int32(0) and big == Int32(0):
             cute.arch.sync_threads()  # the mask bytes of the other threads
-            cnt_ok, c2_above, c2_low = hist2_walk(row_addr, s0, keep, b1, b1kc, cache_a, h2_a, mask_a, u0, u1,
-                                                  upt, dual)  # fmt: skip
+            cnt_ok, c2_above, c2_low = hist2_walk(sl, units, b1, b1kc, h2_a, dual)
     # ---- the boundary score v, need_eq and what precedes this slice (second cluster barrier)
     cluster_barrier(clustered, csize)
-    v, need_eq = boundary_step(n, total, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a, scalars_a,
-                               tid, lane, warp, csize, me, clustered, 0, 0, 0)  # fmt: skip
+    v, need_eq = boundary_step(n, total, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a,
+                               scalars_a, tid, lane, warp, csize, me, clustered, 0, 0, 0)  # fmt: skip
     vk = Uint32(0)  # (the rescue list) n2's
     need_eqk = Int32(0)
     if cutlass.const_expr(dual):
@@ -1208,52 +1328,18 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             refine_mask(mask, cache_a, nvec4, vlo, tid)
             cute.arch.sync_threads()
             use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, warp_totals, tid)
+    share = ListShare(mask, lw, r0, r1, use_list)
     # ---- the compaction, in index order, straight to the final positions
-    gt_run, eq_run, gt_end, eq_end, p0, p1 = own_range(scalars, 0, need_eq, n)
-    dst_a = row_a
-    remote = Int32(0)  # the row lives in another CTA (DSMEM stores)
-    if cutlass.const_expr(clustered and not own):
-        dst_a = P.mapa(row_a, Int32(0))
-        if csize > Int32(1):
-            remote = Int32(1)
-    gtk_run = Int32(0)  # (the rescue list) the same for n2
-    eqk_run = Int32(0)
-    p0k = Int32(0)
-    p1k = Int32(0)
-    # (the rescue list) this CTA's K-list words staged in hist1 (free since the second cluster
-    # barrier: no CTA reads another's first histogram after it) when they fit, then stored whole
-    stage_klist = cutlass.const_expr(dual and n2 <= NB1)
-    work = Int32(0)  # (the rescue list) n2's tokens to write
-    if cutlass.const_expr(dual):
-        gtk_run, eqk_run, gtk_end, eqk_end, p0k, p1k = own_range(scalars, _K, need_eqk, n2)
-        work = Int32(gtk_run < gtk_end) | Int32(eqk_run < eqk_end)
-    lo16 = Int32(0)  # (the rescue list) this thread's kept n2 tokens with l < 2**16
-    if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
-        ngt, neq, ngtk, neqk = count_kept(row_addr, s0, keep, v, vk, cache_a, mask, mask_a, lw, r0, r1, use_list,
-                                          cnt_ok, c2_above, c2_low, u0, u1, upt, dual)  # fmt: skip
-        igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, warp_totals)
-        gtk_b = Int32(0)
-        eqk_b = Int32(0)
-        if cutlass.const_expr(dual):
-            igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, warp_totals)
-            gtk_b = gtk_run + igtk - ngtk
-            eqk_b = eqk_run + ieqk - neqk
-        gt_b = gt_run + igt - ngt
-        eq_b = eq_run + ieq - neq
-        if ngt + neq + ngtk + neqk != Int32(0):
-            lo16 = emit_kept(row_addr, s0, keep, v, need_eq, gt_b, eq_b, vk, need_eqk, gtk_b, eqk_b, cache_a,
-                             mask, mask_a, lw, r0, r1, use_list, u0, u1, upt, remote, dst_a, row, row_a,
-                             k_out, h1_a, p0k, n, n2, stage_klist)  # fmt: skip
-    if cutlass.const_expr(dual):
-        if lo16 != Int32(0):
-            P.red_smem_add(scalars_a + Int32((_K + _TOTAL) * 4), lo16)
+    p0, p1, p0k, p1k = compact(sl, units, share, scalars, scalars_a, warp_totals, row, row_a, h1_a, k_out, v,
+                               need_eq, vk, need_eqk, cnt_ok, c2_above, c2_low, csize, lane, warp, n, n2,
+                               clustered, own)  # fmt: skip
     if cutlass.const_expr(own):
         cute.arch.sync_threads()  # this CTA's part of the row is complete
     else:
         closing_barrier(clustered, csize)
     # the CTA whose slice holds token 2**16 (else the last): own_part's writer of the mask words
     writer = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
-    if cutlass.const_expr(stage_klist):
+    if cutlass.const_expr(klist_staged(n2)):
         for i in cutlass.range(tid, p1k - p0k, TB, unroll=1):
             P.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])
     if cutlass.const_expr(dual):

@@ -1,14 +1,11 @@
-"""Addresses in the symmetric buffer and the local state, and the CTA-wide pieces shared by
-both kernels (docs/DESIGN.md §4-§6).  No JAX import; the inline PTX is in ``ptx.py``.
+"""Addresses in the symmetric buffer and the local state, and the CTA-wide pieces both kernels
+share (docs/DESIGN.md §4-§6).  No JAX import; the inline PTX is in ``ptx.py``.
 
-One CTA of ``TB`` threads works on one row at a time.  Two selections:
-
-* the local top-n of a bf16 row (producer and rescue) lives in ``select.py``;
-* :func:`radix_select_keys`: the K-th largest of distinct 64-bit keys, exact,
-  digit by digit from the top (9-bit digits, shared histogram, block scan to
-  find the bin that holds the K-th key).  Keys come from a caller-supplied
-  source: registers when they fit, else re-read from memory every pass (they
-  are stable for the whole call).
+One CTA of ``TB`` threads works on one row at a time.  The producer's local top-n of a bf16 row
+(and the merge's rescue select) is in ``select.py``; the merge's exact select of the K-th largest
+64-bit key, digit by digit from the top (``DIGIT``-bit digits), takes its histogram
+(:func:`hist_inc`), its block scan (:func:`block_scan`) and its bin search (:func:`find_bin`)
+from here.
 """
 
 from __future__ import annotations

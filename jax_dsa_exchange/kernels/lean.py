@@ -89,12 +89,6 @@ class LeanSmem:
                 self.row, None, None)  # fmt: skip
 
 
-def slice_len(end, csize):
-    """Tokens per CTA of a row of ``end`` tokens over a cluster of csize (select_row's rule):
-    ceil(end / csize) rounded up to 8."""
-    return Int32((Uint32(end + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
-
-
 def thread_len(s):
     """Tokens per thread of a slice of s tokens: ceil(s / TB) rounded up to 8 (the lean select
     takes the slice when this is at most TMAX)."""
@@ -105,7 +99,7 @@ def thread_len(s):
 def fits(cols: Int32, csize: Int32) -> Int32:
     """1 where the lean select takes the rows of a launch over [rows, cols] in clusters of csize
     (every row's slice has at most SLICE_MAX tokens: those cut from the buffer's row length)."""
-    return Int32(thread_len(slice_len(cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize)) <= Int32(TMAX))
+    return Int32(thread_len(S.slice_len(cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize)) <= Int32(TMAX))
 
 
 @cute.jit
@@ -149,7 +143,7 @@ def issue_loads(row_addr: Int64, blen: Int32, csize: Int32, me: Int32, tid, alig
     """Slices cut from ``blen``: every 16-byte load of the thread's tokens issued (xs, vok: the
     raw words and which vectors were loaded) -> (slice length, tokens per thread, slice start,
     the slice's tokens below blen)."""
-    sl = slice_len(blen, csize)
+    sl = S.slice_len(blen, csize)
     ch = thread_len(sl)
     s0 = cutlass.min(me * sl, blen)
     s_buf = cutlass.min(sl, blen - s0)
@@ -158,11 +152,8 @@ def issue_loads(row_addr: Int64, blen: Int32, csize: Int32, me: Int32, tid, alig
     for k in cutlass.range_constexpr(NVEC):
         ok = aligned & Int32(Int32(8 * k) < ch) & Int32(t0 + Int32(8 * k + 8) <= s_buf)
         vok[k] = ok
-        a, b, c, d = P.ld_nc_v4_if(base + Int64(16 * k), ok)
-        xs[4 * k] = a
-        xs[4 * k + 1] = b
-        xs[4 * k + 2] = c
-        xs[4 * k + 3] = d
+        for q, w in enumerate(P.ld_nc_v4_if(base + Int64(16 * k), ok)):
+            xs[4 * k + q] = w
     return sl, ch, s0, s_buf
 
 

@@ -119,6 +119,12 @@ class ListShare(NamedTuple):
     used: Int32
 
 
+def slice_len(end, csize):
+    """Tokens per CTA of a row of ``end`` tokens over a cluster of csize: ceil(end / csize)
+    rounded up to 8 (end >= 0 and csize >= 1: the unsigned quotient is the signed one)."""
+    return Int32((Uint32(end + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
+
+
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
     """The second count select_push makes and the merge's rescue takes (the rescue list): K
     where a rescue can happen (K > n), else 0."""
@@ -235,15 +241,11 @@ def ord16_quad(a: Int32, b: Int32, c: Int32, d: Int32, xs: cute.Tensor, off: cut
     """xs[off : off+4] = ord16_pair of the four pairs (8 bf16): the short form unless one of
     them is NaN or +-0 (rare in scores; the full form then, for all four)."""
     if (ord16_special(a) | ord16_special(b) | ord16_special(c) | ord16_special(d)) == Uint32(0):
-        xs[off] = ord16_fast(a)
-        xs[off + 1] = ord16_fast(b)
-        xs[off + 2] = ord16_fast(c)
-        xs[off + 3] = ord16_fast(d)
+        for q, w in enumerate((a, b, c, d)):
+            xs[off + q] = ord16_fast(w)
     else:
-        xs[off] = ord16_pair(a)
-        xs[off + 1] = ord16_pair(b)
-        xs[off + 2] = ord16_pair(c)
-        xs[off + 3] = ord16_pair(d)
+        for q, w in enumerate((a, b, c, d)):
+            xs[off + q] = ord16_pair(w)
 
 
 @cute.jit
@@ -275,11 +277,8 @@ def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int3
             xs[4 * u + k] = Int32(0)
         if vi < nvec:
             if from_cache != Int32(0):
-                a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
-                xs[4 * u] = a
-                xs[4 * u + 1] = b
-                xs[4 * u + 2] = c
-                xs[4 * u + 3] = d
+                for q, w in enumerate(P.ld_smem_v4(cache_a + vi * Int32(16))):
+                    xs[4 * u + q] = w
             else:
                 load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
 
@@ -453,8 +452,8 @@ def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, a
                 P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
     if cutlass.const_expr(cached):
         if bulk != Int32(0):
-            # the copies of vectors no round took are waited for too: none may still be landing
-            # in the cache after this
+            # every issued copy is waited for (any the rounds above did not take): none may still
+            # be landing in the cache after this
             done = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
             for c in cutlass.range(done, copies, unroll=1):
                 P.mbar_wait0(mbar_a + c * Int32(8))
@@ -905,17 +904,11 @@ def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, p
             for k in cutlass.range_constexpr(8):
                 xs[k] = Int32(0)
             if (m & Uint32(0xFF)) != Uint32(0):
-                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32))
-                xs[0] = a
-                xs[1] = b
-                xs[2] = c
-                xs[3] = d
+                for q, w in enumerate(P.ld_smem_v4(cache_a + u * Int32(32))):
+                    xs[q] = w
             if (m >> Uint32(8)) != Uint32(0):  # (a set bit: that vector is inside the slice)
-                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32) + Int32(16))
-                xs[4] = a
-                xs[5] = b
-                xs[6] = c
-                xs[7] = d
+                for q, w in enumerate(P.ld_smem_v4(cache_a + u * Int32(32) + Int32(16))):
+                    xs[4 + q] = w
             for k in cutlass.range_constexpr(16):
                 o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                 bit = Int32((m >> Uint32(k)) & Uint32(1))
@@ -1232,20 +1225,19 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     scalars_a = P.smem_addr(scalars)
     row_a = P.smem_addr(row)
     mbar_a = P.smem_addr(mbar)
-    # ---- this CTA's slice: S tokens from s0 (S = ceil(end / csize) rounded up to 8; end >= 0
-    # and csize >= 1, so the unsigned quotient is the signed one)
-    S = Int32((Uint32(end + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
+    # ---- this CTA's slice: s_len <= slice_tokens tokens from s0
+    slice_tokens = slice_len(end, csize)
     keep = Int32(0)  # the slice stays in shared memory
     if cutlass.const_expr(cached):
         # (clamped: the cache holds CACHE_MAX tokens at most and a kept slice's tokens are
         # 16-bit list entries, whatever a caller passes)
-        if S <= cutlass.min(cache_cap, Int32(CACHE_MAX)):
+        if slice_tokens <= cutlass.min(cache_cap, Int32(CACHE_MAX)):
             keep = Int32(1)
     aligned = Int32(0)
     if (row_addr & Int64(15)) == Int64(0):
         aligned = Int32(1)
-    s0 = cutlass.min(me * S, end)
-    s_len = cutlass.min(S, end - s0)
+    s0 = cutlass.min(me * slice_tokens, end)
+    s_len = cutlass.min(slice_tokens, end - s0)
     nfull = s_len // Int32(8)  # full 16-byte vectors
     copies = (nfull + Int32(TB - 1)) // Int32(TB)
     bulk = Int32(0)
@@ -1338,7 +1330,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     else:
         closing_barrier(clustered, csize)
     # the CTA whose slice holds token 2**16 (else the last): own_part's writer of the mask words
-    writer = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
+    writer = cutlass.min(Int32(1 << 16) // cutlass.max(slice_tokens, Int32(8)), csize - Int32(1))
     if cutlass.const_expr(klist_staged(n2)):
         for i in cutlass.range(tid, p1k - p0k, TB, unroll=1):
             P.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])

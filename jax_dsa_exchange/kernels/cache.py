@@ -152,18 +152,13 @@ class KernelImage:
 
 
 def source_hash(files=SOURCE_FILES) -> str:
+    """sha256 of the kernels' source files: with the configuration, all a cubin's tag derives from."""
     h = hashlib.sha256()
     for f in files:
         h.update(pathlib.Path(f).name.encode() + b"\0")
         h.update(pathlib.Path(f).read_bytes())
         h.update(b"\0")
     return h.hexdigest()
-
-
-# JAX_DSA_EXCHANGE_MERGE_TUNE knobs that change the merge's code layout only (kernels/merge.py):
-# their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
-# timing-only (merge.TIMING_ONLY)
-MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus", "ckp", "bpoll", "runs")
 
 
 def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str,

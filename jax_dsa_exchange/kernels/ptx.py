@@ -181,17 +181,6 @@ def globaltimer(*, loc=None, ip=None) -> Int64:
 
 
 @dsl_user_op
-def clock32(*, loc=None, ip=None) -> Int32:
-    """The SM's cycle counter (low 32 bits): phase marks of timing-only builds."""
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %clock;", "=r", loc, ip))
-
-
-@dsl_user_op
-def globaltimer_lo(*, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %globaltimer_lo;", "=r", loc, ip))
-
-
-@dsl_user_op
 def fence_sys(*, loc=None, ip=None) -> None:
     _asm(None, [], "fence.acq_rel.sys;", "~{memory}", loc, ip)
 

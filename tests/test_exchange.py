@@ -56,18 +56,3 @@ def test_poll_raises_on_every_call_after_a_failure_until_close():
     # after close(): silent (a replay's kernels do no work; a recreated exchange is not blocked)
     _polled_exchange([layout.STATUS_TIMEOUT_ROUND1, 6, 3, 2], freed=True).poll()
 
-
-def test_timing_only_builds_are_not_exact(monkeypatch):
-    from jax_dsa_exchange.kernels import cache
-
-    for sel, mer, exact in [("", "", True), ("relax=1,cache=32768", "", True), ("skip=pass2", "", False),
-                            ("", "rnor2=1", False), ("", "noout=0", True), ("prof=1", "", False),
-                            ("", "prof=1", False), ("bmin=2", "", True), ("prof=0", "", True),
-                            ("", "epijump=1", True), ("", "tailout=1", True), ("", "r2radix=1", True),  # exact
-                            ("", "r2roll=0", True), ("", "r2roll=2", True), ("", "r2all=0", True), ("", "r2all=1", True),
-                            ("", "r2radix=1,prof=1", False),
-                            ("cid=0,one=0", "", True), ("cid=0,skip=push", "", False),
-                            ("", "epijump=1,norescue=1", False), ("rep=2", "", False), ("rep=1", "", True)]:
-        monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", sel)
-        monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", mer)
-        assert cache.tune_exact() is exact, (sel, mer)

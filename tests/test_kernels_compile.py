@@ -223,21 +223,22 @@ def test_merge_cluster_of_large_rows():
     assert "merge_wide" not in cache.compile_images("sm_90a", 8, 2048, 512)
 
 
-def test_lean_producer_image(monkeypatch):
+def test_lean_producer_image():
     """The lean producer image (kernels/lean.py): select_push's kernel and ABI with the lean
     select, for configurations whose rows are pushed in own parts (n <= 2048) without the rescue
-    list, unless the select knob lean=0; its split's slice_max / cache_max are the longest slice
+    list; its split's slice_max / cache_max are the longest slice
     it takes (layout.PRODUCER_LEAN_SLICE_MAX), the launcher's rule layout.producer_uses_lean."""
-    from jax_dsa_exchange.kernels import lean, select
-    from jax_dsa_exchange.kernels.select_push import SelectPush, lean_ok
+    from jax_dsa_exchange.kernels import lean
+    from jax_dsa_exchange.kernels.select_push import ProducerConfig, lean_ok, producer_configs
 
     assert lean.SLICE_MAX == lean.TB * lean.TMAX == layout.PRODUCER_LEAN_SLICE_MAX == 16384
     for (w, k, n, rl), want in {(8, 2048, 512, False): True, (16, 4096, 2048, False): True,
                                 (16, 4096, 4096, False): False, (8, 2048, 512, True): False,
                                 (8, 2048, 2048, True): True, (8, 256, 64, False): True}.items():
         assert lean_ok(n, k, rl) == want and cache.has_lean_producer(w, k, n, rl) == want, (w, k, n, rl)
+        assert [c.lean for c in producer_configs(w, k, n, rl)] == [False, True][:1 + want], (w, k, n, rl)
     with pytest.raises(ValueError, match="no lean select_push for n=4096"):
-        SelectPush(16, 4096, 4096, lean=True)
+        ProducerConfig(16, 4096, 4096, lean=True)
     imgs = cache.compile_images("sm_90a", 8, 2048, 512)
     assert list(imgs) == ["select_push", "select_push_lean", "merge"]
     sp, lp = imgs["select_push"][0], imgs["select_push_lean"][0]
@@ -247,8 +248,6 @@ def test_lean_producer_image(monkeypatch):
     # its shared memory with a full slice copy (the launch trims it as select_push's cache)
     assert lp.smem < sp.smem and 2 * lp.split["cache_max"] < lp.smem
     assert "select_push_lean" not in cache.compile_images("sm_90a", 8, 2048, 512, rescue_list=True)
-    monkeypatch.setattr(select, "LEAN", 0)
-    assert not cache.has_lean_producer(8, 2048, 512)
     # the rule: slices cut from min(cols, 2**17) of at most slice_max tokens, an image at all
     for cols, c, want in ((8192, 1, True), (16384, 1, True), (16385, 1, False), (32768, 2, True),
                           (32768, 1, False), (131072, 8, True), (131072, 6, False), (200000, 8, True),
@@ -264,6 +263,25 @@ def test_lean_producer_image(monkeypatch):
         assert layout.producer_uses_lean(cols, c, 16384)
         assert layout.producer_lean_cluster(rows, cols, c, lp.split) == want, (rows, cols, c)
         assert layout.producer_lean_cluster(rows, cols, c, dict(lp.split, cluster_max=1, fill_ctas=0)) == c
+
+
+def test_producer_config_objects(tmp_path):
+    """A producer image is its frozen ProducerConfig: producer_configs picks them (the lean one
+    where lean_ok), SelectPush takes one and caches its compile on the object."""
+    import dataclasses
+
+    from jax_dsa_exchange.kernels.select_push import ProducerConfig, SelectPush, producer_configs
+
+    cfg = ProducerConfig(2, 256, 64)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lean = True
+    assert producer_configs(2, 256, 64) == (cfg, ProducerConfig(2, 256, 64, lean=True))
+    assert producer_configs(2, 4096, 4096) == (ProducerConfig(2, 4096, 4096),)
+    assert cache.producer_images(2, 256, 64) == ("select_push", "select_push_lean")
+    assert cache.producer_images(8, 2048, 512, rescue_list=True) == ("select_push",)
+    obj = SelectPush(cfg)
+    first = obj.compile("sm_90a", str(tmp_path))
+    assert obj.compile("sm_90a", str(tmp_path)) is first
 
 
 def test_kernel_signatures_are_the_abi():
@@ -298,6 +316,15 @@ def test_cache_key_follows_source(tmp_path):
     h1 = cache.source_hash(files)
     assert h1 != h0
     assert cache.config_tag("sm_90a", 8, 256, 64, h0) != cache.config_tag("sm_90a", 8, 256, 64, h1)
+
+
+def test_source_hash_ignores_the_environment(monkeypatch):
+    """The cubins' tag derives from the sources and the configuration alone: no environment
+    variable changes kernel code."""
+    h0 = cache.source_hash()
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_SELECT_TUNE", "u1=8")
+    monkeypatch.setenv("JAX_DSA_EXCHANGE_MERGE_TUNE", "clus=4")
+    assert cache.source_hash() == h0
 
 
 def test_load_from_prebuilt_dir_and_clear_error(tmp_path, monkeypatch):
@@ -339,11 +366,11 @@ def test_layout_constants_used_by_kernels():
 
     assert S.CACHE_MAX == layout.PRODUCER_CACHE_MAX and select_push.split()["cache_max"] == S.CACHE_MAX
     for n in (512, 4096):
-        full = select_push.SelectPush(8, n).smem
+        full = select_push.SelectPush(select_push.ProducerConfig(8, 4096, n)).smem
         assert full <= SMEM_OPT_IN_MAX
         assert full - 2 * (S.CACHE_MAX - layout.PRODUCER_CACHE_WIDE) <= SMEM_OPT_IN_MAX // 2
     # (the 16 KB pass-2 mask, a bit per token of a 2**17-token slice, included)
-    assert select_push.SelectPush(8, 512).smem - 2 * (S.CACHE_MAX - layout.PRODUCER_SLICE_MAX) <= 64 * 1024
+    assert select_push.SelectPush(select_push.ProducerConfig(8, 2048, 512)).smem - 2 * (S.CACHE_MAX - layout.PRODUCER_SLICE_MAX) <= 64 * 1024
     assert m.smem <= 64 * 1024
 
 
@@ -373,99 +400,28 @@ def _in_fresh_process(code: str, **env_vars):
                           timeout=600, cwd=root)  # fmt: skip
 
 
-def test_lean_candidate_knobs_compile():
-    """The lean image's candidate select knob compiles without a stack frame and within 64
-    registers (two 512-thread CTAs per SM, which the R = 256 shapes rely on): lcm=16 (clusters
-    of up to 16 CTAs: non-portable).  csw (the slice copy's chunks permuted by the thread;
-    measured in the twenty-ninth session: 0.1-0.3 us slower) was removed: an unknown knob."""
-    code = ("import json, sys; from jax_dsa_exchange.kernels import cache; "
-            "m = cache.compile_images('sm_90a', 8, 2048, 512)['select_push_lean'][0]; "
-            "sys.stdout.write(json.dumps(dict(cache.cubin_resources(m.cubin), ptx=m.ptx)))")  # fmt: skip
-    res = {}
-    for tune in ("", "lcm=16"):
-        r = _in_fresh_process(code, JAX_DSA_EXCHANGE_SELECT_TUNE=tune, JAX_DSA_EXCHANGE_MERGE_TUNE="")
-        assert r.returncode == 0, (tune, r.stderr[-2000:])
-        res[tune] = json.loads(r.stdout)
-        assert res[tune]["frame_bytes"] == 0 and res[tune]["registers"] <= 64, (tune, res[tune]["registers"])
-    assert res["lcm=16"]["ptx"].count("ld.shared::cluster") > res[""]["ptx"].count("ld.shared::cluster")
-    r = _in_fresh_process("import jax_dsa_exchange.kernels.select", JAX_DSA_EXCHANGE_SELECT_TUNE="csw=1")
-    assert r.returncode != 0 and "csw" in r.stderr, r.stderr[-500:]
+def test_lean_image_resources():
+    """The lean image compiles without a stack frame and within 64 registers (two 512-thread
+    CTAs per SM, which the R = 256 shapes rely on)."""
+    img = cache.compile_images("sm_90a", 8, 2048, 512)["select_push_lean"][0]
+    res = cache.cubin_resources(img.cubin)
+    assert res["frame_bytes"] == 0 and res["registers"] <= 64, res
 
 
-def test_select_tune_variants(tmp_path):
-    """The exact speed-up knobs (select.RELAX and select.OWN, on by default) and a
-    timing-only skip build compile (fresh processes: select.py reads
-    JAX_DSA_EXCHANGE_SELECT_TUNE at import).  RELAX: cluster barriers 1 and 2 release only
-    the CTA's own shared memory; OWN: no barrier 3 (each CTA pushes its own part; a relaxed
-    arrival, the wait before exit); own=0 keeps arrive.release for barrier 3 of a
-    multi-CTA cluster; an unknown stage fails."""
-    code = ("import sys; from jax_dsa_exchange.kernels import cache, select; "
-            "imgs = cache.compile_images('sm_90a', 2, 256, 64); "
-            "sys.stdout.write(imgs['select_push'][0].ptx)")  # fmt: skip
-
-    def ptx(tune):
-        return _in_fresh_process(code, JAX_DSA_EXCHANGE_SELECT_TUNE=tune)
-
-    r = ptx("")  # the default: RELAX = 1
-    assert r.returncode == 0, r.stderr[-2000:]
-    sp = r.stdout
+def test_select_push_cluster_protocol():
+    """select_push's PTX at W = 2, N = 64 (rows over clusters, each CTA pushing its own part):
+    cluster barriers 1 and 2 release only the CTA's own shared memory, the last is a relaxed
+    arrival (its wait before exit), never a full release; the row comes from %clusterid.x; the
+    mask walks load a thread's units by predicated u16 loads (two per 32-token word, three
+    walks); the compaction's counts come from the second histogram's per-thread counters (two
+    popc.b64 over their 2-bit fields)."""
+    sp = cache.compile_images("sm_90a", 2, 256, 64)["select_push"][0].ptx
     assert sp.count("fence.release.sync_restrict::shared::cta.cluster") == 2
     assert sp.count("barrier.cluster.arrive.relaxed.aligned") == 3
     assert sp.count("barrier.cluster.arrive.release.aligned") == 0
-    r = ptx("own=0")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("fence.release.sync_restrict::shared::cta.cluster") == 3
-    assert r.stdout.count("barrier.cluster.arrive.relaxed.aligned") == 3
-    assert r.stdout.count("barrier.cluster.arrive.release.aligned") == 1
-    assert "st.shared::cluster.u32" in r.stdout  # (into CTA 0's row)
-    r = ptx("relax=0")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "sync_restrict" not in r.stdout
-    assert r.stdout.count("barrier.cluster.arrive.relaxed.aligned") == 1  # (the own-part arrival)
-    assert r.stdout.count("barrier.cluster.arrive.release.aligned") == 2
-    r = ptx("skip=pass2+push")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "st.volatile.global.v2.u64" not in r.stdout  # no push
-    r = ptx("rep=2")  # (timing only) the select twice: its bulk copies issued from two places
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count("cp.async.bulk.shared::cluster.global") == 2 * sp.count("cp.async.bulk.shared::cluster.global") > 0
-    # CID (on by default; cid=0 the old way): the row from %clusterid.x, the slice length by
-    # an unsigned division: two signed divisions fewer on the path to the first loads
-    r = ptx("cid=0")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "%clusterid.x" in sp and "%clusterid.x" not in r.stdout
-    assert r.stdout.count("div.s32") == sp.count("div.s32") + 2
-    # ONE (on by default; one=0 the old way): a one-CTA cluster takes block barriers for
-    # cluster barriers 1 and 2 (a uniform branch: the cluster barriers stay for csize > 1)
-    # (and B1W's one-CTA step, which takes ONE's test of the cluster size: + 1)
-    r = ptx("one=0")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert sp.count("bar.sync") == r.stdout.count("bar.sync") + 2 + 1
-    assert r.stdout.count("barrier.cluster.arrive.relaxed.aligned") == 3
-    # FLAT (2 by default; flat=0 the old walks, flat=1 one bit per step): the walks load a
-    # thread's mask units by predicated u16 loads (two per 32-token word), the old ones did not
-    flat_loads = "@p ld.shared.u16"
-    assert sp.count(flat_loads) >= 6, sp.count(flat_loads)  # (three walks, two units per word)
-    r = ptx("flat=0")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert flat_loads not in r.stdout
-    r = ptx("flat=1")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count(flat_loads) == sp.count(flat_loads)
-    # CNT2 (on by default; cnt2=0 the first compaction walk): the compaction's counts from the
-    # hist2 walk's per-thread counters (two popc.b64 over their 2-bit fields)
+    assert "%clusterid.x" in sp
+    assert sp.count("@p ld.shared.u16") >= 6, sp.count("@p ld.shared.u16")
     assert sp.count("popc.b64") == 2
-    r = ptx("cnt2=0")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "popc.b64" not in r.stdout
-    # B1W (on by default; b1w=0 the general step): a one-CTA cluster's boundary step in warp 0,
-    # behind a uniform branch with its own barrier (in the code one bar.sync more; on that path
-    # two fewer)
-    r = ptx("b1w=0")
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert sp.count("bar.sync") == r.stdout.count("bar.sync") + 1
-    r = ptx("skip=nothing")
-    assert r.returncode != 0 and "unknown stage" in r.stderr
 
 
 def test_clustered_merges_hold_round1_as_runs():

@@ -5,7 +5,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
 
 WORKER = os.path.join(os.path.dirname(__file__), "scripts", "rendezvous_worker.py")
 

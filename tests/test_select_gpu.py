@@ -30,9 +30,8 @@ def _row_ends(n, L, rows, rng):
     S8 = -(-L // 8) // 8 * 8
     want = [0, 1, 7, 8, 9, n - 1, n, n + 1, 2 * n + 3, S8 - 1, S8 + 1, L // 3, L - 9, L - 1, L,
             L + 5, -3]  # fmt: skip
-    # the register path's edge (select.REG: slices of at most 8192 tokens): 8192 / 8193 at
-    # C = 1, and at C = 2 / 4 / 8 slices of 8200 whose last is <= 8192 (one CTA of the
-    # cluster on the register path, the others not)
+    # slices around 8192 tokens: 8192 / 8193 at C = 1, and at C = 2 / 4 / 8 slices of 8200
+    # whose last is <= 8192 (one round of pass 1 in one CTA of the cluster, more in the others)
     want += [8192, 8193, 16390, 32770, 65536, 65544]
     want += list(rng.integers(0, L + 1, max(0, rows - len(want))))
     return np.array(want[:rows], np.int64).astype(np.int32)

@@ -276,8 +276,8 @@ def test_split_select_model_is_the_local_topk(kind, n):
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "recent", "runs"])
 def test_crowded_bin_path_model(kind):
     """The crowded-bin path (refine_mask, make_list, even shares) forced on every kept slice
-    (thresholds 0, as the GPU variant big=0,ratio=0) is the local top-K too; with the
-    kernel's thresholds it takes the list on the recent pattern and never on random scores."""
+    (thresholds 0) is the local top-K too; with the kernel's thresholds it takes the list on
+    the recent pattern and never on random scores."""
     rng = np.random.default_rng(hash(("crowded", kind)) % 2**32)
     seen = set()
     for L in (4099, 70001):

@@ -47,8 +47,8 @@ KERNELS = ("select_push", "merge")
 # call has its own cluster at once (layout.merge_uses_wide).  Written before merge.json, whose
 # presence marks a folder complete.
 # select_push_lean: select_push with the lean select (kernels/lean.py), built where the configuration
-# allows it (select_push.lean_ok) unless the select knob lean=0; the launcher runs it instead of
-# select_push when every slice of a launch fits it (layout.producer_uses_lean).
+# allows it (select_push.producer_configs); the launcher runs it instead of select_push when every
+# slice of a launch fits it (layout.producer_uses_lean).
 OPTIONAL = ("select_push_lean", "merge_wide")
 KIND = {"select_push": "select_push", "select_push_lean": "select_push", "merge": "merge",
         "merge_wide": "merge"}  # image -> kernel (ABI)
@@ -152,40 +152,13 @@ class KernelImage:
 
 
 def source_hash(files=SOURCE_FILES) -> str:
+    """sha256 of the kernels' source files: with the configuration, all a cubin's tag derives from."""
     h = hashlib.sha256()
-    tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")  # select.TUNE_ENV (variants)
-    if tune:
-        h.update(b"tune:" + tune.encode() + b"\0")
-    mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")  # merge.TUNE_ENV (variants)
-    if mtune:
-        h.update(b"mtune:" + mtune.encode() + b"\0")
     for f in files:
         h.update(pathlib.Path(f).name.encode() + b"\0")
         h.update(pathlib.Path(f).read_bytes())
         h.update(b"\0")
     return h.hexdigest()
-
-
-# JAX_DSA_EXCHANGE_MERGE_TUNE knobs that change the merge's code layout only (kernels/merge.py):
-# their outputs are exact, so the GPU tests and Exchange accept them; every other merge knob is
-# timing-only (merge.TIMING_ONLY)
-MERGE_EXACT_KNOBS = ("epijump", "tailout", "r2radix", "r2roll", "r2all", "clus", "ckp", "bpoll", "runs")
-
-
-def tune_exact() -> bool:
-    """False when the tune strings select a timing-only build: ``JAX_DSA_EXCHANGE_SELECT_TUNE``
-    with ``skip=...`` (select.SKIP leaves a stage out), ``prof=1`` (phase marks over row 0's
-    logits) or ``rep=2`` (the select run twice) or ``JAX_DSA_EXCHANGE_MERGE_TUNE``
-    with any knob of merge.TIMING_ONLY on (all but MERGE_EXACT_KNOBS): the outputs are
-    wrong; the GPU tests and ``Exchange`` refuse those builds."""
-    tune = os.environ.get("JAX_DSA_EXCHANGE_SELECT_TUNE", "")
-    off = {"skip": ("", "0"), "prof": ("", "0"), "rep": ("", "0", "1")}  # (rep=1: the select once)
-    if any(kv.split("=")[0].strip() in off and kv.split("=", 1)[1].strip() not in off[kv.split("=")[0].strip()]
-           for kv in tune.split(",") if "=" in kv):  # fmt: skip
-        return False
-    mtune = os.environ.get("JAX_DSA_EXCHANGE_MERGE_TUNE", "")
-    return not any(kv.split("=", 1)[0].strip() not in MERGE_EXACT_KNOBS and kv.split("=", 1)[1].strip() not in ("", "0")
-                   for kv in mtune.split(",") if "=" in kv)  # fmt: skip
 
 
 def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str,
@@ -213,23 +186,28 @@ _COMPILED: dict = {}  # (kernel, arch, W, K, N, rescue_list) -> (compiled object
 
 
 def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_list: bool = False):
+    """The kernel object of one image: its static configuration, compile() and metadata."""
     if kernel in ("select_push", "select_push_lean"):
-        from .select_push import SelectPush
+        from .select_push import ProducerConfig, SelectPush
 
-        return SelectPush(world, local_topk, topk, rescue_list, lean=kernel == "select_push_lean")
+        return SelectPush(ProducerConfig(world, topk, local_topk, rescue_list, lean=kernel == "select_push_lean"))
     from .merge import Merge, MergeConfig
 
     config = MergeConfig(world, topk, local_topk, rescue_list)
     return Merge(config.wide() if kernel == "merge_wide" else config)
 
 
-def has_lean_producer(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
-    """Whether the configuration gets a select_push_lean image (needs the CuTe DSL: the kernels'
-    own rule, select_push.lean_ok, and the select knob lean, on by default)."""
-    from . import select
-    from .select_push import lean_ok
+def producer_images(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> tuple:
+    """The configuration's producer images (needs the CuTe DSL: the kernels' own rule,
+    select_push.producer_configs): select_push, and select_push_lean where it has the lean one."""
+    from .select_push import producer_configs
 
-    return bool(select.LEAN) and lean_ok(local_topk, topk, rescue_list)
+    return tuple(c.image for c in producer_configs(world, topk, local_topk, rescue_list))
+
+
+def has_lean_producer(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
+    """Whether the configuration gets a select_push_lean image."""
+    return "select_push_lean" in producer_images(world, topk, local_topk, rescue_list)
 
 
 def has_wide_merge(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> bool:
@@ -263,7 +241,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_lis
 
     shash = source_hash()
     out = {}
-    names = (("select_push",) + (("select_push_lean",) if has_lean_producer(world, topk, local_topk, rescue_list) else ())
+    names = (producer_images(world, topk, local_topk, rescue_list)
              + (("merge_wide",) if has_wide_merge(world, topk, local_topk, rescue_list) else ()) + ("merge",))
     for name in names:
         obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk, rescue_list)
@@ -309,8 +287,7 @@ def write_images(images: dict, out_dir) -> pathlib.Path:
 
 def read_packed(path) -> bytes:
     """A prebuilt file's bytes, or those of its gzip copy ``<name>.gz`` (tools/pack_cubins.sh
-    gzips the PTX and the cubins of a folder: ~3x smaller, so that more builds fit the device
-    machine's 64 MiB carry)."""
+    gzips the PTX and the cubins of a folder: ~3x smaller)."""
     path = pathlib.Path(path)
     if path.is_file():
         return path.read_bytes()

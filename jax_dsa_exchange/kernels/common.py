@@ -1,14 +1,11 @@
-"""Addresses in the symmetric buffer and the local state, and the CTA-wide pieces shared by
-both kernels (docs/DESIGN.md §4-§6).  No JAX import; the inline PTX is in ``ptx.py``.
+"""Addresses in the symmetric buffer and the local state, and the CTA-wide pieces both kernels
+share (docs/DESIGN.md §4-§6).  No JAX import; the inline PTX is in ``ptx.py``.
 
-One CTA of ``TB`` threads works on one row at a time.  Two selections:
-
-* the local top-n of a bf16 row (producer and rescue) lives in ``select.py``;
-* :func:`radix_select_keys`: the K-th largest of distinct 64-bit keys, exact,
-  digit by digit from the top (9-bit digits, shared histogram, block scan to
-  find the bin that holds the K-th key).  Keys come from a caller-supplied
-  source: registers when they fit, else re-read from memory every pass (they
-  are stable for the whole call).
+One CTA of ``TB`` threads works on one row at a time.  The producer's local top-n of a bf16 row
+(and the merge's rescue select) is in ``select.py``; the merge's exact select of the K-th largest
+64-bit key, digit by digit from the top (``DIGIT``-bit digits), takes its histogram
+(:func:`hist_inc`), its block scan (:func:`block_scan`) and its bin search (:func:`find_bin`)
+from here.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
 from .. import layout
-from . import ptx as P
 
 TB = 512  # threads per CTA; also the number of bins of the first histogram
 NWARPS = TB // 32
@@ -94,41 +90,6 @@ def compile_options(arch: str, dump_dir: str, ptxas: str = "") -> str:
     ``ptxas``: extra ptxas options (one string)."""
     extra = f" --ptxas-options '{ptxas}'" if ptxas else ""
     return f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump_dir}{extra}"
-
-
-class Marks:
-    """Timing only (``prof=1`` builds, outputs partly overwritten): SM clock samples at
-    numbered points of a kernel, kept in registers and stored once at its end by
-    ``store``.  Off (the default build), every call is nothing at trace time."""
-
-    N = 16
-
-    def __init__(self, on: bool, n: int = N):
-        self.on = bool(on)
-        self.N = int(n)  # (a multiple of 4: stored as 16-byte vectors)
-        self.t = cute.make_rmem_tensor((self.N,), Int32) if self.on else None
-        if self.on:
-            for i in range(self.N):
-                self.t[i] = Int32(0)
-
-    def __call__(self, i: int):
-        if self.on:
-            self.t[i] = P.clock32()
-
-    def gtime(self, i: int):
-        """The global nanosecond timer's low word (comparable across SMs)."""
-        if self.on:
-            self.t[i] = P.globaltimer_lo()
-
-    def store(self, addr, pred):
-        """The N samples as int32 at ``addr`` (16-byte aligned) where ``pred`` != 0 (predicated
-        stores: the DSL cannot carry this object through a run-time ``if``)."""
-        if self.on:
-            for i in range(0, self.N, 4):
-                P._asm(None, [Int64(addr + Int64(4 * i)), self.t[i], self.t[i + 1], self.t[i + 2],
-                            self.t[i + 3], Int32(pred)],
-                     "{ .reg .pred p; setp.ne.s32 p, $5, 0; @p st.global.v4.u32 [$0], {$1, $2, $3, $4}; }",
-                     "l,r,r,r,r,r,~{memory}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------

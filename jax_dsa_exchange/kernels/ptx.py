@@ -48,7 +48,7 @@ def ld_u16(addr: Int64, *, loc=None, ip=None) -> Uint32:
 def ld_u32_if(addr: Int64, pred: Int32, *, loc=None, ip=None) -> Int32:
     """ld_u32 where ``pred`` != 0, else 0, by a predicated load: the same load under an
     ``if`` lets LLVM fold the value's users into the branch (a multiply right after the
-    load), so each such load waited for the one before (kernels/NOTES.md, 7th session).
+    load), so each such load waited for the one before.
     The zero is written first: the output is early-clobber (``=&``), never the address's
     register."""
     return Int32(_asm(T.i32(), [Int64(addr), Int32(pred)],
@@ -178,17 +178,6 @@ def atom_cas_u32(addr: Int64, cmp: Int32, v: Int32, *, loc=None, ip=None) -> Int
 @dsl_user_op
 def globaltimer(*, loc=None, ip=None) -> Int64:
     return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", loc, ip))
-
-
-@dsl_user_op
-def clock32(*, loc=None, ip=None) -> Int32:
-    """The SM's cycle counter (low 32 bits): phase marks of timing-only builds."""
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %clock;", "=r", loc, ip))
-
-
-@dsl_user_op
-def globaltimer_lo(*, loc=None, ip=None) -> Int32:
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %globaltimer_lo;", "=r", loc, ip))
 
 
 @dsl_user_op
@@ -406,7 +395,7 @@ def cluster_sync_local(*, loc=None, ip=None) -> None:
     CTAs read after it through DSMEM) at cluster scope: fence.release.sync_restrict::
     shared::cta.cluster (MEMBAR.ALL.CTA in SASS, where arrive.release gives MEMBAR.ALL.GPU),
     barrier.cluster.arrive.relaxed, barrier.cluster.wait (acquire).  Not enough where a CTA
-    wrote into ANOTHER CTA's shared memory before it (select.RELAX)."""
+    wrote into ANOTHER CTA's shared memory before it (select.closing_barrier)."""
     _asm(None, [], "fence.release.sync_restrict::shared::cta.cluster;\n\t"
          "barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;",
          "~{memory}", loc, ip)  # fmt: skip
@@ -455,6 +444,16 @@ def or_if_ge(m: Uint32, x: Uint32, thr: Uint32, bit: cutlass.Constexpr, *, loc=N
     return Uint32(_asm(T.i32(), [Uint32(m), Uint32(x), Uint32(thr)],
                          "{ .reg .pred p; setp.ge.u32 p, $2, $3; mov.b32 $0, $1; @p or.b32 $0, $0, %d; }" % (1 << bit),
                          "=&r,r,r,r", loc, ip))  # fmt: skip
+
+
+@dsl_user_op
+def bin_addr(base: Int32, w: Int32, pos: cutlass.Constexpr, bits: cutlass.Constexpr, *, loc=None,
+             ip=None) -> Int32:
+    """base + 4 * (bits ``pos`` .. ``pos + bits - 1`` of w): a histogram bin's address in one
+    bit-field extract and one shift-add."""
+    return Int32(_asm(T.i32(), [Int32(base), Int32(w)],
+                      "{ .reg .b32 t; bfe.u32 t, $2, %d, %d; shl.b32 t, t, 2; add.u32 $0, $1, t; }" % (pos, bits),
+                      "=r,r,r", loc, ip))  # fmt: skip
 
 
 @dsl_user_op

@@ -1,54 +1,44 @@
-"""Exact local top-n of one bf16 row (docs/DESIGN.md §4 on one rank), split over the CTAs
-of a thread-block cluster; the producer's select and the merge's rescue select.
+"""Exact local top-n of one bf16 row (docs/DESIGN.md §4 on one rank), split over the CTAs of
+a thread-block cluster: the producer's select (select_push) and the merge's rescue select.
 
-No JAX import.  The row's valid prefix ``[0, end)`` is cut into ``C`` slices of
-``S`` tokens (S a multiple of 8), one per CTA of the cluster (``C = 1``: one CTA
-does the whole row, as the merge's rescue does).  Per CTA:
+The row's valid prefix ``[0, end)`` is cut into C slices of S tokens (S = ceil(end / C)
+rounded up to 8), one per CTA of the cluster (C = 1: one CTA does the whole row, as the
+merge's rescue does).  A token's score is its ``ord16`` (docs/DESIGN.md §5: order-preserving,
+0 for NaN and past the end).  Per CTA, in :func:`select_row`:
 
-1. **pass 1** reads its slice from HBM once (a kept, aligned slice by ``cp.async.bulk``
-   copies into shared memory, converted in place; else 16-byte loads, several in flight),
-   turns every bf16 into ``ord16`` (docs/DESIGN.md §5; 0 = NaN / past the end), keeps the
-   ord16 in shared memory when the slice fits (``cached`` and ``S <= cache_cap``, the
-   launch's ``layout.producer_cache_tokens``, at most CACHE_MAX; a longer slice, e.g.
-   C = 1 at R = 256, L = 128K, is re-read in each later pass)
-   and histograms the high ``B1`` bits (every token; bin 0, the invalid ones, dropped);
-2. one **cluster barrier**; every CTA sums the C histograms through distributed
-   shared memory (4 contiguous bins per thread: one 16-byte DSMEM load per CTA)
-   and one block scan finds the boundary bin ``b1`` (the bin of the n-th score),
-   how many scores lie above it, and how many of *its own* lie above it;
-3. **pass 2** marks a bit per token in a mask: score bin >= ``b1`` (every valid token
-   when the row has at most n); the low ``16 - B1`` bits of the scores inside ``b1``
-   are histogrammed from the mask's set bits (a kept slice) or in the pass (re-read);
-4. one **cluster barrier**; the C second-pass histograms (32 bins each) give
-   the boundary score ``v``, the number of scores ``> v`` and how many ``== v``
-   to keep (``need_eq``, ties to the lower index), and, from the CTAs before
-   this one, how many ``> v`` / ``== v`` precede its slice;
-5. **compaction** in index order over the mask only (each thread a contiguous run of
-   16-token units; the tokens of its set bits classified, one pair block scan, then
-   written; a kept slice with a crowded boundary bin, ``BIG_B1``, first drops the tokens
-   below the boundary score from its mask and walks an even share of a list of the rest)
-   puts each kept token's packed word (docs/DESIGN.md §5) straight to its
-   final position: the slice's kept tokens are one contiguous range of positions, which
-   select_push (``own_part``) keeps in each CTA's own row buffer and pushes from there,
-   each CTA its own range (after a relaxed arrival at the cluster barrier once no CTA
-   reads another's shared memory; the wait before exit); otherwise (the merge's rescue,
-   or ``own=0``) into the row buffer of the cluster's CTA 0 (DSMEM stores, bit 16 of l by
-   DSMEM ``red.or``), then
-6. one **cluster barrier**: CTA 0's row buffer is the packed row, ascending l,
-   empty words zero.
+1. **pass 1** (:func:`pass1`) reads the slice once (a kept, aligned slice by ``cp.async.bulk``
+   copies into shared memory, else 16-byte loads), keeps its ord16 in shared memory when it
+   fits the launch's cache, and histograms the high ``B1`` bits of every token;
+2. **the boundary bin** (:func:`boundary_bin`): one cluster barrier, every CTA sums the C
+   histograms through distributed shared memory (DSMEM) and one block scan finds the bin
+   ``b1`` of the n-th score, the scores above it and this CTA's own above it;
+3. **pass 2** (:func:`pass2`, :func:`hist2_walk`) marks a bit per token of bin >= b1 (every
+   valid token where the row has at most n) and histograms the low ``16 - B1`` bits of the
+   bin-b1 tokens;
+4. **the boundary score** (:func:`boundary_step`): one cluster barrier, the C second
+   histograms give the boundary score ``v``, how many ``== v`` are kept (``need_eq``, ties to
+   the lower index) and how many ``> v`` / ``== v`` precede this slice;
+5. **the compaction** (:func:`count_kept`, :func:`emit_kept`) walks the mask's set bits in
+   index order twice (each thread a contiguous run of 16-token units; a crowded slice walks
+   an even share of a list of its candidates instead): counts, one pair block scan, then every
+   kept token's packed word straight to its final position.  The slice's kept tokens are one
+   range of positions: select_push keeps each CTA's range in its own row buffer and pushes it
+   (``own_part``, after a relaxed arrival at the cluster barrier); otherwise the CTAs write
+   into CTA 0's row buffer and a closing cluster barrier completes it.
 
-Every value a branch around a barrier depends on comes from shared memory after a
-barrier, so those branches are uniform over the CTA (and over the cluster where it
-matters: every CTA executes the same cluster barriers, three, or with ``own_part`` two and
-an arrival whose wait the caller executes); the walks over set bits
-diverge per thread and reconverge before the next barrier.  Exactness does not depend
-on C: the boundary, the counts and every position are computed from exact integer
-counts over the whole row.
+With the rescue list (``n2``) the same passes also select the row's top-n2 (a second boundary
+from the same histograms, a second compaction count) and write it to global memory.
+
+Every value a branch around a barrier depends on comes from shared memory after a barrier, so
+those branches are uniform over the CTA (and over the cluster where it matters: every CTA runs
+the same cluster barriers); the walks over set bits diverge per thread and reconverge before the
+next barrier.  Exactness does not depend on C: the boundary, the counts and every position come
+from exact integer counts over the whole row.
 """
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -64,138 +54,75 @@ B1 = 11  # high bits of ord16 in the first histogram
 NB1 = 1 << B1  # 2048 bins
 NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
-# 16-byte loads (vectors of 8 tokens) per thread per round of passes 1 and 2.  2 since the
-# sixth session (H200 variants, N = 512: R = 1 L = 8K 10.88 -> 10.17 us, R = 256 L = 128K
-# 79.8 -> 77.6, no column slower; 59 -> 48 registers; a shorter unrolled body, and ncu showed
-# instruction-fetch stalls at R = 1); 1 was as fast except on uncached 128K slices (+1.3 us).
+# 16-byte loads (vectors of 8 tokens) per thread per round of passes 1 and 2: 2 rather than 4
+# (H200, N = 512: R = 1 L = 8K 10.88 -> 10.17 us, R = 256 L = 128K 79.76 -> 77.62, 59 -> 48
+# registers) or 1 (as fast, but +1.3 us on an uncached 128K slice at C = 1)
 U1 = 2
-# Benchmark variants of the static knobs ("u1=8", "early=1", "relax=0", "bulk=0", "cache=32768",
-# "skip=pass2+push"; cache.source_hash() mixes this string into the cubins' tag, so variants
-# never mix): see benchmarks/bench_kernels.py and benchmarks/bench_select_variants.py.
-# The exact candidates wt2 (block scans without their trailing barrier), w0 (the boundary
-# step by warp 0 alone) and cmax=16 (clusters of 16 CTAs, non-portable) were measured on
-# 2026-12-01 (kernels/NOTES.md), rejected and removed (their code: commit e8d324e).
-TUNE_ENV = "JAX_DSA_EXCHANGE_SELECT_TUNE"
-EARLY_TRIGGER = 1  # select_push: griddepcontrol.launch_dependents at the start (1) or the end (0)
-# Exact speed-ups, both on (measured in kernels/NOTES.md; 0 for the comparison builds):
-# pass 1 of a kept slice (16-byte aligned row): cp.async.bulk copies of the whole slice into
-# the cache at the start (every byte in flight at once, one mbarrier per TB vectors), then
-# converted in place; 0: 16-byte loads by every thread, U1 in flight
-BULK = 1
-RELAX = 1  # 1: cluster barriers 1 and 2 (and 3 when C == 1) release only this CTA's shared
-#            memory (fence.release.sync_restrict::shared::cta.cluster -> MEMBAR.ALL.CTA, then
-#            barrier.cluster.arrive.relaxed) instead of arrive.release (MEMBAR.ALL.GPU)
-# TIMING ONLY (the outputs are then WRONG; tests refuse these builds): leave one stage out
-# ("skip=a+b"), for a breakdown of the fixed and per-token cost.
-SKIPPABLE = {
-    "hist1": "pass 1 without its per-token histogram reds (one red per thread per U1 vectors, "
-             "count at the bin of its last valid token: b1 stays plausible)",
-    "pass2": "no second pass (hist2 stays zero: v = b1 << 5; the mask empty, so no compaction walk)",
-    "dsmem": "no distributed-shared loads: every CTA uses its own histograms as the cluster's",
-    "compact": "no compaction (the row stays zero)",
-    "push": "select_push pushes nothing",
-    "select": "select_push skips select_row (with push: the launch + first loads floor)",
-}
-SKIP = frozenset()
-# clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
-# boundary (select_row, "bounded"); smaller ones sum every bin ("bmin=N": a variant; 9 = never)
+# Clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
+# boundary (publish_bounds; every CTA reading all C histograms whole was 64 KB of DSMEM loads per
+# CTA at C = 8, ~2 us); smaller clusters sum every bin (H200, N = 512, R = 16, L = 128K, C = 6:
+# 15.02 us bounded against 15.68 with every bin).  At least 2: one CTA reads its own histogram.
 BOUNDED_MIN = 5
-# A kept slice whose boundary bin is crowded (more than max(BIG_B1, BIG_RATIO x its own
-# count above that bin) of its tokens there: a recency bias puts thousands there, all but
-# ~n of them below the boundary score, in a few threads' units) counts its second
-# histogram in pass 2, drops from its mask every token below the boundary score once that
-# is known, and the compaction walks a list of the rest: their (ord16, token) words in index
-# order, in the mask's unused tail, split evenly over the threads.  Random scores stay off
-# this path (where their bin holds more than 512, at most 3.5x the count above it), on which
-# it cost ~3 us per CTA (eighth session, kernels/NOTES.md).  ("list=0": never; "big=N",
-# "ratio=N": other thresholds)
-LIST = 1
+# A kept slice whose boundary bin is crowded (more than max(BIG_B1, BIG_RATIO x its own count
+# above that bin: a recency bias puts thousands there, all but ~n below the boundary score, in a
+# few threads' units) walks an even share of a list of its candidates (make_list).  Random scores
+# stay off this path (where their bin holds more than 512, at most 3.5x the count above it), on
+# which it costs ~3 us per CTA.
 BIG_B1 = 512
 BIG_RATIO = 8
-# Each CTA of a cluster keeps its own part of the packed row (a contiguous range of
-# positions: its slice's kept tokens) and pushes it itself, one CTA the bit-16 mask words
-# (select_row ``own_part``); 0: every CTA writes into CTA 0's row through DSMEM, a third
-# cluster barrier, then CTA 0 pushes the whole row ("own=0": the seventh session's way)
-OWN = 1
-# CID (exact; "cid=0" the old way): select_push's row from %clusterid.x instead of a signed
-# division of the block index by the cluster size, and the slice length by an unsigned
-# division (both ran on the path from the kernel's start to its first loads / bulk copies:
-# ~30 and ~25 dependent instructions in the SASS)
-CID = 1
-# ONE (exact; "one=0" the old way): a one-CTA cluster (csize == 1, uniform) takes block
-# barriers for cluster barriers 1 and 2 and its own shared memory for the DSMEM loads, and
-# skips the own-part arrival / wait (a cluster barrier is a fence + arrive + wait in SASS; at
-# C = 1, the rows of R >= 64 or L <= 8K, that is 2 of them and the DSMEM loads of its own
-# histograms); the end barrier after DSMEM stores (csync_end, rows of N > 2048) stays.
-# Both measured together on one H200 (thirteenth session, kernels/NOTES.md): -0.3..-0.6 us
-# by events on the C = 1 shapes, -0.1..-0.3 on clustered ones, no shape slower.
-ONE = 1
-# The rescue list (the kernels' static option ``rescue_list``, Exchange.create; fifteenth
-# session): select_push also selects each row's local top-K (n2 = K) in the same passes (a
-# second boundary from the same histograms, a second compaction count) and writes it to its
-# klist row of the local state (layout.StateLayout), where the merge's rescue of that row
-# takes it instead of selecting the row again on one CTA (W = 8, N = 512: forced rescue 34 ->
-# 24 us at L = 8K, 201 -> 24 at 128K; the producer +2.4 .. +5.8 us at R <= 64, +23 at R = 256,
-# L = 128K; kernels/NOTES.md)
-KSTAGE = 1  # its words staged in shared memory, then coalesced stores ("kstage=0": direct)
-# FLAT (exact; "flat=0" the old walks, "flat=1" one bit per step): the mask walks (the second
-# histogram's and the compaction's two) take a thread's 16-token units two at a time as one
-# word (two predicated loads: unit_pair) and each word's set bits two per step (bit_step: both
-# token loads in flight together), where the old walks took the units one by one and each
-# unit's bits one by one, every bit's load waited for before the next: a warp paid per unit
-# its longest lane's bits, plus a mask load and a reconvergence (the walks were ~1.6 us of
-# the kernel at R = 1, L = 8K and ~4.2 at R = 64, L = 128K: fifteenth session's phase
-# profiles).  The three walks repeat their loop head: the DSL carries a dynamic loop's state
-# only through names assigned in the function that holds the loop, so a shared walk taking a
-# per-token callback would not carry its counts
-FLAT = 2
-# CNT2 (exact, with FLAT; "cnt2=0" the walk): the hist2 walk of a kept slice (one count, not
-# the rescue list's two) also keeps, per thread, its count above bin b1 and a 2-bit counter per
-# low value (32 of them in 64 bits) of its bin-b1 tokens; once v is known those give the
-# compaction's first counts (> v, == v) without the first compaction walk.  A thread with 4 or
-# more bin-b1 tokens of one low value (a counter would overflow) walks as before.
-CNT2 = 1
-# A one-CTA cluster's boundary step in warp 0 (scan, boundary score, its counts: one block
-# barrier instead of three; select_push only, the merge's select is not clustered); "b1w=0":
-# the general step (seventeenth session: -0.1..-0.2 us at C = 1)
-B1W = 1
-# "rep=2", timing only: select_push runs its select twice (the second with its code, its
-# inputs and the launch's first loads resident; with prof=1 the marks are the second's): what
-# the chain costs once nothing is cold (twenty-third session: at R = 1, L = 8K every phase
-# after the first costs what it costs cold)
-REP = 1
-# LEAN (exact; "lean=0": none): configurations whose rows select_push pushes in own parts, without
-# the rescue list, also get the "select_push_lean" image (kernels/lean.py: a slice of at most
-# lean.SLICE_MAX tokens over the CTA's registers, fewer phases, no mask walks; twenty-fourth
-# session), which the launcher runs where a launch's slices fit (layout.producer_uses_lean);
-# longer slices, the rescue list's second count and the merge's rescue keep select_row
-LEAN = 1
-LEAN_SPEC = 132  # ("lspec=N") lean.SPEC_CTAS: launches of at most N CTAs cut slices from the buffer
-PROF = 0  # "prof=1", timing only: select_push's phase marks (common.Marks, tools/phase_profile.py)
-# the most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
-# dynamic shared memory holds its cache_tokens of them); "cache=N": a variant's capacity
+# The most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
+# dynamic shared memory holds its cache_tokens of them).
 CACHE_MAX = layout.PRODUCER_CACHE_MAX
-# CTAs per cluster the kernel can sum over (the portable limit)
-CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX
-# CTAs per cluster the lean select sums over ("lcm=16": non-portable clusters of up to 16, which
-# the launch must allow: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)
-LEAN_CLUSTER_MAX = CLUSTER_MAX
-# (csw, the lean slice copy's 16-byte chunks permuted against its store bank conflicts, a
-# candidate of the twenty-seventh session, was measured in the twenty-ninth and removed: the
-# producer 0.1-0.3 us slower, e.g. (R = 1, L = 8K) 5.31 against 5.06 / 5.14 us)
-for _kv in filter(None, os.environ.get(TUNE_ENV, "").split(",")):
-    _k, _v = (x.strip() for x in _kv.split("="))
-    if _k == "skip":
-        SKIP = frozenset(filter(None, _v.split("+")))
-        if not SKIP <= set(SKIPPABLE):
-            raise ValueError(f"{TUNE_ENV}: skip={_v}: unknown stage(s) {sorted(SKIP - set(SKIPPABLE))}; "
-                             f"known: {sorted(SKIPPABLE)}")
-        continue
-    globals()[{"u1": "U1", "early": "EARLY_TRIGGER", "relax": "RELAX", "bulk": "BULK",
-               "cache": "CACHE_MAX", "prof": "PROF", "bmin": "BOUNDED_MIN", "list": "LIST",
-               "big": "BIG_B1", "ratio": "BIG_RATIO", "own": "OWN", "cid": "CID", "one": "ONE",
-               "kstage": "KSTAGE", "flat": "FLAT", "cnt2": "CNT2", "b1w": "B1W",
-               "rep": "REP", "lean": "LEAN", "lspec": "LEAN_SPEC", "lcm": "LEAN_CLUSTER_MAX"}[_k]] = int(_v)  # fmt: skip
+CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX  # CTAs per cluster summed over (the portable limit)
+MASK_WORDS = layout.MAX_LOCAL_LEN // 32  # pass 2's mask: a bit per token of the longest slice
+NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
+# (CACHE_MAX <= 2**16: a kept slice's tokens are 16-bit list entries)
+assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 65536, CACHE_MAX
+assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary score: warp r sums CTA r
+assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
+
+# scalars slots (the rescue list's n2: the same slot + _K; _TOTAL + _K counts its kept tokens
+# below 2**16)
+_B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _LOWV, _ABOVE2 = 0, 1, 2, 3, 4, 5
+_GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
+_K = 12
+
+
+class Slice(NamedTuple):
+    """This CTA's slice: token lt's bf16 at row_addr + 2 (s0 + lt), its ord16 at shared address
+    cache_a + 2 lt where ``keep`` (the slice is kept on chip)."""
+
+    row_addr: Int64
+    s0: Int32
+    keep: Int32
+    cache_a: Int32
+
+
+class Units(NamedTuple):
+    """A thread's share of the walks over the mask (shared address mask_a): its contiguous
+    16-token units [u0, u1), ``per_thread`` of them at most."""
+
+    mask_a: Int32
+    u0: Int32
+    u1: Int32
+    per_thread: Int32
+
+
+class ListShare(NamedTuple):
+    """A crowded slice's list (mask words from ``first_word``): where ``used``, a thread walks its
+    entries [r0, r1) instead of its units."""
+
+    mask: cute.Tensor
+    first_word: Int32
+    r0: Int32
+    r1: Int32
+    used: Int32
+
+
+def slice_len(end, csize):
+    """Tokens per CTA of a row of ``end`` tokens over a cluster of csize: ceil(end / csize)
+    rounded up to 8 (end >= 0 and csize >= 1: the unsigned quotient is the signed one)."""
+    return Int32((Uint32(end + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
@@ -204,22 +131,17 @@ def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
     return topk if rescue_list and topk > n else 0
 
 
-EXACT = not SKIP and not PROF and REP == 1  # False: a timing-only build (wrong outputs)
-if ONE and BOUNDED_MIN < 2:  # (the bounded sums' DSMEM loads would then run at C = 1 unordered)
-    raise ValueError(f"{TUNE_ENV}: one=1 needs bmin >= 2 (bmin={BOUNDED_MIN})")
-assert CACHE_MAX % 8 == 0 and layout.PRODUCER_SLICE_MAX <= CACHE_MAX <= 98304, CACHE_MAX
-assert CLUSTER_MAX <= NWARPS, CLUSTER_MAX  # the boundary step: warp r sums CTA r
-
-assert BPT == 4, "the boundary search loads its bins as one 16-byte vector"
-# pass 2's mask: a bit per token of the longest slice (one CTA over a 2**17-token row)
-MASK_WORDS = layout.MAX_LOCAL_LEN // 32
-NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
+def klist_staged(n2: int) -> bool:
+    """Whether the rescue list's K-list words of a CTA are staged in hist1 (free after the second
+    cluster barrier: no CTA reads another's first histogram after it), then stored whole
+    (coalesced): where they fit."""
+    return 0 < n2 <= NB1
 
 
 def smem_words(rw: int, cached: bool, dual: bool = False) -> int:
     """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts;
     the cache last, so a launch with a smaller cache needs that much less)."""
-    h2 = NB2 * (2 if dual else 1)  # second-pass histograms: one per count (n, and n2: the rescue list)
+    h2 = NB2 * (2 if dual else 1)  # second histograms: one per count (n, and the rescue list's n2)
     parts = [NB1, h2, h2, 16, 32, 2 * NWARPS, rw, MASK_WORDS, 2 * NCHUNK if cached else 4,
              CACHE_MAX // 2 if cached else 4]
     return sum(-(-p // 4) * 4 for p in parts)
@@ -237,28 +159,28 @@ class SelectSmem:
             return smem.allocate_tensor(Int32, cute.make_layout((n,)), 16)
 
         self.hist1 = arr(NB1)
-        self.hist2 = arr(NB2 * (2 if dual else 1))  # (dual, the rescue list: n2's at [NB2, 2 NB2))
-        self.gsum2 = arr(NB2 * (2 if dual else 1))  # the cluster's second-pass histogram
-        self.pub = arr(16)  # read by other CTAs: [0] own count above b1, [1] own valid count,
-        #                     [2] (the rescue list) own count above n2's b1
-        self.scal = arr(32)  # CTA-local scalars (see select_row)
-        self.wt = arr(2 * NWARPS)  # warp totals of the pair scan
+        self.hist2 = arr(NB2 * (2 if dual else 1))  # (the rescue list's at [NB2, 2 NB2))
+        self.gsum2 = arr(NB2 * (2 if dual else 1))  # the cluster's second histograms
+        # read by the other CTAs: [0] own count above b1, [1] own valid count, [2] own count above
+        # n2's b1, [4..6] publish_bounds'
+        self.published = arr(16)
+        self.scalars = arr(32)  # CTA-local (the _B1 ... slots)
+        self.warp_totals = arr(2 * NWARPS)  # of the pair scan
         self.row = arr(rw)  # the packed row (CTA 0's; own_part: each CTA's range of it)
-        # a bit per slice token, set by pass 2 for the tokens the compaction looks at
-        self.mask = arr(MASK_WORDS)
-        # the bulk copies' mbarriers (8 bytes each), one per TB vectors of the cache
-        self.mbar = arr(2 * NCHUNK if cached else 4)
+        self.mask = arr(MASK_WORDS)  # a bit per slice token (pass 2); a crowded slice's list after it
+        self.mbar = arr(2 * NCHUNK if cached else 4)  # the bulk copies' mbarriers (8 bytes each)
         # ord16 pairs of the slice, last: a launch's shared memory holds cache_tokens of them
         self.cache = arr(CACHE_MAX // 2 if cached else 4)
 
     def parts(self):
-        return (self.cache, self.hist1, self.hist2, self.gsum2, self.pub, self.scal, self.wt,
-                self.row, self.mask, self.mbar)  # fmt: skip
+        """The arrays as a tuple (the DSL carries tuples of tensors through traced code)."""
+        return (self.cache, self.hist1, self.hist2, self.gsum2, self.published, self.scalars,
+                self.warp_totals, self.row, self.mask, self.mbar)  # fmt: skip
 
 
-# --------------------------------------------------------------------------
-# Pieces of the select.
-# --------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# Loads and ord16
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
@@ -319,19 +241,15 @@ def ord16_quad(a: Int32, b: Int32, c: Int32, d: Int32, xs: cute.Tensor, off: cut
     """xs[off : off+4] = ord16_pair of the four pairs (8 bf16): the short form unless one of
     them is NaN or +-0 (rare in scores; the full form then, for all four)."""
     if (ord16_special(a) | ord16_special(b) | ord16_special(c) | ord16_special(d)) == Uint32(0):
-        xs[off] = ord16_fast(a)
-        xs[off + 1] = ord16_fast(b)
-        xs[off + 2] = ord16_fast(c)
-        xs[off + 3] = ord16_fast(d)
+        for q, w in enumerate((a, b, c, d)):
+            xs[off + q] = ord16_fast(w)
     else:
-        xs[off] = ord16_pair(a)
-        xs[off + 1] = ord16_pair(b)
-        xs[off + 2] = ord16_pair(c)
-        xs[off + 3] = ord16_pair(d)
+        for q, w in enumerate((a, b, c, d)):
+            xs[off + q] = ord16_pair(w)
 
 
 @cute.jit
-def load_vec(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32, xs: cute.Tensor,
+def load_vector(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32, xs: cute.Tensor,
              off: cutlass.Constexpr):
     """ord16 pairs of slice tokens 8*vi .. 8*vi+7 into xs[off : off+4] (0 past s_len)."""
     l0 = vi * Int32(8)
@@ -348,7 +266,7 @@ def load_vec(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32
 
 
 @cute.jit
-def get_vecs(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32,
+def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32,
              cache_a: Int32, xs: cute.Tensor, from_cache: Int32, nv: cutlass.Constexpr,
              stride: cutlass.Constexpr):
     """xs[4u : 4u+4] = ord16 pairs of vector v0 + u*stride (u < nv); 0 past nvec.
@@ -359,28 +277,19 @@ def get_vecs(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, a
             xs[4 * u + k] = Int32(0)
         if vi < nvec:
             if from_cache != Int32(0):
-                a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
-                xs[4 * u] = a
-                xs[4 * u + 1] = b
-                xs[4 * u + 2] = c
-                xs[4 * u + 3] = d
+                for q, w in enumerate(P.ld_smem_v4(cache_a + vi * Int32(16))):
+                    xs[4 * u + q] = w
             else:
-                load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
+                load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
+
+
+# --------------------------------------------------------------------------------------------------
+# Scans and barriers
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
-def token_ord16(row_addr: Int64, s0: Int32, lt: Int32, cache_a: Int32, keep: Int32) -> Uint32:
-    """ord16 of slice token ``lt``: from the shared copy when ``keep`` (uniform), else global."""
-    o = Uint32(0)
-    if keep != Int32(0):
-        o = P.ld_smem_u16(cache_a + lt * Int32(2))
-    else:
-        o = C.ord16(P.ld_u16(row_addr + Int64(s0 + lt) * Int64(2)))
-    return o
-
-
-@cute.jit
-def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
+def block_scan2(a: Int32, b: Int32, lane, warp, warp_totals: cute.Tensor):
     """Inclusive sums over the CTA in thread order of a pair -> (ia, ib, ta, tb)."""
     x = a
     y = b
@@ -391,16 +300,16 @@ def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
             x = x + xa
             y = y + ya
     if lane == Int32(31):
-        wt[warp] = x
-        wt[NWARPS + warp] = y
+        warp_totals[warp] = x
+        warp_totals[NWARPS + warp] = y
     cute.arch.sync_threads()
     ba = Int32(0)
     bb = Int32(0)
     ta = Int32(0)
     tb = Int32(0)
     for w in cutlass.range_constexpr(NWARPS):
-        u = wt[w]
-        v = wt[NWARPS + w]
+        u = warp_totals[w]
+        v = warp_totals[NWARPS + w]
         if Int32(w) < warp:
             ba = ba + u
             bb = bb + v
@@ -411,129 +320,383 @@ def block_scan2(a: Int32, b: Int32, lane, warp, wt: cute.Tensor):
 
 
 @cute.jit
-def csync(clustered: cutlass.Constexpr, own_only: cutlass.Constexpr = True):
-    """The select's cluster barriers.  ``own_only``: every DSMEM datum read after it was
-    written by its owner CTA (barriers 1, 2), so with RELAX the light barrier is exact;
-    barrier 3 (False) follows DSMEM stores into CTA 0, so it keeps arrive.release unless
-    the cluster is one CTA (``csync_end``)."""
-    if cutlass.const_expr(clustered):
-        if cutlass.const_expr(RELAX and own_only):
-            P.cluster_sync_local()
-        else:
-            P.cluster_sync()
-    else:
-        cute.arch.sync_threads()
-
-
-@cute.jit
 def one_cta(csize: Int32) -> Int32:
-    """1 where ONE treats this cluster as one CTA (csize == 1: uniform), else 0 (a constant
-    0 without ONE, so those branches fold away)."""
-    r = Int32(0)
-    if cutlass.const_expr(ONE):
-        r = Int32(csize == Int32(1))
-    return r
+    """1 where the cluster is one CTA (uniform): it takes block barriers for cluster barriers
+    and reads its own shared memory for the DSMEM loads."""
+    return Int32(csize == Int32(1))
 
 
 @cute.jit
-def csync_n(clustered: cutlass.Constexpr, csize: Int32, own_only: cutlass.Constexpr = True):
-    """csync; with ONE a one-CTA cluster takes a block barrier (uniform branch)."""
-    if one_cta(csize) != Int32(0):  # (never without ONE)
+def cluster_barrier(clustered: cutlass.Constexpr, csize: Int32):
+    """Cluster barriers 1 and 2: every DSMEM datum read after them was written by its owner CTA,
+    so each CTA releases only its own shared memory (MEMBAR.ALL.CTA, where a full release is
+    MEMBAR.ALL.GPU); a one-CTA cluster or an unclustered CTA takes a block barrier."""
+    if one_cta(csize) != Int32(0):
         cute.arch.sync_threads()
     else:
-        csync(clustered, own_only)
+        if cutlass.const_expr(clustered):
+            P.cluster_sync_local()
+        else:
+            cute.arch.sync_threads()
 
 
 @cute.jit
-def csync_end(clustered: cutlass.Constexpr, csize: Int32):
-    if cutlass.const_expr(clustered and RELAX):
+def closing_barrier(clustered: cutlass.Constexpr, csize: Int32):
+    """The closing barrier where the CTAs wrote into CTA 0's row (DSMEM stores): a full release,
+    unless the cluster is one CTA (every store went to its own shared memory; a bar.sync is not
+    shown to order DSMEM stores, so it keeps the cluster barrier)."""
+    if cutlass.const_expr(clustered):
         if csize == Int32(1):
-            # one CTA: every store went to its own shared memory (DSMEM stores there too, so
-            # ONE keeps this fence + barrier: a bar.sync is not shown to order them)
             P.cluster_sync_local()
         else:
             P.cluster_sync()
     else:
-        csync(clustered, False)
+        cute.arch.sync_threads()
 
 
 @cute.jit
-def sum_cluster_bins(h1_a: Int32, hb: Int32, csize: Int32, gc: cute.Tensor):
-    """gc[0..4) += bins hb .. hb + 3 of the first histogram (shared address h1_a) of every CTA
-    r < csize of the cluster (one 16-byte DSMEM load each, all in flight at once: a remote
-    load costs a round trip)."""
+def sum_cluster_bins(h1_a: Int32, bin_lo: Int32, csize: Int32, cluster_bins: cute.Tensor):
+    """cluster_bins[0..4) += bins bin_lo .. bin_lo + 3 of the first histogram (shared address
+    h1_a) of every CTA r < csize of the cluster (one 16-byte DSMEM load each, all in flight at
+    once: a remote load costs a round trip)."""
     for r in cutlass.range_constexpr(CLUSTER_MAX):
         if Int32(r) < csize:
-            a, b, c, d = P.ld_dsmem_v4(P.mapa(h1_a + hb * Int32(4), Int32(r)))
-            gc[0] = gc[0] + a
-            gc[1] = gc[1] + b
-            gc[2] = gc[2] + c
-            gc[3] = gc[3] + d
+            a, b, c, d = P.ld_dsmem_v4(P.mapa(h1_a + bin_lo * Int32(4), Int32(r)))
+            cluster_bins[0] = cluster_bins[0] + a
+            cluster_bins[1] = cluster_bins[1] + b
+            cluster_bins[2] = cluster_bins[2] + c
+            cluster_bins[3] = cluster_bins[3] + d
 
 
-# scal slots (the rescue list: n2's at the same slot + _K, [12, 24); _TOTAL + _K counts its kept
-# tokens below 2**16)
-_B1, _ABOVE1, _TOTAL, _OWN_ABOVE1, _LOWV, _ABOVE2 = 0, 1, 2, 3, 4, 5
-_GT_BEFORE, _EQ_BEFORE, _GT_OWN, _EQ_OWN = 8, 9, 10, 11
-_K = 12
-
-
-@cute.jit
-def pop_bit(m: Uint32, u: Int32):
-    """The walks' step over unit u's mask bits m: (the slice token of the lowest set bit, m
-    without it)."""
-    return u * Int32(16) + P.low_bit(Int32(m)), m & (m - Uint32(1))
+# --------------------------------------------------------------------------------------------------
+# Pass 1 and the boundary bin (first cluster barrier)
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
-def unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
-    """(FLAT) Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1)."""
+def start_bulk_copies(row_addr: Int64, s0: Int32, nfull: Int32, copies: Int32, cache_a: Int32,
+                      mbar_a: Int32, tid):
+    """Pass 1's loads of a kept, 16-byte aligned slice: its ``nfull`` full vectors in flight at
+    once, as ``copies`` cp.async.bulk copies of TB vectors into the cache, one lane of warp 0
+    each (each completes on its own mbarrier, waited for in pass 1)."""
+    if tid < copies:
+        nb = cutlass.min(Int32(TB), nfull - tid * Int32(TB)) * Int32(16)
+        P.bulk_start(mbar_a + tid * Int32(8), cache_a + tid * Int32(TB * 16),
+                     row_addr + Int64(s0 + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
+
+
+@cute.jit
+def zero_counters(hist1: cute.Tensor, hist2: cute.Tensor, gsum2: cute.Tensor, scalars: cute.Tensor,
+                  row: cute.Tensor, rw: cutlass.Constexpr, dual: cutlass.Constexpr, tid):
+    """Zero the histograms, the scalars and the row buffer (other CTAs write into the row only
+    after the first cluster barrier, which orders this); ends with a block barrier."""
+    for i in cutlass.range(tid, rw, TB, unroll=1):
+        row[i] = Int32(0)
+    for i in cutlass.range_constexpr(BPT):
+        hist1[tid + Int32(i * TB)] = Int32(0)
+    if tid < Int32(NB2 * (1 + int(dual))):
+        hist2[tid] = Int32(0)
+        gsum2[tid] = Int32(0)
+    if tid < Int32(NB2):
+        scalars[tid] = Int32(0)
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def load_landed_vectors(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32,
+                        copies: Int32, cache_a: Int32, mbar_a: Int32, xs: cute.Tensor, base: Int32, tid,
+                        vpr: cutlass.Constexpr):
+    """A round of pass 1 over bulk-copied vectors: their copies waited for, their ord16 into xs
+    (the partial last vector from global memory)."""
+    for u in cutlass.range_constexpr(vpr):
+        c = base // Int32(TB) + Int32(u)
+        if c < copies:  # (every issued copy: one may cover the partial last vector)
+            P.mbar_wait0(mbar_a + c * Int32(8))
+    for u in cutlass.range_constexpr(vpr):
+        vi = base + tid + Int32(u * TB)
+        for k in cutlass.range_constexpr(4):
+            xs[4 * u + k] = Int32(0)
+        if vi < nfull:
+            a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
+            ord16_quad(a, b, c, d, xs, 4 * u)
+        elif vi < nvec:
+            load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
+
+
+@cute.jit
+def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32,
+          keep: Int32, bulk: Int32, copies: Int32, cache_a: Int32, mbar_a: Int32, h1_a: Int32,
+          xs: cute.Tensor, tid, cached: cutlass.Constexpr, vpr: cutlass.Constexpr):
+    """Pass 1: the slice read once (from the bulk copies' landing place, else by 16-byte loads),
+    its ord16 kept in the cache (a kept slice), and the first histogram of every token."""
+    for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
+        if cutlass.const_expr(cached):
+            if bulk != Int32(0):
+                load_landed_vectors(row_addr, s0, s_len, nvec, nfull, aligned, copies, cache_a, mbar_a, xs, base,
+                                    tid, vpr)  # fmt: skip
+            else:
+                load_vectors(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
+        else:
+            load_vectors(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
+        for u in cutlass.range_constexpr(vpr):
+            vi = base + tid + Int32(u * TB)
+            if cutlass.const_expr(cached):
+                if vi < nvec and keep != Int32(0):
+                    P.st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
+                                 xs[4 * u + 3])  # fmt: skip
+            for k in cutlass.range_constexpr(8):
+                # every token, unconditionally (a predicated red compiles to a branch and a
+                # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
+                # which no valid score reaches and the boundary search drops
+                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
+    if cutlass.const_expr(cached):
+        if bulk != Int32(0):
+            # every issued copy is waited for (any the rounds above did not take): none may still
+            # be landing in the cache after this
+            done = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
+            for c in cutlass.range(done, copies, unroll=1):
+                P.mbar_wait0(mbar_a + c * Int32(8))
+
+
+@cute.jit
+def publish_bounds(hist1: cute.Tensor, published: cute.Tensor, warp_totals: cute.Tensor,
+                   own_bins: cute.Tensor, bin_lo: Int32, count: cutlass.Constexpr, tid, lane, warp):
+    """Before the first cluster barrier of a cluster of at least BOUNDED_MIN CTAs: this CTA's
+    [valid count, own count-th bin (0: fewer), own top non-empty bin (0: none)] in published[4..6].
+    The cluster's count-th score lies in a bin >= the largest of the CTAs' own count-th bins, and
+    no bin above the largest of their top bins holds one: only the bins between are summed."""
+    cute.arch.sync_threads()  # hist1 complete
+    for p in cutlass.range_constexpr(BPT):
+        own_bins[p] = hist1[bin_lo + Int32(p)]
+    if tid == Int32(TB - 1):
+        own_bins[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+    own = own_bins[0] + own_bins[1] + own_bins[2] + own_bins[3]
+    inc = C.warp_incl_scan(own, lane)
+    if lane == Int32(31):
+        warp_totals[warp] = inc
+    cute.arch.sync_threads()
+    total = Int32(0)
+    for w in cutlass.range_constexpr(NWARPS):
+        x = warp_totals[w]
+        if Int32(w) < warp:
+            inc = inc + x
+        total = total + x
+    above = inc - own  # own scores in bins above this thread's
+    if above < Int32(count) and inc >= Int32(count):
+        for p in cutlass.range_constexpr(BPT):
+            c = own_bins[BPT - 1 - p]
+            if c > Int32(0) and above < Int32(count) and above + c >= Int32(count):
+                published[5] = bin_lo + Int32(BPT - 1 - p)
+            above = above + c
+    if own > Int32(0) and inc == own:
+        top = bin_lo
+        for p in cutlass.range_constexpr(1, BPT):
+            if own_bins[p] > Int32(0):
+                top = bin_lo + Int32(p)
+        published[6] = top
+    if tid == Int32(0):
+        published[4] = total
+        if total < Int32(count):
+            published[5] = Int32(0)
+        if total == Int32(0):
+            published[6] = Int32(0)
+
+
+@cute.jit
+def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_bins: cute.Tensor,
+                      cluster_bins: cute.Tensor, bin_lo: Int32, csize: Int32, tid, lane,
+                      clustered: cutlass.Constexpr) -> Int32:
+    """After the first cluster barrier: own_bins = this thread's 4 bins of its CTA's first histogram,
+    cluster_bins = the same bins summed over the cluster (bin 0 dropped from both) -> the cluster's valid
+    count where only the bounded bins were summed, else -1 (the scan's total is it)."""
+    for p in cutlass.range_constexpr(BPT):
+        own_bins[p] = hist1[bin_lo + Int32(p)]
+        cluster_bins[p] = Int32(0)
+    if tid == Int32(TB - 1):
+        own_bins[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
+    cl_total = Int32(-1)
+    if cutlass.const_expr(clustered):
+        if csize >= Int32(BOUNDED_MIN):
+            # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
+            pt = Int32(0)
+            pl = Int32(0)
+            ph = Int32(0)
+            pz = Int32(0)
+            if lane < csize:
+                pt, pl, ph, pz = P.ld_dsmem_v4(P.mapa(published_a + Int32(16), lane))
+            cl_total = cute.arch.warp_redux_sync(pt, "add")
+            lo = cute.arch.warp_redux_sync(pl, "max")
+            hi = cute.arch.warp_redux_sync(ph, "max")
+            if bin_lo + Int32(BPT - 1) >= lo and bin_lo <= hi:
+                sum_cluster_bins(h1_a, bin_lo, csize, cluster_bins)
+        elif one_cta(csize) != Int32(0):
+            for p in cutlass.range_constexpr(BPT):
+                cluster_bins[p] = own_bins[p]
+        else:
+            sum_cluster_bins(h1_a, bin_lo, csize, cluster_bins)  # every bin
+    else:
+        for p in cutlass.range_constexpr(BPT):
+            cluster_bins[p] = own_bins[p]
+    if tid == Int32(TB - 1):
+        cluster_bins[0] = Int32(0)
+    return cl_total
+
+
+@cute.jit
+def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32,
+                        cluster_bins: cute.Tensor, own_bins: cute.Tensor, bin_lo: Int32,
+                        scalars: cute.Tensor, so: cutlass.Constexpr):
+    """The thread whose bins hold the cluster's count-th score (from the top; ig / il: the
+    inclusive scans of the cluster's / own bin sums sg / sl) writes its bin, the cluster's
+    scores above it and its CTA's own above it into scalars[so + _B1, _ABOVE1, _OWN_ABOVE1]."""
+    above = ig - sg
+    own_above = il - sl
+    if above < Int32(count) and ig >= Int32(count):
+        for p in cutlass.range_constexpr(BPT):
+            c = cluster_bins[BPT - 1 - p]
+            if c > Int32(0) and above < Int32(count) and above + c >= Int32(count):
+                scalars[so + _B1] = bin_lo + Int32(BPT - 1 - p)
+                scalars[so + _ABOVE1] = above
+                scalars[so + _OWN_ABOVE1] = own_above
+            above = above + c
+            own_above = own_above + own_bins[BPT - 1 - p]
+
+
+@cute.jit
+def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, published_a: Int32,
+                 scalars: cute.Tensor, warp_totals: cute.Tensor, csize: Int32, tid, lane, warp,
+                 n: cutlass.Constexpr, n2: cutlass.Constexpr, clustered: cutlass.Constexpr):
+    """Before the first cluster barrier (bounded clusters: publish_bounds) and after it: the
+    cluster's first histogram, one block scan from the top bin, the boundary bin of the top-n
+    (and of the top-n2) in scalars, the row's valid count in scalars[_TOTAL], this CTA's in published[1].
+    Ends with a block barrier."""
+    # thread tid owns bins bin_lo+3 .. bin_lo of the first histogram, bin_lo = NB1 - 4 (tid + 1): the
+    # scans below rank the bins from the top
+    bin_lo = Int32(NB1 - BPT) - tid * Int32(BPT)
+    own_bins = cute.make_rmem_tensor((BPT,), Int32)
+    cluster_bins = cute.make_rmem_tensor((BPT,), Int32)
+    if cutlass.const_expr(clustered):
+        if csize >= Int32(BOUNDED_MIN):
+            publish_bounds(hist1, published, warp_totals, own_bins, bin_lo, max(n, n2), tid, lane, warp)
+    cluster_barrier(clustered, csize)
+    cl_total = cluster_histogram(hist1, h1_a, published_a, own_bins, cluster_bins, bin_lo, csize, tid, lane,
+                                 clustered)  # fmt: skip
+    sg = cluster_bins[0] + cluster_bins[1] + cluster_bins[2] + cluster_bins[3]
+    sl = own_bins[0] + own_bins[1] + own_bins[2] + own_bins[3]
+    ig, il, tg, tl = block_scan2(sg, sl, lane, warp, warp_totals)
+    if cl_total >= Int32(0):
+        tg = cl_total  # (the scan summed only the bins in [lo, hi])
+    if cutlass.const_expr(n2 > 0):
+        locate_boundary_bin(n2, ig, il, sg, sl, cluster_bins, own_bins, bin_lo, scalars, _K)
+    locate_boundary_bin(n, ig, il, sg, sl, cluster_bins, own_bins, bin_lo, scalars, 0)
+    if tid == Int32(0):
+        scalars[_TOTAL] = tg
+        published[1] = tl
+    cute.arch.sync_threads()
+
+
+# --------------------------------------------------------------------------------------------------
+# Pass 2: the mask and the second histograms
+# --------------------------------------------------------------------------------------------------
+
+
+@cute.jit
+def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, aligned: Int32,
+          keep: Int32, big: Int32, mthr: Uint32, b1c: Int32, b1kc: Int32, cache_a: Int32, h2_a: Int32,
+          mask_a: Int32, xs: cute.Tensor, tid, dual: cutlass.Constexpr, vpr: cutlass.Constexpr):
+    """Pass 2: a mask bit per token of ord16 >= mthr (what the compaction looks at: about n + the
+    boundary bin's count over the row), and in a slice re-read from global memory or a crowded
+    one (``big``) the second histogram of bin b1c's (and b1kc's) tokens, from the
+    tokens in registers; a kept slice counts it from the mask's set bits (hist2_walk)."""
+    for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
+        load_vectors(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
+        for u in cutlass.range_constexpr(vpr):
+            mb = Int32(0)
+            for k in cutlass.range_constexpr(8):
+                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                if o >= mthr:
+                    mb = mb | Int32(1 << k)
+            if (keep == Int32(0) or big != Int32(0)) and mb != Int32(0):
+                for k in cutlass.range_constexpr(8):
+                    o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                    # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
+                    P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                      Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
+                    if cutlass.const_expr(dual):
+                        P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
+                                          Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
+            vi = base + tid + Int32(u * TB)
+            if vi < nvec4:
+                P.st_smem_u8(mask_a + vi, mb)
+
+
+@cute.jit
+def pass2_thresholds(total: Int32, b1: Int32, b1k: Int32, n: cutlass.Constexpr, n2: cutlass.Constexpr):
+    """(pass 2's mask threshold: the lower boundary bin's first ord16, 1 where the row has at most
+    that count; the bin whose second histogram is counted, -1: none; the rescue list's)."""
+    mthr = Uint32(1)  # ord16 >= 1: valid
+    b1c = Int32(-1)
+    if total > Int32(n):
+        mthr = Uint32(b1) << Uint32(16 - B1)
+        b1c = b1
+    b1kc = Int32(-1)
+    if cutlass.const_expr(n2 > 0):
+        mthr = Uint32(1)
+        if total > Int32(n2):
+            mthr = Uint32(b1k) << Uint32(16 - B1)
+            b1kc = b1k
+    return mthr, b1c, b1kc
+
+
+@cute.jit
+def mask_unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
+    """Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1): the walks take
+    a thread's units two at a time (two predicated loads, no branch per unit)."""
     lo = P.ld_smem_u16_if(mask_a + ua * Int32(2), Int32(ua < u1))
     hi = P.ld_smem_u16_if(mask_a + ua * Int32(2) + Int32(2), Int32(ua + Int32(1) < u1))
     return lo | (hi << Uint32(16))
 
 
 @cute.jit
-def bit_step(m: Uint32, base: Int32, row_addr: Int64, s0: Int32, cache_a: Int32, keep: Int32):
-    """(FLAT) One step of a walk over the set bits m (some set) of the word whose bit 0 is
-    slice token ``base``: the lowest one's token and ord16, and with FLAT == 2 the next one's
-    (ord16 0 where there is none: 0 is no valid score, so every walk's rule skips it), both
-    loads issued before either is used -> (lta, oa, ltb, ob, m without them)."""
+def next_two_set_bits(m: Uint32, base: Int32, sl: Slice):
+    """One step of a walk over the set bits m (some set) of the word whose bit 0 is slice token
+    ``base``: the lowest two set bits' tokens and ord16 (the second's 0 where there is none: 0 is
+    no valid score, so every walk's rule skips it), both loads issued before either is used (a
+    chain of dependent loads per bit was the walks' cost) -> (lta, oa, ltb, ob, m without them)."""
     lta = base + P.low_bit(Int32(m))
     m = m & (m - Uint32(1))
     ltb = lta
     more = Int32(0)
-    if cutlass.const_expr(FLAT == 2):
-        if m != Uint32(0):
-            more = Int32(1)
-            ltb = base + P.low_bit(Int32(m))
-        m = m & (m - Uint32(1))  # (m = 0 stays 0)
+    if m != Uint32(0):
+        more = Int32(1)
+        ltb = base + P.low_bit(Int32(m))
+    m = m & (m - Uint32(1))  # (m = 0 stays 0)
     oa = Uint32(0)
     ob = Uint32(0)
-    if keep != Int32(0):
-        oa = P.ld_smem_u16(cache_a + lta * Int32(2))
-        if cutlass.const_expr(FLAT == 2):
-            ob = P.ld_smem_u16(cache_a + ltb * Int32(2))
+    if sl.keep != Int32(0):
+        oa = P.ld_smem_u16(sl.cache_a + lta * Int32(2))
+        ob = P.ld_smem_u16(sl.cache_a + ltb * Int32(2))
     else:
-        oa = C.ord16(P.ld_u16(row_addr + Int64(s0 + lta) * Int64(2)))
-        if cutlass.const_expr(FLAT == 2):
-            ob = C.ord16(P.ld_u16(row_addr + Int64(s0 + ltb) * Int64(2)))
+        oa = C.ord16(P.ld_u16(sl.row_addr + Int64(sl.s0 + lta) * Int64(2)))
+        ob = C.ord16(P.ld_u16(sl.row_addr + Int64(sl.s0 + ltb) * Int64(2)))
     if more == Int32(0):
         ob = Uint32(0)
     return lta, oa, ltb, ob, m
 
 
 @cute.jit
-def h2_add(h2_a: Int32, o: Uint32, b: Int32):
+def hist2_add(h2_a: Int32, o: Uint32, b: Int32):
     """The second histogram's count of ord16 o where its bin is b: an unconditional red of
     (bin == b), no branch (o = 0, no token, is in bin 0, never b)."""
     P.red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(Int32(o >> Uint32(16 - B1)) == b))
 
 
 @cute.jit
-def cnt2_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
-    """(CNT2) One token of the hist2 walk (o = 0: none): above + (bin > b1); a bin-b1 token
-    adds 1 to its low value's 2-bit counter in lowc, or sets ovf where that counter is 3."""
+def low_counter_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
+    """One token of the hist2 walk (o = 0: none): above + (bin > b1); a bin-b1 token adds 1 to
+    its low value's 2-bit counter in lowc (32 of them in 64 bits), or sets ovf where that counter
+    is 3.  Once v is known they give the compaction's counts without its first walk."""
     bn = Int32(o >> Uint32(16 - B1))
     if bn > b1:
         above = above + Int32(1)
@@ -547,13 +710,239 @@ def cnt2_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
 
 
 @cute.jit
-def cnt2_counts(above: Int32, lowc: Uint64, lowv: Int32):
-    """(CNT2) A thread's compaction counts from its hist2 walk, v = (b1 << 5) | lowv:
-    (> v: above b1, or in b1 with a low value above lowv; == v)."""
-    x = lowc >> Uint64(Int32(2) * lowv)
-    hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
-    ngt = above + P.popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
-    return ngt, Int32(x & Uint64(3))
+def hist2_walk(sl: Slice, units: Units, b1: Int32, b1kc: Int32, h2_a: Int32, dual: cutlass.Constexpr):
+    """A kept slice's second histogram from its mask's set bits only (a few % of the tokens),
+    over the thread's units; one count (no rescue list) also keeps per thread its
+    count above bin b1 and a 2-bit counter per low value of its bin-b1 tokens (low_counter_add) ->
+    (1 where those give the compaction's counts: no counter passed 3, above, counters)."""
+    above = Int32(0)
+    lowc = Uint64(0)
+    ovf = Int32(0)
+    for j in cutlass.range(0, (units.per_thread + Int32(1)) >> Int32(1), unroll=1):
+        m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)
+        while m != Uint32(0):
+            _a, oa, _b, ob, m = next_two_set_bits(m, (units.u0 + Int32(2) * j) * Int32(16), sl)
+            hist2_add(h2_a, oa, b1)
+            hist2_add(h2_a, ob, b1)
+            if cutlass.const_expr(not dual):
+                above, lowc, ovf = low_counter_add(oa, b1, above, lowc, ovf)
+                above, lowc, ovf = low_counter_add(ob, b1, above, lowc, ovf)
+            if cutlass.const_expr(dual):
+                hist2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
+                hist2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
+    ok = Int32(0)
+    if cutlass.const_expr(not dual):
+        ok = Int32(1) - ovf
+    return ok, above, lowc
+
+
+# --------------------------------------------------------------------------------------------------
+# The boundary score (second cluster barrier)
+# --------------------------------------------------------------------------------------------------
+
+
+@cute.jit
+def boundary_score_one_cta(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, published: cute.Tensor,
+                           scalars: cute.Tensor, lane, warp, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
+                           so: cutlass.Constexpr):
+    """boundary_step of a one-CTA cluster: warp 0 scans its own second histogram (nothing
+    precedes the slice), one block barrier instead of three -> (v, need_eq)."""
+    if warp == Int32(0):
+        c = hist2[Int32(ho + NB2 - 1) - lane]  # (bins from the top)
+        inc = C.warp_incl_scan(c, lane)
+        need2 = Int32(nn) - scalars[so + _ABOVE1]
+        if c > Int32(0) and inc >= need2 and inc - c < need2:  # (exactly one lane)
+            scalars[so + _LOWV] = Int32(NB2 - 1) - lane
+            scalars[so + _ABOVE2] = inc - c
+            scalars[so + _GT_OWN] = published[pa] + inc - c
+            scalars[so + _EQ_OWN] = c
+    cute.arch.sync_threads()
+    v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(scalars[so + _LOWV])
+    need_eq = Int32(nn) - scalars[so + _ABOVE1] - scalars[so + _ABOVE2]
+    return v, need_eq
+
+
+@cute.jit
+def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, gsum2: cute.Tensor,
+                           published: cute.Tensor, scalars: cute.Tensor, h2_a: Int32, g2_a: Int32,
+                           published_a: Int32, scalars_a: Int32, r: Int32, j: Int32, lane, warp,
+                           csize: Int32, me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
+                           pa: cutlass.Constexpr, so: cutlass.Constexpr):
+    """boundary_step where the row has more than nn valid tokens: warp r < C adds CTA r's second
+    histogram into gsum2, warp 0 finds the boundary score in it, then every warp r adds CTA r's
+    counts > v / == v to this CTA's counts before its slice (r < me) or in it (r == me); lane j
+    of warp r takes bin j."""
+    x = Int32(0)
+    above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
+    if r < csize:
+        if cutlass.const_expr(clustered):
+            if one_cta(csize) != Int32(0):  # (r == me == 0: its own histogram)
+                x = hist2[ho + j]
+                if j == Int32(0):
+                    above = published[pa]
+            else:
+                x = P.ld_dsmem_u32(P.mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
+                # (only CTAs up to this one count: no remote load whose value is dead, so
+                # every DSMEM load is used before own_part's relaxed arrival)
+                if j == Int32(0) and r <= me:
+                    above = P.ld_dsmem_u32(P.mapa(published_a + Int32(4 * pa), r))
+        else:
+            x = hist2[ho + j]
+            above = published[pa]
+        if x != Int32(0):
+            P.red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
+    cute.arch.sync_threads()
+    need2 = Int32(nn) - scalars[so + _ABOVE1]
+    if warp == Int32(0):
+        c = gsum2[Int32(ho + NB2 - 1) - lane]
+        inc = C.warp_incl_scan(c, lane)
+        if c > Int32(0) and inc >= need2 and inc - c < need2:
+            scalars[so + _LOWV] = Int32(NB2 - 1) - lane
+            scalars[so + _ABOVE2] = inc - c
+    cute.arch.sync_threads()
+    lowv = scalars[so + _LOWV]
+    v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
+    need_eq = Int32(nn) - scalars[so + _ABOVE1] - scalars[so + _ABOVE2]
+    if r < csize:
+        gt = Int32(0)
+        eq = Int32(0)
+        if j > lowv:
+            gt = x
+        if j == lowv:
+            eq = x
+        if j == Int32(0):
+            gt = gt + above
+        if r < me:
+            if gt != Int32(0):
+                P.red_smem_add(scalars_a + Int32((so + _GT_BEFORE) * 4), gt)
+            if eq != Int32(0):
+                P.red_smem_add(scalars_a + Int32((so + _EQ_BEFORE) * 4), eq)
+        if r == me:
+            if gt != Int32(0):
+                P.red_smem_add(scalars_a + Int32((so + _GT_OWN) * 4), gt)
+            if eq != Int32(0):
+                P.red_smem_add(scalars_a + Int32((so + _EQ_OWN) * 4), eq)
+    return v, need_eq
+
+
+@cute.jit
+def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Tensor,
+                  gsum2: cute.Tensor, published: cute.Tensor, scalars: cute.Tensor, h2_a: Int32,
+                  g2_a: Int32, published_a: Int32, scalars_a: Int32, tid, lane, warp, csize: Int32,
+                  me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
+                  pa: cutlass.Constexpr, so: cutlass.Constexpr):
+    """After the second cluster barrier: the boundary score v of the top-nn, need_eq (how many
+    == v are kept), and how many > v / == v precede this slice and lie in it (scalars slots + so)
+    -> (v, need_eq).  ``ho``: this count's second histograms in hist2 / gsum2; ``pa``: published's
+    own count above its b1; (so, ho, pa) = (0, 0, 0) for n, (_K, NB2, 2) for the rescue list's
+    n2.  Ends with a block barrier."""
+    v = Uint32(0)
+    need_eq = Int32(0)
+    r = tid >> Int32(5)
+    j = tid & Int32(31)
+    fast = Int32(0)  # a one-CTA cluster: warp 0 does the step
+    if cutlass.const_expr(clustered):
+        if total > Int32(nn):
+            fast = one_cta(csize)
+    if fast != Int32(0):
+        v, need_eq = boundary_score_one_cta(nn, b1, hist2, published, scalars, lane, warp, ho, pa, so)
+    elif total > Int32(nn):
+        v, need_eq = boundary_score_cluster(nn, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a,
+                                            scalars_a, r, j, lane, warp, csize, me, clustered, ho, pa,
+                                            so)  # fmt: skip
+    else:
+        # every valid token is kept (v = 0: every ord16 of a valid token is > 0); what precedes
+        # the slice is the valid count of the CTAs before it
+        if tid < csize and tid < me:
+            y = Int32(0)
+            if cutlass.const_expr(clustered):
+                y = P.ld_dsmem_u32(P.mapa(published_a + Int32(4), tid))
+            P.red_smem_add(scalars_a + Int32((so + _GT_BEFORE) * 4), y)
+        if tid == Int32(0):
+            scalars[so + _GT_OWN] = published[1]
+    if fast == Int32(0):  # (the one-CTA step ended with its barrier)
+        cute.arch.sync_threads()
+    return v, need_eq
+
+
+# --------------------------------------------------------------------------------------------------
+# A crowded slice's list
+# --------------------------------------------------------------------------------------------------
+
+
+@cute.jit
+def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid):
+    """Clear the mask bit of every token whose ord16 is below v (the boundary score): what
+    stays is what the compaction keeps or ties.  Thread tid takes mask words tid, tid + TB,
+    ... (4 vectors each; a vector's ord16 loaded only when it has a set bit)."""
+    for wi in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
+        w = Uint32(mask[wi])
+        if w != Uint32(0):
+            nw = Uint32(0)
+            for j in cutlass.range_constexpr(4):
+                byte = (w >> Uint32(8 * j)) & Uint32(0xFF)
+                if byte != Uint32(0):
+                    a, b, c, d = P.ld_smem_v4(cache_a + (wi * Int32(4) + Int32(j)) * Int32(16))
+                    xs = (a, b, c, d)
+                    ge = Uint32(0)  # (selects, not a branch per token)
+                    for k in cutlass.range_constexpr(8):
+                        o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                        ge = ge | (Uint32(Int32(o >= v)) << Uint32(k))
+                    nw = nw | ((byte & ge) << Uint32(8 * j))
+            mask[wi] = Int32(nw)
+
+
+@cute.jit
+def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, pos: Int32):
+    """mask[lw + pos ..] = (ord16 << 16) | token of every set bit of units [u0, u1), in index
+    order: a unit's 16 tokens' ord16 in two 16-byte loads, then one predicated store per bit
+    (no chain of dependent loads however dense the unit)."""
+    for u in cutlass.range(u0, u1, unroll=1):
+        m = P.ld_smem_u16(mask_a + u * Int32(2))
+        if m != Uint32(0):
+            xs = cute.make_rmem_tensor((8,), Int32)
+            for k in cutlass.range_constexpr(8):
+                xs[k] = Int32(0)
+            if (m & Uint32(0xFF)) != Uint32(0):
+                for q, w in enumerate(P.ld_smem_v4(cache_a + u * Int32(32))):
+                    xs[q] = w
+            if (m >> Uint32(8)) != Uint32(0):  # (a set bit: that vector is inside the slice)
+                for q, w in enumerate(P.ld_smem_v4(cache_a + u * Int32(32) + Int32(16))):
+                    xs[4 + q] = w
+            for k in cutlass.range_constexpr(16):
+                o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
+                bit = Int32((m >> Uint32(k)) & Uint32(1))
+                P.st_smem_u32_if(mask_a + (lw + pos) * Int32(4),
+                               Int32((o << Uint32(16)) | Uint32(u * Int32(16) + Int32(k))), bit)
+                pos = pos + bit
+
+
+@cute.jit
+def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, lane, warp,
+              warp_totals: cute.Tensor, tid):
+    """The mask's set bits as a list at mask[lw ..] (build_list) when they fit, each thread's
+    share of it: -> (1, r0, r1), thread tid walking entries [r0, r1); (0, 0, 0) when the
+    list does not fit (the walks then take the units).  Every thread of the CTA calls it."""
+    cnt = Int32(0)
+    for u in cutlass.range(u0, u1, unroll=1):
+        cnt = cnt + Int32(cute.arch.popc(P.ld_smem_u16(mask_a + u * Int32(2))))
+    icnt, _, nbits, _ = block_scan2(cnt, Int32(0), lane, warp, warp_totals)
+    ok = Int32(0)
+    r0 = Int32(0)
+    r1 = Int32(0)
+    if nbits <= Int32(MASK_WORDS) - lw:
+        ok = Int32(1)
+        build_list(mask_a, cache_a, lw, u0, u1, icnt - cnt)
+        cute.arch.sync_threads()
+        q = (nbits + Int32(TB - 1)) // Int32(TB)
+        r0 = cutlass.min(tid * q, nbits)
+        r1 = cutlass.min(r0 + q, nbits)
+    return ok, r0, r1
+
+
+# --------------------------------------------------------------------------------------------------
+# The compaction
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
@@ -564,6 +953,17 @@ def count_token(o: Uint32, v: Uint32, ngt: Int32, neq: Int32):
     if o == v and v != Uint32(0):
         neq = neq + Int32(1)
     return ngt, neq
+
+
+@cute.jit
+def counts_from_low_counters(above: Int32, lowc: Uint64, lowv: Int32):
+    """A thread's compaction counts from its hist2 walk's counters (low_counter_add), v = (b1 << 5)
+    | lowv: (> v: above b1, or in b1 with a low value above lowv; == v)."""
+    x = lowc >> Uint64(Int32(2) * lowv)
+    hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
+    ngt = (above + P.popc64(hi & Uint64(0x5555555555555555))
+           + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA)))  # fmt: skip
+    return ngt, Int32(x & Uint64(3))
 
 
 @cute.jit
@@ -580,8 +980,8 @@ def kept_pos(o: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32, n: 
             pos = gt_b + eq_b
         eq_b = eq_b + Int32(1)
     if pos >= Int32(n):
-        # never write past the row: timing-only builds' counts overshoot, and so would exact
-        # ones on logits changed while the kernel reads them
+        # never write past the row: counts over logits changed while the kernel reads them
+        # could overshoot
         pos = Int32(-1)
     return pos, gt_b, eq_b
 
@@ -603,7 +1003,7 @@ def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_
                 P.red_dsmem_or(maddr, mbit)
         else:
             # own shared memory by plain shared accesses (a cluster of one CTA too): what
-            # csync_end's relaxed barrier releases
+            # closing_barrier's relaxed barrier releases
             row[pos] = word
             if hi:
                 P.red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
@@ -638,596 +1038,280 @@ def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> In
     b = cutlass.min(cutlass.max(p_end - Int32(32) * k, Int32(0)), Int32(32))
     bits = Int32(0)
     if b > a and k < Int32(nmw):
-        bits = Int32(Uint64(((Uint64(1) << Uint64(b)) - Uint64(1)) ^ ((Uint64(1) << Uint64(a)) - Uint64(1))))
+        ones_b = (Uint64(1) << Uint64(b)) - Uint64(1)
+        bits = Int32(Uint64(ones_b ^ ((Uint64(1) << Uint64(a)) - Uint64(1))))
     return bits
 
 
 @cute.jit
-def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Tensor,
-                  gsum2: cute.Tensor, pub: cute.Tensor, scal: cute.Tensor, h2_a: Int32,
-                  g2_a: Int32, pub_a: Int32, scal_a: Int32, tid, lane, warp, csize: Int32,
-                  me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
-                  pa: cutlass.Constexpr, so: cutlass.Constexpr):
-    """After the second cluster barrier: the boundary score v of the top-nn, need_eq, and
-    how many > v / == v precede this slice and lie in it (scal slots + so) -> (v, need_eq).
-    ``ho``: this count's second histograms in hist2 / gsum2; ``pa``: pub's own count above
-    its b1; (so, ho, pa) = (0, 0, 0) for n, (_K, NB2, 2) for the rescue list's n2.  Ends with a block
-    barrier."""
-    v = Uint32(0)
-    need_eq = Int32(0)
-    r = tid >> Int32(5)
-    j = tid & Int32(31)
-    fast = Int32(0)  # (B1W) a one-CTA cluster: warp 0 does the step
-    if cutlass.const_expr(B1W and clustered and "dsmem" not in SKIP):
-        if total > Int32(nn):
-            fast = one_cta(csize)
-    if fast != Int32(0):
-        if warp == Int32(0):
-            c = hist2[Int32(ho + NB2 - 1) - lane]  # (bins from the top)
-            inc = C.warp_incl_scan(c, lane)
-            need2 = Int32(nn) - scal[so + _ABOVE1]
-            if c > Int32(0) and inc >= need2 and inc - c < need2:  # (exactly one lane)
-                scal[so + _LOWV] = Int32(NB2 - 1) - lane
-                scal[so + _ABOVE2] = inc - c
-                scal[so + _GT_OWN] = pub[pa] + inc - c  # (nothing before: the one CTA)
-                scal[so + _EQ_OWN] = c
-        cute.arch.sync_threads()
-        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(scal[so + _LOWV])
-        need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
-    elif total > Int32(nn):
-        x = Int32(0)
-        above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
-        if r < csize:
-            if cutlass.const_expr(clustered and "dsmem" not in SKIP):
-                if one_cta(csize) != Int32(0):  # (ONE, r == me == 0: its own histogram)
-                    x = hist2[ho + j]
-                    if j == Int32(0):
-                        above = pub[pa]
-                else:
-                    x = P.ld_dsmem_u32(P.mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
-                    # (only CTAs up to this one count: no remote load whose value is dead, so
-                    # every DSMEM load is used before own_part's relaxed arrival below)
-                    if j == Int32(0) and r <= me:
-                        above = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4 * pa), r))
-            else:
-                x = hist2[ho + j]
-                above = pub[pa]
-            if x != Int32(0):
-                P.red_smem_add(g2_a + (Int32(ho) + j) * Int32(4), x)
-        cute.arch.sync_threads()
-        need2 = Int32(nn) - scal[so + _ABOVE1]
-        if warp == Int32(0):
-            c = gsum2[Int32(ho + NB2 - 1) - lane]
-            inc = c
-            for d in cutlass.range_constexpr(5):
-                y = cute.arch.shuffle_sync_up(inc, 1 << d)
-                if lane >= Int32(1 << d):
-                    inc = inc + y
-            if c > Int32(0) and inc >= need2 and inc - c < need2:
-                scal[so + _LOWV] = Int32(NB2 - 1) - lane
-                scal[so + _ABOVE2] = inc - c
-        cute.arch.sync_threads()
-        lowv = scal[so + _LOWV]
-        v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
-        need_eq = Int32(nn) - scal[so + _ABOVE1] - scal[so + _ABOVE2]
-        if r < csize:
-            gt = Int32(0)
-            eq = Int32(0)
-            if j > lowv:
-                gt = x
-            if j == lowv:
-                eq = x
-            if j == Int32(0):
-                gt = gt + above
-            if r < me:
-                if gt != Int32(0):
-                    P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), gt)
-                if eq != Int32(0):
-                    P.red_smem_add(scal_a + Int32((so + _EQ_BEFORE) * 4), eq)
-            if r == me:
-                if gt != Int32(0):
-                    P.red_smem_add(scal_a + Int32((so + _GT_OWN) * 4), gt)
-                if eq != Int32(0):
-                    P.red_smem_add(scal_a + Int32((so + _EQ_OWN) * 4), eq)
+def own_range(scalars: cute.Tensor, so: cutlass.Constexpr, need_eq: Int32, count: cutlass.Constexpr):
+    """After the boundary step: (> v, == v kept before this slice, the same up to its end, its
+    positions [p0, p1) of the packed row of ``count``)."""
+    gt_run = scalars[so + _GT_BEFORE]
+    eq_run = scalars[so + _EQ_BEFORE]
+    gt_end = gt_run + scalars[so + _GT_OWN]
+    eq_end = cutlass.min(eq_run + scalars[so + _EQ_OWN], need_eq)
+    p0 = cutlass.min(gt_run + cutlass.min(eq_run, need_eq), Int32(count))
+    p1 = cutlass.min(gt_end + eq_end, Int32(count))
+    return gt_run, eq_run, gt_end, eq_end, p0, p1
+
+
+@cute.jit
+def count_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, vk: Uint32, cnt_ok: Int32,
+               c2_above: Int32, c2_low: Uint64, dual: cutlass.Constexpr):
+    """The compaction's first walk: this thread's counts (> v, == v; and for vk) over its list
+    entries, from its hist2 walk's counters, or over its mask units -> (ngt, neq, ngtk, neqk)."""
+    ngt = Int32(0)
+    neq = Int32(0)
+    ngtk = Int32(0)
+    neqk = Int32(0)
+    if share.used != Int32(0):
+        for r in cutlass.range(share.r0, share.r1, unroll=1):
+            o = Uint32(share.mask[share.first_word + r]) >> Uint32(16)
+            ngt, neq = count_token(o, v, ngt, neq)
+            if cutlass.const_expr(dual):
+                ngtk, neqk = count_token(o, vk, ngtk, neqk)
+    elif cnt_ok != Int32(0):
+        ngt, neq = counts_from_low_counters(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
     else:
-        # every valid token is kept (v = 0: every ord16 of a valid token is > 0)
-        if tid < csize and tid < me:
-            y = Int32(0)
-            if cutlass.const_expr(clustered):
-                if cutlass.const_expr("dsmem" in SKIP):
-                    y = pub[1]
-                else:
-                    y = P.ld_dsmem_u32(P.mapa(pub_a + Int32(4), tid))
-            P.red_smem_add(scal_a + Int32((so + _GT_BEFORE) * 4), y)
-        if tid == Int32(0):
-            scal[so + _GT_OWN] = pub[1]
-    if fast == Int32(0):  # (B1W's step ended with its barrier)
-        cute.arch.sync_threads()
-    return v, need_eq
+        for j in cutlass.range(0, (units.per_thread + Int32(1)) >> Int32(1), unroll=1):
+            m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)  # (the refined mask where big)
+            while m != Uint32(0):
+                _a, oa, _b, ob, m = next_two_set_bits(m, (units.u0 + Int32(2) * j) * Int32(16), sl)
+                ngt, neq = count_token(oa, v, ngt, neq)
+                ngt, neq = count_token(ob, v, ngt, neq)
+                if cutlass.const_expr(dual):
+                    ngtk, neqk = count_token(oa, vk, ngtk, neqk)
+                    ngtk, neqk = count_token(ob, vk, ngtk, neqk)
+    return ngt, neq, ngtk, neqk
 
 
 @cute.jit
-def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, pos: Int32):
-    """mask[lw + pos ..] = (ord16 << 16) | token of every set bit of units [u0, u1), in index
-    order: a unit's 16 tokens' ord16 in two 16-byte loads, then one predicated store per bit
-    (no chain of dependent loads however dense the unit)."""
-    for u in cutlass.range(u0, u1, unroll=1):
-        m = P.ld_smem_u16(mask_a + u * Int32(2))
-        if m != Uint32(0):
-            xs = cute.make_rmem_tensor((8,), Int32)
-            for k in cutlass.range_constexpr(8):
-                xs[k] = Int32(0)
-            if (m & Uint32(0xFF)) != Uint32(0):
-                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32))
-                xs[0] = a
-                xs[1] = b
-                xs[2] = c
-                xs[3] = d
-            if (m >> Uint32(8)) != Uint32(0):  # (a set bit: that vector is inside the slice)
-                a, b, c, d = P.ld_smem_v4(cache_a + u * Int32(32) + Int32(16))
-                xs[4] = a
-                xs[5] = b
-                xs[6] = c
-                xs[7] = d
-            for k in cutlass.range_constexpr(16):
-                o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                bit = Int32((m >> Uint32(k)) & Uint32(1))
-                P.st_smem_u32_if(mask_a + (lw + pos) * Int32(4),
-                               Int32((o << Uint32(16)) | Uint32(u * Int32(16) + Int32(k))), bit)
-                pos = pos + bit
+def emit_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, need_eq: Int32, gt_b: Int32,
+              eq_b: Int32, vk: Uint32, need_eqk: Int32, gtk_b: Int32, eqk_b: Int32, remote: Int32,
+              dst_a: Int32, row: cute.Tensor, row_a: Int32, k_out, h1_a: Int32, p0k: Int32,
+              n: cutlass.Constexpr, n2: cutlass.Constexpr, stage_klist: cutlass.Constexpr):
+    """The compaction's second walk, over the same tokens as count_kept: each kept token's
+    packed word at its position (emit_token; and the K-list's, emit_k) -> this thread's kept
+    K-list tokens with l < 2**16."""
+    lo16 = Int32(0)
+    if share.used != Int32(0):
+        for r in cutlass.range(share.r0, share.r1, unroll=1):
+            e = Uint32(share.mask[share.first_word + r])
+            o = e >> Uint32(16)
+            lu = Uint32(sl.s0) + (e & Uint32(0xFFFF))
+            gt_b, eq_b = emit_token(o, lu, v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
+            if cutlass.const_expr(n2 > 0):
+                gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16, stage_klist,
+                                            h1_a - p0k * Int32(4))  # fmt: skip
+    else:
+        for j in cutlass.range(0, (units.per_thread + Int32(1)) >> Int32(1), unroll=1):
+            m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)
+            while m != Uint32(0):
+                lta, oa, ltb, ob, m = next_two_set_bits(m, (units.u0 + Int32(2) * j) * Int32(16), sl)
+                gt_b, eq_b = emit_token(oa, Uint32(sl.s0 + lta), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
+                                        row_a)  # fmt: skip
+                if cutlass.const_expr(n2 > 0):
+                    gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(sl.s0 + lta), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
+                                                lo16, stage_klist, h1_a - p0k * Int32(4))  # fmt: skip
+                gt_b, eq_b = emit_token(ob, Uint32(sl.s0 + ltb), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
+                                        row_a)  # fmt: skip
+                if cutlass.const_expr(n2 > 0):
+                    gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(sl.s0 + ltb), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
+                                                lo16, stage_klist, h1_a - p0k * Int32(4))  # fmt: skip
+    return lo16
 
 
 @cute.jit
-def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, lane, warp,
-              wt: cute.Tensor, tid):
-    """The mask's set bits as a list at mask[lw ..] (build_list) when they fit, each thread's
-    share of it: -> (1, r0, r1), thread tid walking entries [r0, r1); (0, 0, 0) when the
-    list does not fit (the walks then take the units).  Every thread of the CTA calls it."""
-    cnt = Int32(0)
-    for u in cutlass.range(u0, u1, unroll=1):
-        cnt = cnt + Int32(cute.arch.popc(P.ld_smem_u16(mask_a + u * Int32(2))))
-    icnt, _, nbits, _ = block_scan2(cnt, Int32(0), lane, warp, wt)
-    ok = Int32(0)
-    r0 = Int32(0)
-    r1 = Int32(0)
-    if nbits <= Int32(MASK_WORDS) - lw:
-        ok = Int32(1)
-        build_list(mask_a, cache_a, lw, u0, u1, icnt - cnt)
-        cute.arch.sync_threads()
-        q = (nbits + Int32(TB - 1)) // Int32(TB)
-        r0 = cutlass.min(tid * q, nbits)
-        r1 = cutlass.min(r0 + q, nbits)
-    return ok, r0, r1
+def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, scalars_a: Int32,
+            warp_totals: cute.Tensor, row: cute.Tensor, row_a: Int32, h1_a: Int32, k_out, v: Uint32,
+            need_eq: Int32, vk: Uint32, need_eqk: Int32, cnt_ok: Int32, c2_above: Int32, c2_low: Uint64,
+            csize: Int32, lane, warp, n: cutlass.Constexpr, n2: cutlass.Constexpr,
+            clustered: cutlass.Constexpr, own: cutlass.Constexpr):
+    """The compaction after the boundary step: this thread's counts (count_kept), one pair block
+    scan, then every kept token's packed word at its final position (emit_kept), into this CTA's
+    row buffer (``own``) or CTA 0's; the rescue list's K-list alike -> this CTA's positions
+    [p0, p1) of the packed row and [p0k, p1k) of the K-list."""
+    dual = cutlass.const_expr(n2 > 0)
+    gt_run, eq_run, gt_end, eq_end, p0, p1 = own_range(scalars, 0, need_eq, n)
+    dst_a = row_a
+    remote = Int32(0)  # the row lives in another CTA (DSMEM stores)
+    if cutlass.const_expr(clustered and not own):
+        dst_a = P.mapa(row_a, Int32(0))
+        if csize > Int32(1):
+            remote = Int32(1)
+    gtk_run = Int32(0)  # (the rescue list) the same for n2
+    eqk_run = Int32(0)
+    p0k = Int32(0)
+    p1k = Int32(0)
+    stage_klist = cutlass.const_expr(klist_staged(n2))
+    work = Int32(0)  # (the rescue list) n2's tokens to write
+    if cutlass.const_expr(dual):
+        gtk_run, eqk_run, gtk_end, eqk_end, p0k, p1k = own_range(scalars, _K, need_eqk, n2)
+        work = Int32(gtk_run < gtk_end) | Int32(eqk_run < eqk_end)
+    lo16 = Int32(0)  # (the rescue list) this thread's kept n2 tokens with l < 2**16
+    if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
+        ngt, neq, ngtk, neqk = count_kept(sl, units, share, v, vk, cnt_ok, c2_above, c2_low, dual)
+        igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, warp_totals)
+        gtk_b = Int32(0)
+        eqk_b = Int32(0)
+        if cutlass.const_expr(dual):
+            igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, warp_totals)
+            gtk_b = gtk_run + igtk - ngtk
+            eqk_b = eqk_run + ieqk - neqk
+        gt_b = gt_run + igt - ngt
+        eq_b = eq_run + ieq - neq
+        if ngt + neq + ngtk + neqk != Int32(0):
+            lo16 = emit_kept(sl, units, share, v, need_eq, gt_b, eq_b, vk, need_eqk, gtk_b, eqk_b, remote, dst_a,
+                             row, row_a, k_out, h1_a, p0k, n, n2, stage_klist)  # fmt: skip
+    if cutlass.const_expr(dual):
+        if lo16 != Int32(0):
+            P.red_smem_add(scalars_a + Int32((_K + _TOTAL) * 4), lo16)
+    return p0, p1, p0k, p1k
 
 
 @cute.jit
-def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid):
-    """Clear the mask bit of every token whose ord16 is below v (the boundary score): what
-    stays is what the compaction keeps or ties.  Thread tid takes mask words tid, tid + TB,
-    ... (4 vectors each; a vector's ord16 loaded only when it has a set bit)."""
-    for wi in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
-        w = Uint32(mask[wi])
-        if w != Uint32(0):
-            nw = Uint32(0)
-            for j in cutlass.range_constexpr(4):
-                byte = (w >> Uint32(8 * j)) & Uint32(0xFF)
-                if byte != Uint32(0):
-                    a, b, c, d = P.ld_smem_v4(cache_a + (wi * Int32(4) + Int32(j)) * Int32(16))
-                    xs = (a, b, c, d)
-                    ge = Uint32(0)  # (selects, not a branch per token)
-                    for k in cutlass.range_constexpr(8):
-                        o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                        ge = ge | (Uint32(Int32(o >= v)) << Uint32(k))
-                    nw = nw | ((byte & ge) << Uint32(8 * j))
-            mask[wi] = Int32(nw)
+def write_klist_tail(k_out: Int64, p16: Int32, cnt: Int32, n2: cutlass.Constexpr, tid):
+    """The K-list row's mask words (bit 16 of l set at positions [p16, cnt)) and its empty
+    words past the count."""
+    for i in cutlass.range(tid, layout.row_words(n2) - n2, TB, unroll=1):
+        P.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, n2 // 32))
+    for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
+        P.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
+
+
+# --------------------------------------------------------------------------------------------------
+# The select
+# --------------------------------------------------------------------------------------------------
 
 
 @cute.jit
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
                cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
-               mk=None, span=None, early=None, own_part: cutlass.Constexpr = False,
-               n2: cutlass.Constexpr = 0, k_out=None):
-    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` -> the packed
-    row (docs/DESIGN.md §5, ascending l, empty words zero) in the ``row`` buffer of the
-    cluster's CTA 0 (``clustered``; this CTA's own otherwise).  ``csize``/``me``:
-    the cluster's size and this CTA's rank in it (1 / 0 when not clustered).
-    Ends with a cluster barrier: CTA 0's row is complete, and nothing in this
-    CTA's shared memory is read by another CTA after it (``own_part``: see below).  ``cached``: keep the
-    slice on chip when it has at most ``cache_cap`` tokens (ceil(end / csize) rounded
-    up to 8; the launch's shared memory holds cache_cap <= CACHE_MAX of them); a longer
-    slice is re-read from global memory (mostly L2) in every pass instead.  ``vpr``: vectors
-    per thread per round of passes 1 and 2 (U1; the merge's rescue may ask for another).
-    ``mk``: the common.Marks of a prof=1 build (timing only), else None.  ``end``: clamped
-    to [0, 2**17] by the caller.  ``span``: the length the slices are cut from (>= end; None:
-    ``end`` itself); ``end`` is clamped to [0, span] here.  ``early``: a callable (traced inline) right after the bulk
-    copies are issued.  ``own_part`` (with ``clustered`` and OWN): each CTA writes only its
-    own part of the packed row, into its own row buffer at the final positions, and returns
-    ``(p0, p1, p_end, writer)``: it holds positions [p0, p1) (its slice's kept tokens, in
-    index order; bit 16 of l in its own mask words), p_end = the row's kept count, and
-    ``writer`` (1 in exactly one CTA: the one whose slice holds token 2**16, else the last)
-    can derive every mask word from the first of its own set bits.  It then ends with a
-    block barrier, after a relaxed ARRIVAL at the cluster barrier placed once every DSMEM
-    load's value has been used (so no CTA reads another's shared memory after it): the
-    caller must ``P.cluster_wait()`` before the CTA exits.  ``n2`` > n (the rescue list): also the row's
-    top-min(n2, valid), in the same passes, as a packed row of n2 candidates written to
-    global memory at ``k_out`` (each CTA its own positions; the CTA that derives the mask
-    words writes them and the empty words past the count)."""
-    own = bool(clustered and own_part and OWN)
+               early=None, own_part: cutlass.Constexpr = False, n2: cutlass.Constexpr = 0, k_out=None):
+    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` (``end`` clamped to
+    [0, 2**17] by the caller) -> the packed row (docs/DESIGN.md §5: ascending l, empty words
+    zero) in the ``row`` buffer of the cluster's CTA 0 (``clustered``; this CTA's own otherwise),
+    complete after the closing cluster barrier.  ``csize`` / ``me``: the cluster's size and this
+    CTA's rank in it (1 / 0 when not clustered).  ``parts``: SelectSmem.parts().
+
+    ``cached``: keep the slice on chip when it has at most ``cache_cap`` tokens (the launch's
+    shared memory holds cache_cap <= CACHE_MAX of them); a longer slice is re-read from global
+    memory (mostly L2) in every pass.  ``vpr``: 16-byte vectors per thread per round of passes 1
+    and 2.  ``early``: a callable traced right after the bulk copies are issued.
+
+    ``own_part`` (with ``clustered``): each CTA writes only its part of the packed row, into its
+    own row buffer at the final positions, and returns ``(p0, p1, p_end, writer)``: it holds
+    positions [p0, p1) (its slice's kept tokens; bit 16 of l in its own mask words), p_end is
+    the row's kept count, and ``writer`` (1 in exactly one CTA: the one whose slice holds token
+    2**16, else the last) can derive every mask word from the first of its own set bits.  It
+    ends with a block barrier after a relaxed arrival at the cluster barrier (once every DSMEM
+    load's value was used): the caller must ``P.cluster_wait()`` before the CTA exits.
+
+    ``n2`` > n (the rescue list): also the row's top-min(n2, valid), in the same passes, as a
+    packed row of n2 candidates written to global memory at ``k_out`` (each CTA its own
+    positions; the writer CTA also the mask words and the empty words past the count)."""
+    own = bool(clustered and own_part)
     dual = cutlass.const_expr(n2 > 0)
     if cutlass.const_expr(dual):
         assert n2 > n and n2 % 32 == 0, (n, n2)
-    nlo = max(n, n2)  # the larger count: its boundary bin is the lower one
-    if cutlass.const_expr(mk is None):
-        mk = C.Marks(False)
-    cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
+    cache, hist1, hist2, gsum2, published, scalars, warp_totals, row, mask, mbar = parts
     cache_a = P.smem_addr(cache)
     h1_a = P.smem_addr(hist1)
     h2_a = P.smem_addr(hist2)
     g2_a = P.smem_addr(gsum2)
-    pub_a = P.smem_addr(pub)
-    scal_a = P.smem_addr(scal)
+    published_a = P.smem_addr(published)
+    scalars_a = P.smem_addr(scalars)
     row_a = P.smem_addr(row)
-    # The slices are cut from ``span`` (None: the row's end, what both callers use).  A span
-    # longer than the end (the buffer's row length) lets the bulk copies start before the
-    # end is loaded; measured no faster (7th session), and a short row then reads its whole
-    # buffer row; tokens at or past the end are invalid either way.
-    if cutlass.const_expr(span is None):
-        span = end
-    S = Int32(0)
-    if cutlass.const_expr(CID):
-        # (span >= 0 and csize >= 1: the unsigned quotient is the same)
-        S = Int32((Uint32(span + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
-    else:
-        S = ((span + csize - Int32(1)) // csize + Int32(7)) // Int32(8) * Int32(8)
+    mbar_a = P.smem_addr(mbar)
+    # ---- this CTA's slice: s_len <= slice_tokens tokens from s0
+    slice_tokens = slice_len(end, csize)
     keep = Int32(0)  # the slice stays in shared memory
     if cutlass.const_expr(cached):
         # (clamped: the cache holds CACHE_MAX tokens at most and a kept slice's tokens are
         # 16-bit list entries, whatever a caller passes)
-        if S <= cutlass.min(cache_cap, Int32(CACHE_MAX)):
+        if slice_tokens <= cutlass.min(cache_cap, Int32(CACHE_MAX)):
             keep = Int32(1)
     aligned = Int32(0)
     if (row_addr & Int64(15)) == Int64(0):
         aligned = Int32(1)
-    # ---- a kept, aligned slice: every full vector of the slice (by span) in flight at once
-    # (bulk copies into the cache, a lane of warp 0 per TB vectors; the mbarriers are read
-    # after the barrier below)
-    sb = cutlass.min(me * S, span)
-    nfull_c = cutlass.min(S, span - sb) // Int32(8)
-    nch_c = (nfull_c + Int32(TB - 1)) // Int32(TB)  # copies issued (each waited for below)
+    s0 = cutlass.min(me * slice_tokens, end)
+    s_len = cutlass.min(slice_tokens, end - s0)
+    nfull = s_len // Int32(8)  # full 16-byte vectors
+    copies = (nfull + Int32(TB - 1)) // Int32(TB)
     bulk = Int32(0)
-    if cutlass.const_expr(cached and BULK):
-        if keep != Int32(0) and aligned != Int32(0) and nfull_c > Int32(0):
+    if cutlass.const_expr(cached):
+        if keep != Int32(0) and aligned != Int32(0) and nfull > Int32(0):
             bulk = Int32(1)
-            if tid < nch_c:
-                nb = cutlass.min(Int32(TB), nfull_c - tid * Int32(TB)) * Int32(16)
-                P.bulk_start(P.smem_addr(mbar) + tid * Int32(8), cache_a + tid * Int32(TB * 16),
-                           row_addr + Int64(sb + tid * Int32(TB * 8)) * Int64(2), nb)  # fmt: skip
+            start_bulk_copies(row_addr, s0, nfull, copies, cache_a, mbar_a, tid)
     if cutlass.const_expr(early is not None):
         early()  # the caller's work that waits on a load (after the copies are on their way)
-    end = cutlass.max(cutlass.min(end, span), Int32(0))  # (a no-op for a clamped end)
-    s0 = cutlass.min(me * S, end)
-    s_len = cutlass.min(S, end - s0)
     nvec = (s_len + Int32(7)) // Int32(8)
-    nfull = s_len // Int32(8)
-    # ---- zero the counters and the row (the row is written by other CTAs only
-    # after the first cluster barrier, which orders this)
-    for i in cutlass.range(tid, rw, TB, unroll=1):
-        row[i] = Int32(0)
-    for i in cutlass.range_constexpr(BPT):
-        hist1[tid + Int32(i * TB)] = Int32(0)
-    if tid < Int32(NB2 * (1 + int(dual))):
-        hist2[tid] = Int32(0)
-        gsum2[tid] = Int32(0)
-    if tid < Int32(NB2):
-        scal[tid] = Int32(0)
-    cute.arch.sync_threads()
-    mk(1)
-    # ---- pass 1: read the slice once, ord16 into the shared copy, high-bit histogram
+    zero_counters(hist1, hist2, gsum2, scalars, row, rw, dual, tid)
+    # ---- pass 1, then the boundary bin over the cluster (first cluster barrier)
     xs = cute.make_rmem_tensor((4 * vpr,), Int32)
-    for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
-        h_cnt = Int32(0)  # skip=hist1 only
-        h_last = Int32(0)
-        if cutlass.const_expr(cached and BULK):
-            if bulk != Int32(0):
-                for u in cutlass.range_constexpr(vpr):
-                    c = base // Int32(TB) + Int32(u)
-                    if c < nch_c:  # (every issued copy: one may cover the partial last vector)
-                        P.mbar_wait0(P.smem_addr(mbar) + c * Int32(8))
-                for u in cutlass.range_constexpr(vpr):
-                    vi = base + tid + Int32(u * TB)
-                    for k in cutlass.range_constexpr(4):
-                        xs[4 * u + k] = Int32(0)
-                    if vi < nfull:
-                        a, b, c, d = P.ld_smem_v4(cache_a + vi * Int32(16))
-                        ord16_quad(a, b, c, d, xs, 4 * u)
-                    elif vi < nvec:
-                        load_vec(row_addr, s0, vi, s_len, aligned, xs, 4 * u)  # the partial last
-            else:
-                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
-        else:
-            get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, Int32(0), vpr, TB)
-        for u in cutlass.range_constexpr(vpr):
-            vi = base + tid + Int32(u * TB)
-            if cutlass.const_expr(cached):
-                if vi < nvec and keep != Int32(0):
-                    P.st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
-                               xs[4 * u + 3])  # fmt: skip
-            for k in cutlass.range_constexpr(8):
-                o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                if cutlass.const_expr("hist1" in SKIP):
-                    if o != Uint32(0):
-                        h_cnt = h_cnt + Int32(1)
-                        h_last = Int32(o)
-                else:
-                    # every token, unconditionally (a predicated red compiles to a branch and a
-                    # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
-                    # which no valid score reaches and the boundary step drops
-                    P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
-        if cutlass.const_expr("hist1" in SKIP):
-            if h_cnt != Int32(0):
-                P.red_smem_add(h1_a + (h_last >> Int32(16 - B1)) * Int32(4), h_cnt)
-    if cutlass.const_expr(cached and BULK):
-        if bulk != Int32(0):
-            # the copies past the row's end (issued from span) are waited for too: none may
-            # still be landing in the cache after this
-            done_c = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
-            for c in cutlass.range(done_c, nch_c, unroll=1):
-                P.mbar_wait0(P.smem_addr(mbar) + c * Int32(8))
-    mk(2)
-    # thread tid owns bins hb+3 .. hb of the first histogram, hb = NB1 - 4 (tid + 1): the
-    # scans below rank the bins from the top
-    hb = Int32(NB1 - BPT) - tid * Int32(BPT)
-    lc = cute.make_rmem_tensor((BPT,), Int32)
-    gc = cute.make_rmem_tensor((BPT,), Int32)
-    bounded = cutlass.const_expr(clustered and "dsmem" not in SKIP and "hist1" not in SKIP)
-    if cutlass.const_expr(bounded):
-        if csize >= Int32(BOUNDED_MIN):
-            # The cluster's n-th score lies in a bin >= lo = the largest of the CTAs' own
-            # n-th bins (that CTA alone has n scores there), and no bin above hi = the
-            # largest of their top non-empty bins holds a score: only the bins in [lo, hi]
-            # are summed over the cluster below (every CTA reading all C histograms whole
-            # was 64 KB of DSMEM loads per CTA at C = 8: ~2 us, sixth-session profile).
-            # Each CTA publishes [own valid count, own n-th bin (0: fewer than n), own top
-            # bin (0: none)] in pub[4..6] before the first cluster barrier.
-            cute.arch.sync_threads()  # hist1 complete
-            for p in cutlass.range_constexpr(BPT):
-                lc[p] = hist1[hb + Int32(p)]
-            if tid == Int32(TB - 1):
-                lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-            sl0 = lc[0] + lc[1] + lc[2] + lc[3]
-            inc0 = C.warp_incl_scan(sl0, lane)
-            if lane == Int32(31):
-                wt[warp] = inc0
-            cute.arch.sync_threads()
-            tl0 = Int32(0)
-            for w in cutlass.range_constexpr(NWARPS):
-                x0 = wt[w]
-                if Int32(w) < warp:
-                    inc0 = inc0 + x0
-                tl0 = tl0 + x0
-            r0 = inc0 - sl0  # own scores in bins above this thread's
-            if r0 < Int32(nlo) and inc0 >= Int32(nlo):
-                for p in cutlass.range_constexpr(BPT):
-                    c0 = lc[BPT - 1 - p]
-                    if c0 > Int32(0) and r0 < Int32(nlo) and r0 + c0 >= Int32(nlo):
-                        pub[5] = hb + Int32(BPT - 1 - p)
-                    r0 = r0 + c0
-            if sl0 > Int32(0) and inc0 == sl0:
-                top = hb
-                for p in cutlass.range_constexpr(1, BPT):
-                    if lc[p] > Int32(0):
-                        top = hb + Int32(p)
-                pub[6] = top
-            if tid == Int32(0):
-                pub[4] = tl0
-                if tl0 < Int32(nlo):
-                    pub[5] = Int32(0)
-                if tl0 == Int32(0):
-                    pub[6] = Int32(0)
-    csync_n(clustered, csize)
-    mk(3)
-    # ---- the cluster's first histogram; boundary bin b1
-    for p in cutlass.range_constexpr(BPT):
-        lc[p] = hist1[hb + Int32(p)]
-        gc[p] = Int32(0)
-    if cutlass.const_expr("hist1" not in SKIP):
-        if tid == Int32(TB - 1):
-            lc[0] = Int32(0)  # bin 0: the invalid tokens (pass 1)
-    cl_total = Int32(-1)  # the cluster's valid count when bounded (else the scan's)
-    if cutlass.const_expr(bounded):
-        if csize >= Int32(BOUNDED_MIN):
-            # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
-            pt = Int32(0)
-            pl = Int32(0)
-            ph = Int32(0)
-            pz = Int32(0)
-            if lane < csize:
-                pt, pl, ph, pz = P.ld_dsmem_v4(P.mapa(pub_a + Int32(16), lane))
-            cl_total = cute.arch.warp_redux_sync(pt, "add")
-            lo = cute.arch.warp_redux_sync(pl, "max")
-            hi = cute.arch.warp_redux_sync(ph, "max")
-            if hb + Int32(BPT - 1) >= lo and hb <= hi:
-                sum_cluster_bins(h1_a, hb, csize, gc)
-        elif one_cta(csize) != Int32(0):
-            for p in cutlass.range_constexpr(BPT):
-                gc[p] = lc[p]
-        else:
-            sum_cluster_bins(h1_a, hb, csize, gc)  # every bin
-    elif cutlass.const_expr(clustered and "dsmem" not in SKIP):
-        # (a timing-only build without the first histogram: every bin summed)
-        sum_cluster_bins(h1_a, hb, csize, gc)
-    else:
-        for p in cutlass.range_constexpr(BPT):
-            gc[p] = lc[p]
-    if cutlass.const_expr("hist1" not in SKIP):
-        if tid == Int32(TB - 1):
-            gc[0] = Int32(0)
-    sg = gc[0] + gc[1] + gc[2] + gc[3]
-    sl = lc[0] + lc[1] + lc[2] + lc[3]
-    ig, il, tg, tl = block_scan2(sg, sl, lane, warp, wt)
-    if cl_total >= Int32(0):
-        tg = cl_total  # (the scan summed only the bins in [lo, hi])
-    if cutlass.const_expr(dual):
-        rgk = ig - sg
-        rlk = il - sl
-        if rgk < Int32(n2) and ig >= Int32(n2):
-            for p in cutlass.range_constexpr(BPT):
-                c = gc[BPT - 1 - p]
-                if c > Int32(0) and rgk < Int32(n2) and rgk + c >= Int32(n2):
-                    scal[_K + _B1] = hb + Int32(BPT - 1 - p)
-                    scal[_K + _ABOVE1] = rgk
-                    scal[_K + _OWN_ABOVE1] = rlk
-                rgk = rgk + c
-                rlk = rlk + lc[BPT - 1 - p]
-    rg = ig - sg
-    rl = il - sl
-    if rg < Int32(n) and ig >= Int32(n):
-        for p in cutlass.range_constexpr(BPT):
-            c = gc[BPT - 1 - p]
-            if c > Int32(0) and rg < Int32(n) and rg + c >= Int32(n):
-                scal[_B1] = hb + Int32(BPT - 1 - p)
-                scal[_ABOVE1] = rg
-                scal[_OWN_ABOVE1] = rl
-            rg = rg + c
-            rl = rl + lc[BPT - 1 - p]
-    if tid == Int32(0):
-        scal[_TOTAL] = tg
-        pub[1] = tl
-    cute.arch.sync_threads()
-    mk(4)
-    total = scal[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
-    b1 = scal[_B1]
-    b1k = scal[_K + _B1]  # (the rescue list)
-    # ---- pass 2: low bits inside b1, from the shared copy (or global memory), and the
-    # mask of the tokens the compaction looks at: score bin >= b1 (every valid token when
-    # the row has at most n), so the compaction touches a word per 32 tokens and then
-    # only those tokens (about n + the count of bin b1 over the row)
-    mthr = Uint32(1)  # ord16 >= 1: valid
-    b1c = Int32(-1)  # no bin: no second histogram
-    if total > Int32(n):
-        mthr = Uint32(b1) << Uint32(16 - B1)
-        b1c = b1
-    b1kc = Int32(-1)  # (the rescue list) n2's bin: the mask starts there (every valid token: none)
-    if cutlass.const_expr(dual):
-        mthr = Uint32(1)
-        if total > Int32(n2):
-            mthr = Uint32(b1k) << Uint32(16 - B1)
-            b1kc = b1k
+    pass1(row_addr, s0, s_len, nvec, nfull, aligned, keep, bulk, copies, cache_a, mbar_a, h1_a, xs, tid,
+          cached, vpr)  # fmt: skip
+    boundary_bin(hist1, h1_a, published, published_a, scalars, warp_totals, csize, tid, lane, warp, n, n2,
+                 clustered)  # fmt: skip
+    total = scalars[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
+    b1 = scalars[_B1]
+    b1k = scalars[_K + _B1]  # (the rescue list)
+    # ---- pass 2: the mask from the lower boundary bin (every valid token where the row has at
+    # most that count), the second histograms of the boundary bins
+    mthr, b1c, b1kc = pass2_thresholds(total, b1, b1k, n, n2)
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
     mask_a = P.smem_addr(mask)
     # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
-    listed = cutlass.const_expr(cached and LIST and CACHE_MAX <= 65536 and "pass2" not in SKIP)
-    big = Int32(0)  # (LIST) a kept slice with a crowded boundary bin: see BIG_B1
+    listed = cutlass.const_expr(cached)
+    big = Int32(0)  # a kept slice with a crowded boundary bin: see BIG_B1
     if cutlass.const_expr(listed):
         if keep != Int32(0) and total > Int32(n):
-            # this CTA's own counts in bin b1 and above it
-            if hist1[b1] > cutlass.max(Int32(BIG_B1), Int32(BIG_RATIO) * scal[_OWN_ABOVE1]):
+            if hist1[b1] > cutlass.max(Int32(BIG_B1), Int32(BIG_RATIO) * scalars[_OWN_ABOVE1]):
                 big = Int32(1)
-    if cutlass.const_expr("pass2" in SKIP):
-        # timing only: no mask either (an unwritten one would send the compaction's walks
-        # over stale shared memory and past the slice)
-        for i in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
-            mask[i] = Int32(0)
     if total > Int32(0):
-        if cutlass.const_expr("pass2" not in SKIP):
-            for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
-                get_vecs(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
-                for u in cutlass.range_constexpr(vpr):
-                    mb = Int32(0)
-                    for k in cutlass.range_constexpr(8):
-                        o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                        if o >= mthr:
-                            mb = mb | Int32(1 << k)
-                    # a slice re-read from global memory counts bin b1 here (its tokens are in
-                    # registers now), and so does a big one (LIST); a kept one walks the
-                    # mask's set bits below instead
-                    if (keep == Int32(0) or big != Int32(0)) and mb != Int32(0):
-                        for k in cutlass.range_constexpr(8):
-                            o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
-                            # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
-                            P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                            Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
-                            if cutlass.const_expr(dual):
-                                P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                                Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
-                    vi = base + tid + Int32(u * TB)
-                    if vi < nvec4:
-                        P.st_smem_u8(mask_a + vi, mb)
+        pass2(row_addr, s0, s_len, nvec, nvec4, aligned, keep, big, mthr, b1c, b1kc,
+              cache_a, h2_a, mask_a, xs, tid, dual, vpr)  # fmt: skip
     # the mask in 16-token units, thread tid taking the contiguous units [u0, u1): all TB
     # threads share the slice, so each walk over the set bits stays short
     nu = nvec4 // Int32(2)
     upt = (nu + Int32(TB - 1)) // Int32(TB)
     u0 = cutlass.min(tid * upt, nu)
     u1 = cutlass.min(u0 + upt, nu)
-    # The walks below take a thread's units one set bit at a time, a chain of dependent
-    # loads per bit: where the kept tokens lie in one run (a recency bias) a few threads
-    # hold all of them (1.2-2x the kernel's time, seventh session); a big slice (BIG_B1)
-    # walks an even share of a list instead (make_list, after the second cluster barrier)
-    use_list = Int32(0)
     lw = (nvec4 + Int32(15)) // Int32(16) * Int32(4)  # the list's first word in mask
-    r0 = Int32(0)
-    r1 = Int32(0)
-    cnt_ok = Int32(0)  # (CNT2) this thread's compaction counts come from its hist2 walk
+    sl = Slice(row_addr, s0, keep, cache_a)
+    units = Units(mask_a, u0, u1, upt)
+    cnt_ok = Int32(0)  # this thread's compaction counts come from its hist2 walk
     c2_above = Int32(0)
     c2_low = Uint64(0)
-    c2_ovf = Int32(0)
-    mk(5)
     if total > Int32(n):
         if tid == Int32(0):
-            pub[0] = scal[_OWN_ABOVE1]
+            published[0] = scalars[_OWN_ABOVE1]
             if cutlass.const_expr(dual):
-                pub[2] = scal[_K + _OWN_ABOVE1]
-        if keep != Int32(0) and big == Int32(0) and cutlass.const_expr("pass2" not in SKIP):
-            # the second histogram from the set bits only (a few % of the tokens): a
-            # per-token predicated red compiled to a branch per token, taken by most warps
+                published[2] = scalars[_K + _OWN_ABOVE1]
+        if keep != Int32(0) and big == Int32(0):
             cute.arch.sync_threads()  # the mask bytes of the other threads
-            if cutlass.const_expr(FLAT):
-                for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-                    m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
-                    while m != Uint32(0):
-                        _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
-                                                     cache_a, keep)  # fmt: skip
-                        h2_add(h2_a, oa, b1)
-                        if cutlass.const_expr(FLAT == 2):
-                            h2_add(h2_a, ob, b1)
-                        if cutlass.const_expr(CNT2 and not dual):
-                            c2_above, c2_low, c2_ovf = cnt2_add(oa, b1, c2_above, c2_low, c2_ovf)
-                            if cutlass.const_expr(FLAT == 2):
-                                c2_above, c2_low, c2_ovf = cnt2_add(ob, b1, c2_above, c2_low, c2_ovf)
-                        if cutlass.const_expr(dual):
-                            h2_add(h2_a + Int32(NB2 * 4), oa, b1kc)
-                            if cutlass.const_expr(FLAT == 2):
-                                h2_add(h2_a + Int32(NB2 * 4), ob, b1kc)
-                if cutlass.const_expr(CNT2 and not dual):
-                    cnt_ok = Int32(1) - c2_ovf
-            else:
-                for u in cutlass.range(u0, u1, unroll=1):
-                    m = P.ld_smem_u16(mask_a + u * Int32(2))
-                    while m != Uint32(0):
-                        lt, m = pop_bit(m, u)
-                        o = P.ld_smem_u16(cache_a + lt * Int32(2))
-                        P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                        Int32(o >> Uint32(16 - B1)), b1)  # fmt: skip
-                        if cutlass.const_expr(dual):
-                            P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                            Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
-    mk(6)
-    csync_n(clustered, csize)
-    mk(7)
-    # ---- boundary score v, need_eq, and what precedes this slice
-    v, need_eq = boundary_step(n, total, b1, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a, scal_a,
-                               tid, lane, warp, csize, me, clustered, 0, 0, 0)  # fmt: skip
+            cnt_ok, c2_above, c2_low = hist2_walk(sl, units, b1, b1kc, h2_a, dual)
+    # ---- the boundary score v, need_eq and what precedes this slice (second cluster barrier)
+    cluster_barrier(clustered, csize)
+    v, need_eq = boundary_step(n, total, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a,
+                               scalars_a, tid, lane, warp, csize, me, clustered, 0, 0, 0)  # fmt: skip
     vk = Uint32(0)  # (the rescue list) n2's
     need_eqk = Int32(0)
     if cutlass.const_expr(dual):
-        vk, need_eqk = boundary_step(n2, total, b1k, hist2, gsum2, pub, scal, h2_a, g2_a, pub_a,
-                                     scal_a, tid, lane, warp, csize, me, clustered, NB2, 2, _K)  # fmt: skip
+        vk, need_eqk = boundary_step(n2, total, b1k, hist2, gsum2, published, scalars, h2_a, g2_a, published_a,
+                                     scalars_a, tid, lane, warp, csize, me, clustered, NB2, 2, _K)  # fmt: skip
     if cutlass.const_expr(own):
-        # every DSMEM load of this CTA was used above (own_part); (ONE: a one-CTA cluster
-        # neither arrives nor waits)
+        # every DSMEM load of this CTA was used above; a one-CTA cluster neither arrives nor waits
         if one_cta(csize) == Int32(0):
             P.cluster_arrive()
+    # a crowded slice: the walks take an even share of a list of its tokens at or above the
+    # (lower) boundary score, not the units (where its kept tokens lie in one run, a few threads
+    # would hold all of them)
+    use_list = Int32(0)
+    r0 = Int32(0)
+    r1 = Int32(0)
     if cutlass.const_expr(listed):
         if big != Int32(0):
             vlo = v  # (the rescue list: n2's boundary, the lower one, keeps both counts' tokens)
@@ -1235,160 +1319,24 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
                 vlo = vk
             refine_mask(mask, cache_a, nvec4, vlo, tid)
             cute.arch.sync_threads()
-            mk(14)  # (prof=1: refine_mask's share of the boundary step; big CTAs only)
-            use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, wt, tid)
-    mk(8)
-    # ---- compaction in index order straight into CTA 0's row
-    gt_run = scal[_GT_BEFORE]
-    eq_run = scal[_EQ_BEFORE]
-    gt_end = gt_run + scal[_GT_OWN]
-    eq_end = cutlass.min(eq_run + scal[_EQ_OWN], need_eq)
-    dst_a = row_a
-    remote = Int32(0)  # the row lives in another CTA (DSMEM stores)
-    # (own_part: this CTA's positions [p0, p1) of the row, in its own row buffer)
-    p0 = cutlass.min(gt_run + cutlass.min(eq_run, need_eq), Int32(n))
-    p1 = cutlass.min(gt_end + eq_end, Int32(n))
-    if cutlass.const_expr(clustered and not own):
-        dst_a = P.mapa(row_a, Int32(0))
-        if csize > Int32(1):
-            remote = Int32(1)
-    # (the rescue list) the same for n2
-    gtk_run = Int32(0)
-    eqk_run = Int32(0)
-    gtk_end = Int32(0)
-    eqk_end = Int32(0)
-    p0k = Int32(0)
-    p1k = Int32(0)
-    # (the rescue list) this CTA's K-list words staged in hist1 (free since the second cluster barrier:
-    # no CTA reads another's first histogram after it) when they fit, then stored whole
-    kst = cutlass.const_expr(dual and n2 <= NB1 and KSTAGE)
-    work = Int32(0)  # (the rescue list) n2's tokens to write
-    if cutlass.const_expr(dual):
-        gtk_run = scal[_K + _GT_BEFORE]
-        eqk_run = scal[_K + _EQ_BEFORE]
-        gtk_end = gtk_run + scal[_K + _GT_OWN]
-        eqk_end = cutlass.min(eqk_run + scal[_K + _EQ_OWN], need_eqk)
-        p0k = cutlass.min(gtk_run + cutlass.min(eqk_run, need_eqk), Int32(n2))
-        p1k = cutlass.min(gtk_end + eqk_end, Int32(n2))
-        work = Int32(gtk_run < gtk_end) | Int32(eqk_run < eqk_end)
-    # one pass over the mask: thread tid takes the contiguous 16-token units [u0, u1) (index
-    # order; all TB threads share the slice, so the serial walk over the set bits stays
-    # short), classifies the tokens of the set bits (o > v, o == v), one pair block scan,
-    # then walks them again and writes each kept word
-    if cutlass.const_expr("compact" in SKIP):
-        u1 = u0
-        r1 = r0
-    lo16 = Int32(0)  # (the rescue list) this thread's kept n2 tokens with l < 2**16
-    if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
-        ngt = Int32(0)
-        neq = Int32(0)
-        ngtk = Int32(0)
-        neqk = Int32(0)
-        if use_list != Int32(0):
-            for r in cutlass.range(r0, r1, unroll=1):
-                o = Uint32(mask[lw + r]) >> Uint32(16)
-                ngt, neq = count_token(o, v, ngt, neq)
-                if cutlass.const_expr(dual):
-                    ngtk, neqk = count_token(o, vk, ngtk, neqk)
-        elif cnt_ok != Int32(0):
-            ngt, neq = cnt2_counts(c2_above, c2_low, Int32(v & Uint32(NB2 - 1)))
-        elif cutlass.const_expr(FLAT):
-            for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-                m = unit_pair(mask_a, u0 + Int32(2) * j, u1)  # (the refined mask where big)
-                while m != Uint32(0):
-                    _a, oa, _b, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
-                                                 cache_a, keep)  # fmt: skip
-                    ngt, neq = count_token(oa, v, ngt, neq)
-                    if cutlass.const_expr(FLAT == 2):
-                        ngt, neq = count_token(ob, v, ngt, neq)
-                    if cutlass.const_expr(dual):
-                        ngtk, neqk = count_token(oa, vk, ngtk, neqk)
-                        if cutlass.const_expr(FLAT == 2):
-                            ngtk, neqk = count_token(ob, vk, ngtk, neqk)
-        else:
-            for u in cutlass.range(u0, u1, unroll=1):
-                m = P.ld_smem_u16(mask_a + u * Int32(2))
-                while m != Uint32(0):
-                    lt, m = pop_bit(m, u)
-                    o = token_ord16(row_addr, s0, lt, cache_a, keep)
-                    ngt, neq = count_token(o, v, ngt, neq)
-                    if cutlass.const_expr(dual):
-                        ngtk, neqk = count_token(o, vk, ngtk, neqk)
-        mk(9)
-        igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, wt)
-        gtk_b = Int32(0)
-        eqk_b = Int32(0)
-        if cutlass.const_expr(dual):
-            igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, wt)
-            gtk_b = gtk_run + igtk - ngtk
-            eqk_b = eqk_run + ieqk - neqk
-        mk(10)
-        gt_b = gt_run + igt - ngt
-        eq_b = eq_run + ieq - neq
-        if ngt + neq + ngtk + neqk != Int32(0):
-            if use_list != Int32(0):
-                for r in cutlass.range(r0, r1, unroll=1):
-                    e = Uint32(mask[lw + r])
-                    o = e >> Uint32(16)
-                    lu = Uint32(s0) + (e & Uint32(0xFFFF))
-                    gt_b, eq_b = emit_token(o, lu, v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
-                    if cutlass.const_expr(dual):
-                        gtk_b, eqk_b, lo16 = emit_k(o, lu, vk, gtk_b, eqk_b, need_eqk, n2, k_out, lo16,
-                                                    kst, h1_a - p0k * Int32(4))  # fmt: skip
-            elif cutlass.const_expr(FLAT):
-                for j in cutlass.range(0, (upt + Int32(1)) >> Int32(1), unroll=1):
-                    m = unit_pair(mask_a, u0 + Int32(2) * j, u1)
-                    while m != Uint32(0):
-                        lta, oa, ltb, ob, m = bit_step(m, (u0 + Int32(2) * j) * Int32(16), row_addr, s0,
-                                                       cache_a, keep)  # fmt: skip
-                        gt_b, eq_b = emit_token(oa, Uint32(s0 + lta), v, gt_b, eq_b, need_eq, n, remote,
-                                                dst_a, row, row_a)  # fmt: skip
-                        if cutlass.const_expr(dual):
-                            gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(s0 + lta), vk, gtk_b, eqk_b, need_eqk,
-                                                        n2, k_out, lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
-                        if cutlass.const_expr(FLAT == 2):
-                            gt_b, eq_b = emit_token(ob, Uint32(s0 + ltb), v, gt_b, eq_b, need_eq, n,
-                                                    remote, dst_a, row, row_a)  # fmt: skip
-                            if cutlass.const_expr(dual):
-                                gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(s0 + ltb), vk, gtk_b, eqk_b,
-                                                            need_eqk, n2, k_out, lo16, kst,
-                                                            h1_a - p0k * Int32(4))  # fmt: skip
-            else:
-                for u in cutlass.range(u0, u1, unroll=1):
-                    m = P.ld_smem_u16(mask_a + u * Int32(2))
-                    while m != Uint32(0):
-                        lt, m = pop_bit(m, u)
-                        o = token_ord16(row_addr, s0, lt, cache_a, keep)
-                        gt_b, eq_b = emit_token(o, Uint32(s0 + lt), v, gt_b, eq_b, need_eq, n, remote,
-                                                dst_a, row, row_a)  # fmt: skip
-                        if cutlass.const_expr(dual):
-                            gtk_b, eqk_b, lo16 = emit_k(o, Uint32(s0 + lt), vk, gtk_b, eqk_b, need_eqk,
-                                                        n2, k_out, lo16, kst, h1_a - p0k * Int32(4))  # fmt: skip
-    if cutlass.const_expr(dual):
-        if lo16 != Int32(0):
-            P.red_smem_add(scal_a + Int32((_K + _TOTAL) * 4), lo16)
-    mk(11)
+            use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, warp_totals, tid)
+    share = ListShare(mask, lw, r0, r1, use_list)
+    # ---- the compaction, in index order, straight to the final positions
+    p0, p1, p0k, p1k = compact(sl, units, share, scalars, scalars_a, warp_totals, row, row_a, h1_a, k_out, v,
+                               need_eq, vk, need_eqk, cnt_ok, c2_above, c2_low, csize, lane, warp, n, n2,
+                               clustered, own)  # fmt: skip
     if cutlass.const_expr(own):
         cute.arch.sync_threads()  # this CTA's part of the row is complete
     else:
-        csync_end(clustered, csize)
-    mk(12)
-    # (own_part's results; the other callers drop them)
-    wc = cutlass.min(Int32(1 << 16) // cutlass.max(S, Int32(8)), csize - Int32(1))
-    if cutlass.const_expr(kst):
+        closing_barrier(clustered, csize)
+    # the CTA whose slice holds token 2**16 (else the last): own_part's writer of the mask words
+    writer = cutlass.min(Int32(1 << 16) // cutlass.max(slice_tokens, Int32(8)), csize - Int32(1))
+    if cutlass.const_expr(klist_staged(n2)):
         for i in cutlass.range(tid, p1k - p0k, TB, unroll=1):
             P.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])
     if cutlass.const_expr(dual):
-        # (the rescue list) the CTA whose slice holds token 2**16 (else the last) writes the K-list's
-        # mask words: positions ascend with l, so bit 16 is set at [p16, count), p16 = its
-        # first position + its kept tokens below 2**16 (every earlier CTA's are below, every
-        # later CTA's above); and the empty words past the count
-        if me == wc:
-            cnt = cutlass.min(total, Int32(n2))
-            p16 = p0k + scal[_K + _TOTAL]
-            nmw = n2 // 32
-            for i in cutlass.range(tid, layout.row_words(n2) - n2, TB, unroll=1):
-                P.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, nmw))
-            for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
-                P.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
-    return p0, p1, cutlass.min(total, Int32(n)), Int32(me == wc)
+        # positions ascend with l, so bit 16 is set at [p16, count), p16 = the writer's first
+        # position + its kept tokens below 2**16 (every earlier CTA's are below, every later's above)
+        if me == writer:
+            write_klist_tail(k_out, p0k + scalars[_K + _TOTAL], cutlass.min(total, Int32(n2)), n2, tid)
+    return p0, p1, cutlass.min(total, Int32(n)), Int32(me == writer)

@@ -1,21 +1,24 @@
-"""Producer kernel (docs/DESIGN.md §6.1): local top-N of each row, pushed as NCCL-LL
-16-byte stores into every rank's symmetric buffer.
+"""Producer kernel (docs/DESIGN.md §6.1): the local top-N of each row, pushed as NCCL-LL 16-byte
+stores into every rank's symmetric buffer.
 
-ABI: ``abi.SELECT_PUSH`` (kernels/abi.py, the one declaration; ``kernel`` and
-``entry`` spell it out and tests/test_kernels_compile.py checks them against it).
+ABI: ``abi.SELECT_PUSH`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry`` spell it
+out and tests/test_kernels_compile.py checks them against it).
 
-Launch: grid (rows * C, 1, 1) in clusters of (C, 1, 1), C =
-``layout.producer_cluster(rows, cols, split)`` (1 <= C <= 8; the split with the device's
-count of co-resident clusters, which the launcher measures); block (TB,).  Cluster b
-selects row b (kernels/select.py: each CTA reads its slice of the row once and
-keeps it on chip); each CTA then pushes its own part of the packed row (its slice's
-kept tokens: one range of positions; one CTA the bit-16 mask words) to every rank, a
-one-CTA cluster the whole row.  The producer never waits on a peer, so any grid is
-deadlock-free.
+Launch: grid (rows * C, 1, 1) in clusters of (C, 1, 1), C = ``layout.producer_cluster(rows,
+cols, split)`` (1 <= C <= 8; the split with the device's count of co-resident clusters, which the
+launcher measures); block (TB,).  Cluster b selects row b (kernels/select.py, or kernels/lean.py
+in the lean image: each CTA reads its slice of the row once and keeps it on chip); each CTA then
+pushes its own part of the packed row (its slice's kept tokens: one range of positions; one CTA
+the bit-16 mask words) to every rank, a one-CTA cluster or a row of more than 2048 candidates
+the whole row from CTA 0.  The producer never waits on a peer, so any grid is deadlock-free.
+
+What varies between images is a :class:`ProducerConfig`; :func:`producer_configs` is the rule
+that picks the images a configuration gets, and :class:`SelectPush` compiles one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import cutlass
@@ -25,19 +28,62 @@ from cutlass import Int32, Int64, Uint32
 from .. import layout
 from . import abi
 from . import common as C
-from . import ptx as P
 from . import lean as LS
+from . import ptx as P
 from . import select as S
 
 ABI = abi.SELECT_PUSH
-# ptxas -O3's default register heuristic flips between 40 registers + spills and ~50
-# without on small code changes (the spilling state measured 0.3-3 us slower, seventh
-# session); level 8 keeps the kernel out of it (ptxas 13.0: 51 registers, no spill)
+# ptxas -O3's default register heuristic flips between 40 registers + spills and ~50 without on
+# small code changes (the spilling state measured 0.3-3 us slower); level 8 keeps the kernel out
+# of it (ptxas 13.0: 51 registers, no spill)
 PTXAS_OPTIONS = "--register-usage-level=8"
 
 
+def own_part_ok(n: int) -> bool:
+    """Whether each CTA pushes its own part of rows of n candidates: their mask records (with
+    the padding words) are derived by the lanes of one warp."""
+    return (layout.row_words(n) - n) // 2 <= 32
+
+
+def lean_ok(n: int, topk: int = 0, rescue_list: bool = False) -> bool:
+    """Whether a configuration gets the lean image: rows pushed in own parts (n <= 2048) and no
+    rescue list (the lean select makes one count)."""
+    return own_part_ok(n) and S.klist_n2(n, topk, rescue_list) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerConfig:
+    """The static configuration of one producer image.  ``rescue_list``: each row's local top-K
+    also goes to its klist row of the local state (layout.StateLayout) for the merge's rescue;
+    ``lean``: the select of kernels/lean.py (the "select_push_lean" image), for launches whose
+    slices have at most lean.SLICE_MAX tokens (layout.producer_uses_lean)."""
+
+    world: int
+    topk: int
+    local_topk: int
+    rescue_list: bool = False
+    lean: bool = False
+
+    def __post_init__(self):
+        if self.lean and not lean_ok(self.local_topk, self.topk, self.rescue_list):
+            raise ValueError(f"no lean select_push for n={self.local_topk}, topk={self.topk}, "
+                             f"rescue_list={self.rescue_list}")  # fmt: skip
+
+    @property
+    def image(self) -> str:
+        return "select_push_lean" if self.lean else "select_push"
+
+
+def producer_configs(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> tuple:
+    """The producer images of a configuration: select_push, and the lean one where lean_ok."""
+    base = ProducerConfig(world, topk, local_topk, bool(rescue_list))
+    if lean_ok(local_topk, topk, rescue_list):
+        return base, dataclasses.replace(base, lean=True)
+    return (base,)
+
+
 def smem_bytes(n: int, topk: int = 0, rescue_list: bool = False) -> int:
-    """Dynamic shared memory of the CTA with a cache of S.CACHE_MAX tokens (the peers'
+    """Dynamic shared memory of select_push's CTA with a cache of S.CACHE_MAX tokens (the peers'
     addresses, then SelectSmem, its cache last); a launch with cache_tokens = c needs
     2 * (S.CACHE_MAX - c) bytes less (the launcher sizes it so)."""
     dual = S.klist_n2(n, topk, rescue_list) > 0  # (a second list: its own second histograms)
@@ -45,14 +91,14 @@ def smem_bytes(n: int, topk: int = 0, rescue_list: bool = False) -> int:
 
 
 def split() -> dict:
-    """The metadata's split: layout.producer_split() with this build's cache capacity."""
-    return dict(layout.producer_split(), cache_max=S.CACHE_MAX)
+    """select_push's metadata split: layout.producer_split(), its cache capacity S.CACHE_MAX."""
+    return layout.producer_split()
 
 
 @cute.jit
-def store_peers(psm: cute.Tensor, pv: Int64, tid: Int32, world: cutlass.Constexpr):
+def store_peers(peer_addrs: cute.Tensor, peer: Int64, tid: Int32, world: cutlass.Constexpr):
     if tid < Int32(world):
-        psm[tid] = pv
+        peer_addrs[tid] = peer
 
 
 @cute.jit
@@ -61,39 +107,23 @@ def row_end(row_ends: Int64, t: Int32, cols: Int32) -> Int32:
     return S.clamp_end(P.ld_u32(row_ends + Int64(t) * Int64(4)), cols)
 
 
-def select_row_at(row_addr, end_raw, cols, *args, **kw):
-    """select.select_row of the row whose end (unclamped, a load in flight) is ``end_raw``."""
-    return S.select_row(row_addr, S.clamp_end(end_raw, cols), *args, **kw)
-
-
-def lean_ok(n: int, topk: int = 0, rescue_list: bool = False) -> bool:
-    """Whether a configuration gets the lean image: rows of n <= 2048 candidates (own_part_ok:
-    each CTA pushes its own part) and no rescue list (the lean select makes one count)."""
-    return own_part_ok(n) and S.klist_n2(n, topk, rescue_list) == 0
-
-
-def own_part_ok(n: int) -> bool:
-    """Whether push_part serves rows of n candidates: their mask records (with the padding
-    words) are derived by the lanes of one warp."""
-    return (layout.row_words(n) - n) // 2 <= 32
-
-
 class SelectPush:
-    """select_push for one static (world, n); n = local_topk; topk: K; ``rescue_list``: each
-    row's local top-K also goes to its klist row of the local state (layout.StateLayout), for
-    the merge's rescue."""
+    """select_push for one :class:`ProducerConfig` (n = local_topk, K = topk)."""
 
-    def __init__(self, world: int, n: int, topk: int = 0, rescue_list: bool = False, lean: bool = False):
-        self.world, self.n = world, n
-        self.n2 = S.klist_n2(n, topk, rescue_list)
-        self.rw = layout.row_words(n)
-        self.ll_row_bytes = layout.ll_row_bytes(n)
-        # lean: the select of kernels/lean.py alone (the "select_push_lean" image), for
-        # launches whose slices have at most lean.SLICE_MAX tokens (layout.producer_uses_lean)
-        self.lean = bool(lean)
-        if self.lean and not lean_ok(n, topk, rescue_list):
-            raise ValueError(f"no lean select_push for n={n}, topk={topk}, rescue_list={rescue_list}")
-        self.smem = (LS.smem_bytes(self.rw) + layout.MAX_WORLD * 8) if self.lean else smem_bytes(n, topk, rescue_list)
+    def __init__(self, config: ProducerConfig):
+        self.config = config
+        self.world, self.n, self.lean = config.world, config.local_topk, config.lean
+        self.n2 = S.klist_n2(self.n, config.topk, config.rescue_list)
+        self.rw = layout.row_words(self.n)
+        self.ll_row_bytes = layout.ll_row_bytes(self.n)
+        # (the own-part push derives the mask records in warp 0: at most 32 of them, n <= 2048;
+        # a longer row keeps CTA 0's push)
+        self.own = own_part_ok(self.n)
+        if self.lean:
+            self.smem = LS.smem_bytes(self.rw) + layout.MAX_WORLD * 8
+        else:
+            self.smem = smem_bytes(self.n, config.topk, config.rescue_list)
+        self._compiled = {}
 
     def split(self) -> dict:
         """The image's metadata split: select_push's, or the lean image's (slice_max and its
@@ -108,137 +138,101 @@ class SelectPush:
                epoch: Int64, peers: Int64, rank: Int32, max_rows: Int32,
                cache_tokens: Int32):  # fmt: skip
         tid, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
         tid = Int32(tid)
-        mk = C.Marks(S.PROF)  # prof=1 (timing only): phase marks of row 0 (see the end)
-        mk.gtime(15)
-        mk(0)
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         csize = cute.arch.make_warp_uniform(cute.arch.cluster_size())
         me = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         smem = cutlass.memory.SmemAllocator()
-        psm = smem.allocate_tensor(Int64, cute.make_layout((layout.MAX_WORLD,)), 16)
+        peer_addrs = smem.allocate_tensor(Int64, cute.make_layout((layout.MAX_WORLD,)), 16)
         sm = None
         if cutlass.const_expr(self.lean):
             sm = LS.LeanSmem(smem, self.rw)  # (its slice copy last)
         else:
             sm = S.SelectSmem(smem, self.rw, True, self.n2 > 0)  # (its slice cache last: see smem_bytes)
-        row = sm.row
-        # The logits and epochs come from earlier kernels (PDL-safe).
+        # The logits and epochs come from earlier kernels (PDL-safe).  The merge may launch once
+        # every CTA of this grid has started (so it can never hold an SM a producer CTA still
+        # needs); it waits for this grid's completion before it bumps an epoch or reads logits.
         P.pdl_wait()
-        if cutlass.const_expr(S.EARLY_TRIGGER):
-            # The merge may launch once every CTA of this grid has started (so it can
-            # never hold an SM a producer CTA still needs); it waits for this grid's
-            # completion (griddepcontrol.wait) before it bumps an epoch or reads logits.
-            P.pdl_launch_dependents()
+        P.pdl_launch_dependents()
         t = Int32(0)
-        if cutlass.const_expr(S.CID):
-            t = cute.arch.cluster_idx()[0]  # (= bid // csize: clusters of (csize, 1, 1))
-        else:
-            t = Int32(bid) // csize
-        # Everything the push needs is loaded now, beside the row's length: each is a
-        # memory round trip, and a chain of them (peer by peer) cost microseconds.
-        # (the peers' addresses are stored into psm by select_row's ``early`` hook, after its
-        # bulk copies are issued: a store of a loaded value waits for the load; the epoch's
-        # + 1 is taken at the push for the same reason)
-        pv = Int64(0)
+        t = cute.arch.cluster_idx()[0]  # (= block // csize: clusters of (csize, 1, 1))
+        # Everything the push needs is loaded now, beside the row's length: each is a memory round
+        # trip, and a chain of them (peer by peer) cost microseconds.  (The peers' addresses are
+        # stored by the select's ``early`` hook, after its bulk copies are issued: a store of a
+        # loaded value waits for the load; the epoch's + 1 is taken at the push for that reason.)
+        peer = Int64(0)
         if tid < Int32(self.world):
-            pv = Int64(P.ld_u64(peers + Int64(tid) * Int64(8)))
+            peer = Int64(P.ld_u64(peers + Int64(tid) * Int64(8)))
         status = P.ld_volatile_u32(C.state_status(epoch, max_rows))
         e0 = P.ld_u32(C.state_epoch(epoch, max_rows, t))
-        # (slices cut from the buffer's row length, so that the bulk copies need not wait for
-        # this load, measured no faster and made short rows read their whole buffer row:
-        # the slices stay cut from the row's end)
         end_raw = P.ld_u32(row_ends + Int64(t) * Int64(4))
-        # (the own-part push derives the mask records in warp 0: at most 32 of them, n <=
-        # 2048; a longer row keeps CTA 0's push)
-        own = cutlass.const_expr(S.OWN and "select" not in S.SKIP and own_part_ok(self.n))
+        early = functools.partial(store_peers, peer_addrs, peer, tid, self.world)
         p0, p1, p_end, writer = Int32(0), Int32(self.n), Int32(0), Int32(1)
-        k_out = None
-        if cutlass.const_expr(self.n2 > 0):
-            k_out = C.state_klist(epoch, max_rows, t, layout.row_words(self.n2))
-        # (the end clamped on select_row's path: the lean select's loads start before it)
-        select = functools.partial(
-            select_row_at, logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, self.n, self.rw,
-            sm.parts(), tid, lane, warp, csize, me, True, True, cache_tokens,
-            early=functools.partial(store_peers, psm, pv, tid, self.world), own_part=own, n2=self.n2,
-            k_out=k_out)  # fmt: skip
-        if cutlass.const_expr("select" not in S.SKIP and S.REP > 1 and not self.lean):  # rep=2: timing only
-            for _r in cutlass.range_constexpr(S.REP - 1):
-                select()
-                if cutlass.const_expr(own):
-                    if S.one_cta(csize) == Int32(0):
-                        P.cluster_wait()
-                P.cluster_sync()  # (no CTA still in the first select when another starts the next)
-                mk(0)
         if cutlass.const_expr(self.lean):
             # (the launcher runs this image only where every slice fits: layout.producer_uses_lean)
             if LS.fits(cols, csize) == Int32(0):
                 P.trap()
-            p0, p1, p_end, writer = LS.select_row_lean(
-                logits + Int64(t) * Int64(cols) * Int64(2), end_raw, cols, rows, self.n, self.rw, sm.parts(),
-                tid, lane, warp, csize, me, mk=mk, early=functools.partial(store_peers, psm, pv, tid, self.world))
-        elif cutlass.const_expr("select" not in S.SKIP):  # skip=select: timing only
-            p0, p1, p_end, writer = select(mk=mk)
+            row_addr = logits + Int64(t) * Int64(cols) * Int64(2)
+            p0, p1, p_end, writer = LS.select_row_lean(row_addr, end_raw, cols, rows, self.n, self.rw, sm.parts(),
+                                                       tid, lane, warp, csize, me, early=early)  # fmt: skip
         else:
-            store_peers(psm, pv, tid, self.world)
-            cute.arch.sync_threads()  # psm is read by other threads of the CTA
-        # (select_row's barriers also published psm.)  A failed or closed exchange (status
-        # word set) pushes nothing (layout.py); every CTA ran the select, so no cluster
-        # barrier was skipped.
-        if cutlass.const_expr("push" not in S.SKIP):  # skip=push: timing only
-            if status == Uint32(layout.STATUS_OK):
-                e = e0 + Int32(1)
-                if csize == Int32(1) or cutlass.const_expr(not own):
-                    # CTA 0 holds the whole packed row (its mask words too)
-                    if me == Int32(0):
-                        off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
-                        for p in cutlass.range_constexpr(self.world):
-                            dst = psm[p] + off
-                            for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
-                                P.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e,
-                                           row[2 * i + 1])  # fmt: skip
-                else:
-                    # every CTA pushes its own positions [p0, p1) (the last one up to n: the
-                    # empty words), the writer the mask words: no cluster barrier after the
-                    # compaction, no DSMEM stores, C CTAs storing at once
-                    if cutlass.const_expr(own):  # (the condition above is dynamic)
-                        hi = p1
-                        if me == csize - Int32(1):
-                            hi = Int32(self.n)
-                        self.push_part(psm, row, e, rank, t, max_rows, p0, hi, p_end, writer, tid,
-                                       lane, warp)  # fmt: skip
-        if cutlass.const_expr(own):
-            if S.one_cta(csize) == Int32(0):  # (ONE: a one-CTA cluster did not arrive)
-                P.cluster_wait()  # (select_row's arrival: no CTA still reads this one's DSMEM)
-        if cutlass.const_expr(not S.EARLY_TRIGGER):
-            P.pdl_launch_dependents()
-        if cutlass.const_expr(S.PROF):
-            mk(13)
-            # over the rescue sequence words of rows max_rows - 128 .. (the profiling tool
-            # leaves them unused: R <= max_rows - 128)
-            mk.store(C.state_seq(epoch, max_rows, max_rows - Int32(128) + me * Int32(C.Marks.N)),
-                     Int32(t == Int32(0)) & Int32(tid == Int32(0)) & Int32(max_rows - rows >= Int32(128))
-                     & Int32((max_rows & Int32(3)) == Int32(0)))  # fmt: skip
+            k_out = None
+            if cutlass.const_expr(self.n2 > 0):
+                k_out = C.state_klist(epoch, max_rows, t, layout.row_words(self.n2))
+            row_addr = logits + Int64(t) * Int64(cols) * Int64(2)
+            p0, p1, p_end, writer = S.select_row(row_addr, S.clamp_end(end_raw, cols), self.n, self.rw, sm.parts(),
+                                                 tid, lane, warp, csize, me, True, True, cache_tokens, early=early,
+                                                 own_part=self.own, n2=self.n2, k_out=k_out)  # fmt: skip
+        # (the select's barriers also published peer_addrs.)  A failed or closed exchange (status
+        # word set) pushes nothing (layout.py); every CTA ran the select, so no cluster barrier
+        # was skipped.
+        if status == Uint32(layout.STATUS_OK):
+            e = e0 + Int32(1)
+            if csize == Int32(1) or cutlass.const_expr(not self.own):
+                if me == Int32(0):  # (CTA 0 holds the whole packed row, its mask words too)
+                    self.push_row(peer_addrs, sm.row, e, rank, t, max_rows, tid)
+            else:
+                if cutlass.const_expr(self.own):  # (the condition above is dynamic)
+                    # every CTA its own positions [p0, p1) (the last one up to n: the empty words),
+                    # the writer the mask words: no cluster barrier after the compaction, no DSMEM
+                    # stores, C CTAs storing at once
+                    hi = p1
+                    if me == csize - Int32(1):
+                        hi = Int32(self.n)
+                    self.push_part(peer_addrs, sm.row, e, rank, t, max_rows, p0, hi, p_end, writer, tid,
+                                   lane, warp)  # fmt: skip
+        if cutlass.const_expr(self.own):
+            if S.one_cta(csize) == Int32(0):  # (a one-CTA cluster did not arrive)
+                P.cluster_wait()  # (the select's arrival: no CTA still reads this one's DSMEM)
 
     @cute.jit
-    def push_part(self, psm: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32,
-                  max_rows: Int32, lo: Int32, hi: Int32, p_end: Int32, mw: Int32, tid, lane,
+    def push_row(self, peer_addrs: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32,
+                 max_rows: Int32, tid):  # fmt: skip
+        """The whole packed row (this CTA's row buffer) to every rank, as LL records of epoch e."""
+        off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
+        for p in cutlass.range_constexpr(self.world):
+            dst = peer_addrs[p] + off
+            for i in cutlass.range(tid, self.rw // 2, C.TB, unroll=1):
+                P.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e, row[2 * i + 1])
+
+    @cute.jit
+    def push_part(self, peer_addrs: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32,
+                  max_rows: Int32, lo: Int32, hi: Int32, p_end: Int32, writes_mask: Int32, tid, lane,
                   warp):  # fmt: skip
         """Words [lo, hi) of the packed row (this CTA's row buffer) to every rank: whole LL
-        records, and an edge word in its record's 8-byte half (the merge reads each half
-        with its own tag, so two CTAs may write one record).  ``mw``: this CTA also writes
-        the mask words, derived here: bit 16 of l is set at every position in [p_hi,
-        p_end) (positions ascend with l; p_hi, the first of this CTA's own set mask bits,
-        or hi when it has none, is the first l >= 2**16)."""
+        records, and an edge word in its record's 8-byte half (the merge reads each half with its
+        own tag, so two CTAs may write one record).  ``writes_mask``: this CTA also writes the
+        mask words, derived here: bit 16 of l is set at every position in [p_hi, p_end)
+        (positions ascend with l; p_hi, the first of this CTA's own set mask bits, or hi when it
+        has none, is the first l >= 2**16)."""
         n = self.n
         nmw = n // 32  # mask words
         mrec = (self.rw - n) // 2  # their records (with the padding words)
         assert own_part_ok(n), n
         m0 = Int32(0)
         m1 = Int32(0)
-        if mw != Int32(0) and warp == Int32(0):
+        if writes_mask != Int32(0) and warp == Int32(0):
             f = Int32(n)
             for k in cutlass.range_constexpr(0, nmw, 32):
                 w = Int32(0)
@@ -250,9 +244,9 @@ class SelectPush:
             if lane < Int32(mrec):
                 m0 = S.mask_bits(p_hi, p_end, Int32(2) * lane, nmw)
                 m1 = S.mask_bits(p_hi, p_end, Int32(2) * lane + Int32(1), nmw)
-        # each thread's words are loaded once, then stored to every peer by predicated
-        # stores (a loop per peer over dynamic bounds measured +0.5 us at C = 1, ninth session)
-        wm = Int32(mw != Int32(0)) & Int32(tid < Int32(mrec))
+        # each thread's words are loaded once, then stored to every peer by predicated stores (a
+        # loop per peer over dynamic bounds measured +0.5 us at C = 1)
+        wm = Int32(writes_mask != Int32(0)) & Int32(tid < Int32(mrec))
         # the edge words: thread TB - 1 the one at lo (odd lo), TB - 2 the one before hi (odd hi)
         e_lo = Int32(lo < hi) & Int32(tid == Int32(C.TB - 1)) & (lo & Int32(1))
         e_hi = Int32(lo < hi) & Int32(tid == Int32(C.TB - 2)) & (hi & Int32(1))
@@ -284,7 +278,7 @@ class SelectPush:
         base = off + Int64(r_lo + tid) * rb
         mo = off + Int64(n // 2 + tid) * rb
         for p in cutlass.range_constexpr(self.world):
-            dst = psm[p]
+            dst = peer_addrs[p]
             for j in cutlass.range_constexpr(nr):
                 P.st_ll_v4_if(dst + base + Int64(j * C.TB) * rb, wa[j], e, wb[j], ok[j])
             P.st_ll_half_if(dst + off + eo, ew, e, ee)
@@ -294,12 +288,16 @@ class SelectPush:
     def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
               epoch: Int64, peers: Int64, rank: Int32, max_rows: Int32,
               cache_tokens: Int32):  # fmt: skip
-        # Compile-time launch shape only; the real grid and cluster come from the
-        # launcher (layout.producer_cluster).
+        # Compile-time launch shape only; the real grid and cluster come from the launcher
+        # (layout.producer_cluster).
         self.kernel(logits, row_ends, rows, cols, epoch, peers, rank, max_rows, cache_tokens).launch(
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem
         )
 
     def compile(self, arch: str = "sm_90a", dump_dir: str = "."):
-        return cute.compile(self.entry, *ABI.dummies(Int64, Int32),
-                            options=C.compile_options(arch, dump_dir, PTXAS_OPTIONS))
+        """The compiled kernel for ``arch`` (cached on the object; ``dump_dir``: where the DSL
+        writes and reads back its PTX and cubin, common.compile_options)."""
+        if arch not in self._compiled:
+            self._compiled[arch] = cute.compile(self.entry, *ABI.dummies(Int64, Int32),
+                                                options=C.compile_options(arch, dump_dir, PTXAS_OPTIONS))
+        return self._compiled[arch]

@@ -24,7 +24,6 @@ from jax_dsa_exchange import distributed
 rank, world = distributed.initialize()
 
 import cupy as cp  # noqa: E402
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 

@@ -33,8 +33,9 @@ import zipfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIB = "libdsa_exchange_ffi.so"
 
-# (worlds, topks, local_topks, kinds): the arguments of one `python -m jax_dsa_exchange.build`;
-# kinds "both" = the default kernels and the rescue-list ones (Exchange.create(rescue_list=True))
+# (worlds, topks, local_topks, kinds[, interleaves]): the arguments of one `python -m
+# jax_dsa_exchange.build`; kinds "both" = the default kernels and the rescue-list ones
+# (Exchange.create(rescue_list=True)); interleaves: the KV cache's interleave sizes (default 1)
 CONFIGS = [
     # tests/test_kernels_gpu.py and test_select_gpu.py (CONFIGS there), the benchmark grid
     ((1, 2, 4, 8, 16), (256,), (64, 256), "both"),
@@ -52,6 +53,13 @@ CONFIGS = [
     ((7,), (2048,), (2048,), "default"),
     ((16,), (2048,), (256,), "default"),
     ((3,), (1024,), (128,), "default"),
+    # KV caches interleaved in chunks (tests/test_kernels_gpu.py INTERLEAVED)
+    ((1, 2, 8, 16), (256,), (64,), "both", (2, 16, 64)),
+    ((3,), (256,), (64,), "both", (16,)),
+    ((8,), (2048,), (512,), "both", (16,)),
+    ((16,), (2048,), (1024,), "both", (64,)),
+    ((16,), (4096,), (2048,), "both", (3,)),
+    ((4,), (512,), (128,), "default", (3,)),  # (test_op_gpu.py; its W = 2 one is above)
 ]
 # a few representative configurations (a quick check of a kernel change)
 QUICK = [
@@ -64,9 +72,11 @@ QUICK = [
 
 
 def build_argv(python: str, cfg: tuple, out: str) -> list:
-    worlds, topks, ns, kinds = cfg
+    worlds, topks, ns, kinds, *rest = cfg
     argv = [python, "-m", "jax_dsa_exchange.build", "--world", *map(str, worlds), "--topk", *map(str, topks),
             "--local-topk", *map(str, ns), "--out", out]  # fmt: skip
+    if rest:
+        argv += ["--interleave", *map(str, rest[0])]
     return argv + (["--both"] if kinds == "both" else [])
 
 

@@ -71,6 +71,11 @@ def parser(serving: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds for the whole multi-process run (default 1800)")
     p.add_argument("--no-kernels", action="store_true", help="skip the kernels-alone rows")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the scores' dtype (default bfloat16); float32: the GPU kernels take bfloat16, so only "
+                        "the XLA path and the whole-row lax.top_k are measured")
+    p.add_argument("--interleave", type=int, default=1,
+                   help="I: the KV cache's interleave size the exchange is created for (default 1)")
     from . import serving_bench
 
     serving_bench.add_args(p)
@@ -157,39 +162,25 @@ def run(a) -> int:
                      "so the op's numbers measure context switching, not the op."), flush=True)
     rng = np.random.default_rng(rank)
     top_k_cache = {}
-    kernel_rows = _kernel_rows(a, world, K) if lead and not a.no_kernels else {}
+    op_too = a.dtype == "bfloat16"  # (the kernels take bfloat16 scores: float32 runs on the XLA path)
+    if lead and not op_too:
+        print("bench: float32 scores: the op's GPU kernels take bfloat16, so the op and kernel rows are not "
+              "measured; the XLA path (where the GPUs are distinct) and lax.top_k are", flush=True)
+    kernel_rows = _kernel_rows(a, world, K) if lead and not a.no_kernels and op_too else {}
+    dtype = jnp.bfloat16 if a.dtype == "bfloat16" else jnp.float32
 
     def device_normal(shape, seed):  # drawn on the device: host RNG is slow at 10^9 values
-        return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.bfloat16)
+        return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
 
     for ci, (N, L, R) in enumerate(configs):
-        ex = Exchange.create(topk=K, local_topk=N, max_rows=R)
-        pages = -(-L // B)
-        bt = jnp.asarray(np.arange(R * pages, dtype=np.int32).reshape(R, pages))
-        req = jnp.arange(R, dtype=jnp.int32)
-        ends = jnp.full((R,), L, jnp.int32)
-
-        @jit  # jax.jit with the op's compiler_options (op.py)
-        def step(logits):
-            def layer(c, lg):
-                o = topk_exchange_merge(ex, lg, ends, req, bt, block_size=B)
-                return c + o.counts.sum(), None
-            return jax.lax.scan(layer, jnp.int32(0), logits)[0]
-
-        # The W ranks' input sets share one GPU here: keep them under ~24 GiB in all.
-        nsets = max(2, min(a.sets, (24 << 30) // (3 * a.layers * R * L * 2 * world)))
-
-        def make(n):
-            return [(device_normal((n, R, L), 1000 * rank + 10 * ci + i),) for i in range(nsets)]
-
-        _barrier(client, f"bench/{ci}/start", nproc)
-        med, p10, p90 = _time_layers(step, make, a.reps, a.warmup, a.layers)
-        ex.check()
-        _barrier(client, f"bench/{ci}/done", nproc)
-        ex.close()
+        common = dict(W=world, K=K, N=N, R=R, L=L, graphs=graph_mode, mps=mps)
+        med = p10 = p90 = float("nan")
+        if op_too:
+            med, p10, p90 = _time_op(a, Exchange, jit, topk_exchange_merge, client, nproc, rank, ci, world,
+                                     N, L, R, device_normal)
         if lead:
-            common = dict(W=world, K=K, N=N, R=R, L=L, graphs=graph_mode, mps=mps)
-            rows_out.append(dict(method=METHODS[0], **common, us_per_layer=med, p10=p10, p90=p90))
+            if op_too:
+                rows_out.append(dict(method=METHODS[0], **common, us_per_layer=med, p10=p10, p90=p90))
             key = (R, L)
             if key not in top_k_cache:  # the baseline does not depend on N
                 @jax.jit
@@ -227,6 +218,39 @@ def run(a) -> int:
     return 0
 
 
+def _time_op(a, Exchange, jit, topk_exchange_merge, client, nproc, rank, ci, world, N, L, R, device_normal):
+    """The op's (median, p10, p90) us per layer on every rank, in a jitted scan over layers."""
+    import jax
+    import jax.numpy as jnp
+
+    K, B = a.topk, 64
+    ex = Exchange.create(topk=K, local_topk=N, max_rows=R, interleave=a.interleave)
+    pages = -(-L // B)
+    bt = jnp.asarray(np.arange(R * pages, dtype=np.int32).reshape(R, pages))
+    req = jnp.arange(R, dtype=jnp.int32)
+    ends = jnp.full((R,), L, jnp.int32)
+
+    @jit  # jax.jit with the op's compiler_options (op.py)
+    def step(logits):
+        def layer(c, lg):
+            o = topk_exchange_merge(ex, lg, ends, req, bt, block_size=B)
+            return c + o.counts.sum(), None
+        return jax.lax.scan(layer, jnp.int32(0), logits)[0]
+
+    # The W ranks' input sets share one GPU here: keep them under ~24 GiB in all.
+    nsets = max(2, min(a.sets, (24 << 30) // (3 * a.layers * R * L * 2 * world)))
+
+    def make(n):
+        return [(device_normal((n, R, L), 1000 * rank + 10 * ci + i),) for i in range(nsets)]
+
+    _barrier(client, f"bench/{ci}/start", nproc)
+    med, p10, p90 = _time_layers(step, make, a.reps, a.warmup, a.layers)
+    ex.check()
+    _barrier(client, f"bench/{ci}/done", nproc)
+    ex.close()
+    return med, p10, p90
+
+
 def _gpus_on_this_node() -> int:
     """GPUs of this host (CUDA's count: the launcher binds ranks through JAX, not CUDA)."""
     try:
@@ -259,7 +283,7 @@ def _time_xla_path(a, world, K, N, R, L, B, rng):
     @jax.jit
     def xla_step(logits, ends, req, bt):  # logits [layers, W, R, L]; global arrays are arguments
         def layer(c, lg):
-            o = xla_topk_merge_sharded(mesh, "dcp", lg, ends, req, bt, topk=K, block_size=B)
+            o = xla_topk_merge_sharded(mesh, "dcp", lg, ends, req, bt, topk=K, block_size=B, interleave=a.interleave)
             return c + o.counts.sum(), None
         return jax.lax.scan(layer, jnp.int32(0), logits)[0]
 
@@ -270,7 +294,7 @@ def _time_xla_path(a, world, K, N, R, L, B, rng):
     def make(n):
         out = []
         for _ in range(2):
-            x = rng.standard_normal((n, 1, R, L), np.float32).astype(jnp.bfloat16)
+            x = rng.standard_normal((n, 1, R, L), np.float32).astype(jnp.bfloat16 if a.dtype == "bfloat16" else np.float32)
             out.append((jax.make_array_from_callback((n, world, R, L), lsharding, lambda i: x),))
         return out
 
@@ -361,8 +385,9 @@ def _write(out, rows):
           "us per layer (median); kernels: rank 0 alone, CUDA events; floor: one read of [R, L]")
     print(f"{'N':>5} {'L':>7} {'R':>4} {'op':>9} {'top_k':>9} {'speedup':>8} {'sel+push':>9} {'merge':>7} "
           f"{'floor':>7} {'torch RL':>9} {'jax RL':>8} {'torch 64':>9} {'jax 64':>8}")
+    lead_method = METHODS[0] if any(r["method"] == METHODS[0] for r in rows) else METHODS[1]
     for r in rows:
-        if r["method"] != METHODS[0]:
+        if r["method"] != lead_method:
             continue
         b = find(METHODS[1], r)
         print(f"{r['N']:>5} {r['L']:>7} {r['R']:>4} {r['us_per_layer']:>9.1f} {b:>9.1f} "

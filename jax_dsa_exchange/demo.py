@@ -71,6 +71,12 @@ def _parse(argv):
                    help="N, the first round's candidates per rank and row: a multiple of 32 in 32..K "
                         "(default 1024; see rescue rows below)")
     p.add_argument("--block-size", type=int, default=64, help="KV page size B, >= 1 (default 64)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the indexer scores' dtype (default bfloat16); float32 scores are merged exactly as "
+                        "float32 (the XLA path: --path auto picks it)")
+    p.add_argument("--interleave", type=int, default=1,
+                   help="I: the KV cache is spread over the ranks in chunks of I consecutive tokens "
+                        "(default 1: token by token)")
     p.add_argument("--path", choices=("auto", "xla", "ffi"), default="auto",
                    help="xla: pure XLA, any backend; ffi: the NVLink kernels (NVIDIA GPUs); "
                         "auto (default): ffi on GPUs when the op imports, else xla")
@@ -93,6 +99,13 @@ def _parse(argv):
         p.error(f"argument --local-topk: {a.local_topk} must be a multiple of 32 in [32, --topk={a.topk}]")
     if not a.timeout > 0:
         p.error(f"argument --timeout: {a.timeout} must be > 0")
+    try:
+        layout.check_interleave(a.interleave, a.world)
+    except ValueError as e:
+        p.error(f"argument --interleave: {e}")
+    if a.dtype == "float32" and a.path == "ffi":
+        p.error("argument --dtype: float32 scores run on the XLA path (--path xla or auto); the GPU kernels "
+                "take bfloat16")
     return a
 
 
@@ -100,11 +113,12 @@ def _parse(argv):
 # The hook: one function decides which merge the decode step calls.
 
 
-def resolve_path(path: str, mesh) -> str:
-    """``auto`` -> ``ffi`` when the mesh is NVIDIA GPUs and the op imports, else ``xla``."""
+def resolve_path(path: str, mesh, dtype: str = "bfloat16") -> str:
+    """``auto`` -> ``ffi`` when the mesh is NVIDIA GPUs, the op imports and the scores are
+    bfloat16 (what the kernels take), else ``xla``."""
     if path != "auto":
         return path
-    if mesh.devices.flat[0].platform != "gpu":
+    if mesh.devices.flat[0].platform != "gpu" or dtype != "bfloat16":
         return "xla"
     try:
         from . import op  # noqa: F401
@@ -113,7 +127,8 @@ def resolve_path(path: str, mesh) -> str:
     return "ffi"
 
 
-def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: int, max_rows: int):
+def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: int, max_rows: int,
+                  interleave: int = 1):
     """Per-rank merge ``fn(logits, row_ends, req_id, block_table) -> result`` for ``path``.
 
     Called inside the shard_map body (one rank's [R, L] block).  The result has
@@ -126,7 +141,7 @@ def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: in
 
         def fn(logits, row_ends, req_id, block_table):
             return xla_topk_merge(logits, row_ends, req_id, block_table, axis_name=AXIS, topk=topk,
-                                  block_size=block_size, with_ids=True)
+                                  block_size=block_size, with_ids=True, interleave=interleave)
 
         return fn, False
 
@@ -147,10 +162,10 @@ def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: in
             f"--path ffi needs the GPU op (jax_dsa_exchange.op / .exchange), which failed to "
             f"import: {e}; use --path xla") from e
     if jax.process_count() > 1:  # one rank per process: collective creation over IPC
-        ex = Exchange.create(topk=topk, local_topk=local_topk, max_rows=max_rows)
+        ex = Exchange.create(topk=topk, local_topk=local_topk, max_rows=max_rows, interleave=interleave)
     else:  # all ranks in this process; the ranks share one exchange id
         ex = Exchange.create_local(list(mesh.devices.flat), topk=topk, local_topk=local_topk,
-                                   max_rows=max_rows)[0]
+                                   max_rows=max_rows, interleave=interleave)[0]
 
     def fn(logits, row_ends, req_id, block_table):
         return topk_exchange_merge(ex, logits, row_ends, req_id, block_table, block_size=block_size,
@@ -164,15 +179,16 @@ def make_merge_fn(path: str, mesh, *, topk: int, local_topk: int, block_size: in
 
 
 def make_step_data(rng, step, a, world, base_len, req_id, tables):
-    """Per-rank inputs of one decode step: logits [layers, W, R, L] bf16, row_ends [W, R]."""
+    """Per-rank inputs of one decode step: logits [layers, W, R, L] (--dtype), row_ends [W, R]."""
     import ml_dtypes
 
-    R, L, layers = a.rows, a.cols, a.layers
-    # Row i's context has base_len[i] + step tokens; token t lives on rank t % W
-    # at local index t // W (g = l * W + q), so rank q holds ceil((len - q) / W).
+    R, L, layers, chunk = a.rows, a.cols, a.layers, a.interleave
+    # Row i's context has base_len[i] + step tokens; chunk c of I tokens lives on rank c % W
+    # (docs/DESIGN.md §4), so rank q holds I per whole round of W chunks and its share of the last.
     seq = base_len + step
     q = np.arange(world)[:, None]
-    row_ends = np.clip((seq[None, :] - q + world - 1) // world, 0, L).astype(np.int32)
+    rounds, rest = seq[None, :] // (world * chunk), seq[None, :] % (world * chunk)
+    row_ends = np.clip(rounds * chunk + np.clip(rest - q * chunk, 0, chunk), 0, L).astype(np.int32)
     x = rng.standard_normal((layers, world, R, L)).astype(np.float32)
     # Some rows concentrate their best tokens on one rank (that rank's top-N is
     # not enough there: the protocol's rescue round), some have few distinct
@@ -183,7 +199,7 @@ def make_step_data(rng, step, a, world, base_len, req_id, tables):
         x[ly, hot_rank[ly, i], i] += 3.0
     coarse = rng.random((layers, R)) < 0.25
     x = np.where(coarse[:, None, :, None], np.round(x), np.round(x * 16) / 16)
-    return x.astype(ml_dtypes.bfloat16), row_ends
+    return x.astype(ml_dtypes.bfloat16 if a.dtype == "bfloat16" else np.float32), row_ends
 
 
 # ---------------------------------------------------------------------------
@@ -209,9 +225,9 @@ def run(a) -> int:
         print(f"demo: {len(jax.local_devices())} {jax.default_backend()} device(s) < W={world}: "
               f"using {world} CPU devices", flush=True)
     mesh = distributed.dcp_mesh(AXIS, world, backend=backend)
-    path = resolve_path(a.path, mesh)
-    K, N, B, R, L = a.topk, a.local_topk, a.block_size, a.rows, a.cols
-    merge, reports_rescue = make_merge_fn(path, mesh, topk=K, local_topk=N, block_size=B, max_rows=R)
+    path = resolve_path(a.path, mesh, a.dtype)
+    K, N, B, R, L, I = a.topk, a.local_topk, a.block_size, a.rows, a.cols, a.interleave
+    merge, reports_rescue = make_merge_fn(path, mesh, topk=K, local_topk=N, block_size=B, max_rows=R, interleave=I)
     lead = rank == 0
 
     def log(msg):
@@ -269,7 +285,8 @@ def run(a) -> int:
     lsharding = NamedSharding(mesh, lspec)
 
     log(f"jax_dsa_exchange demo: path={path} W={world} ({'processes' if nproc > 1 else 'devices'} of "
-        f"{mesh.devices.flat[0].platform}) layers={a.layers} rows={R} L={L} K={K} N={N} B={B}")
+        f"{mesh.devices.flat[0].platform}) layers={a.layers} rows={R} L={L} K={K} N={N} B={B} "
+        f"scores={a.dtype} interleave={I}")
     bad_total = 0
     for step in range(a.steps):
         logits, row_ends = make_step_data(rng, step, a, world, base_len, req_id, tables)
@@ -283,8 +300,9 @@ def run(a) -> int:
         bad, rescue = 0, 0
         for ly in range(a.layers):
             lg = [logits[ly, q] for q in range(world)]
-            want = reference.topk_merge(lg, list(row_ends), list(req_id), list(tables), topk=K, block_size=B)
-            model_sat = reference.saturated_masks(lg, list(row_ends), topk=K, local_topk=N)
+            want = reference.topk_merge(lg, list(row_ends), list(req_id), list(tables), topk=K, block_size=B,
+                                        interleave=I)
+            model_sat = reference.saturated_masks(lg, list(row_ends), topk=K, local_topk=N, interleave=I)
             for q in kv:  # the ranks this process holds
                 got = dict(kv_rows=kv[q][ly], counts=cnt[q][ly], ids=ids[q][ly])
                 for name, g in got.items():

@@ -94,9 +94,11 @@ class Exchange:
     """One rank's symmetric memory and its registration with the FFI launcher."""
 
     def __init__(self, *, exchange_id, world, rank, topk, local_topk, max_rows, ordinal,
-                 timeout_us, arch, rescue_list=False):
+                 timeout_us, arch, rescue_list=False, interleave=1):
         self.id, self.world, self.rank = exchange_id, world, rank
         self.rescue_list = rescue_list
+        self.interleave = interleave  # the KV cache's interleave size (docs/DESIGN.md §4)
+        self.score_dtype = "bfloat16"  # what the kernels take (op.py checks every call's logits)
         self.topk, self.local_topk, self.max_rows = topk, local_topk, max_rows
         self.ordinal, self.timeout_us, self.arch = ordinal, timeout_us, arch
         self.layout = layout.BufferLayout(world, topk, local_topk, max_rows)
@@ -127,12 +129,17 @@ class Exchange:
     @classmethod
     def create(cls, *, topk: int, local_topk: int, max_rows: int, world: int | None = None,
                rank: int | None = None, device=None, timeout_s: float = 60.0,
-               timeout_us: int = DEFAULT_TIMEOUT_US, arch: str = "sm_90a",
-               rescue_list: bool = False) -> "Exchange":
+               timeout_us: int = DEFAULT_TIMEOUT_US, arch: str | None = None,
+               rescue_list: bool = False, interleave: int = 1, score_dtype="bfloat16") -> "Exchange":
         """This process's rank of a W-process exchange (collective over jax.distributed).
 
         ``world``/``rank`` default to ``jax.process_count()``/``jax.process_index()`` and
-        ``device`` to this process's first local GPU.  ``rescue_list`` (the same on every
+        ``device`` to this process's first local GPU; ``arch`` (None: the device's) the kernels'
+        target (layout.ARCHS; the device's own: another one is a ValueError naming both).
+        ``interleave`` (the same on every rank): the KV cache is spread over the ranks in chunks
+        of that many consecutive tokens (docs/DESIGN.md §4; 1: token by token).
+        ``score_dtype``: the logits' dtype; the GPU kernels take bfloat16 (float32 scores run on
+        the XLA path).  ``rescue_list`` (the same on every
         rank): the producer also makes each row's local top-K, so that a rescue (a rank with
         all N of its candidates selected) pushes it instead of selecting the row again on one
         CTA: a rescue costs ~24 us at any row length instead of 34 us at L = 8K and 200 us at
@@ -144,8 +151,9 @@ class Exchange:
 
         world = jax.process_count() if world is None else world
         rank = jax.process_index() if rank is None else rank
-        _check_create_args(topk, local_topk, max_rows, world, rank, timeout_us, rescue_list)
+        _check_create_args(topk, local_topk, max_rows, world, rank, timeout_us, rescue_list, interleave, score_dtype)
         ordinal = _device_ordinal(device)
+        arch = _device_arch(ordinal, arch)
         exchange_id = _next_id()
         rdv = Rendezvous(distributed_client(), world=world, rank=rank,
                          prefix=f"jax_dsa_exchange/{exchange_id}", timeout_s=timeout_s)
@@ -156,13 +164,13 @@ class Exchange:
         try:
             ex = cls(exchange_id=exchange_id, world=world, rank=rank, topk=topk,
                      local_topk=local_topk, max_rows=max_rows, ordinal=ordinal,
-                     timeout_us=timeout_us, arch=arch, rescue_list=rescue_list)
+                     timeout_us=timeout_us, arch=arch, rescue_list=rescue_list, interleave=interleave)
             handle = bytes(cp.cuda.runtime.ipcGetMemHandle(ex._buffer.ptr)).hex()
         except Exception as e:  # tell the peers instead of leaving them waiting
             error, handle = f"{type(e).__name__}: {e}", ""
         record = dict(world=world, rank=rank, topk=topk, local_topk=local_topk,
                       max_rows=max_rows, exchange_id=exchange_id, kernels=build, arch=arch,
-                      rescue_list=rescue_list,
+                      rescue_list=rescue_list, interleave=interleave,
                       host=socket.gethostname(), pid=os.getpid(), bus=_bus_id(ordinal),
                       handle=handle, error=error)
         records = rdv.allgather("config", record)
@@ -172,7 +180,7 @@ class Exchange:
                 raise RendezvousError("exchange creation failed: " + "; ".join(
                     f"rank {q}: {m}" for q, m in failed))
             check_agreement(records, ("world", "topk", "local_topk", "max_rows", "exchange_id",
-                                      "kernels", "arch", "rescue_list"), f"exchange {exchange_id}")
+                                      "kernels", "arch", "rescue_list", "interleave"), f"exchange {exchange_id}")
             bad_rank = [q for q, r in enumerate(records) if r["rank"] != q]
             if bad_rank:
                 raise RendezvousError(f"exchange {exchange_id}: ranks {bad_rank} published under "
@@ -212,15 +220,19 @@ class Exchange:
 
     @classmethod
     def create_local(cls, devices: Sequence, *, topk: int, local_topk: int, max_rows: int,
-                     timeout_us: int = DEFAULT_TIMEOUT_US, arch: str = "sm_90a",
-                     rescue_list: bool = False) -> list["Exchange"]:
+                     timeout_us: int = DEFAULT_TIMEOUT_US, arch: str | None = None,
+                     rescue_list: bool = False, interleave: int = 1, score_dtype="bfloat16") -> list["Exchange"]:
         """The W ranks of one process driving W GPUs (``devices``: jax devices or CUDA
         ordinals, rank q on ``devices[q]``).  Peers use direct peer access, no IPC.  All
         ranks share one exchange id, so the same jitted code (e.g. inside shard_map)
         finds each rank's state by the device it runs on."""
         world = len(devices)
-        _check_create_args(topk, local_topk, max_rows, world, 0, timeout_us, rescue_list)
+        _check_create_args(topk, local_topk, max_rows, world, 0, timeout_us, rescue_list, interleave, score_dtype)
         ordinals = [_device_ordinal(d) for d in devices]
+        archs = {_device_arch(o, arch) for o in ordinals}
+        if len(archs) != 1:
+            raise ValueError(f"create_local needs GPUs of one target, got {sorted(archs)}")
+        arch = archs.pop()
         if len(set(ordinals)) != world:
             raise ValueError(f"create_local needs {world} distinct GPUs, got ordinals {ordinals}")
         cp = _cupy()
@@ -237,7 +249,8 @@ class Exchange:
                                 raise
         exchange_id = _next_id()
         exs = [cls(exchange_id=exchange_id, world=world, rank=q, topk=topk, local_topk=local_topk,
-                   max_rows=max_rows, ordinal=o, timeout_us=timeout_us, arch=arch, rescue_list=rescue_list)
+                   max_rows=max_rows, ordinal=o, timeout_us=timeout_us, arch=arch, rescue_list=rescue_list,
+                   interleave=interleave)
                for q, o in enumerate(ordinals)]
         peers = [ex._buffer.ptr for ex in exs]
         for ex in exs:
@@ -285,13 +298,14 @@ class Exchange:
         from .kernels import cache
 
         images = cache.load_kernels(self.arch, self.world, self.topk, self.local_topk,
-                                    rescue_list=self.rescue_list)
+                                    rescue_list=self.rescue_list, interleave=self.interleave)
+        sms = _cupy().cuda.Device(self.ordinal).attributes["MultiProcessorCount"]
         keys = {}
         for name, img in images.items():
             keys[name] = (f"{name}/{self.arch}/w{self.world}k{self.topk}n{self.local_topk}"
-                          f"{'rl' if self.rescue_list else ''}/{img.source_hash}")
+                          f"{'rl' if self.rescue_list else ''}i{self.interleave}/{img.source_hash}")
             _ffi.load_kernel(keys[name], img.kernel, img.params, img.cubin, img.ptx, img.entry, self.ordinal,
-                             img.block, img.smem)
+                             img.block, img.smem, arch=img.arch)
             if name == "merge" and img.cluster > 1:
                 self._merge_fit = _ffi.set_kernel_cluster(keys[name], self.ordinal, img.cluster)
                 self._merge_cluster = img.cluster
@@ -299,7 +313,7 @@ class Exchange:
                 self._wide_fit = _ffi.set_kernel_cluster(keys[name], self.ordinal, img.cluster)
                 self._wide_cluster = img.cluster
             if img.split is not None:
-                split = dict(img.split)
+                split = layout.split_for_device(img.split, sms)
                 if self._ranks_on_gpu > 1:
                     # Ranks sharing a GPU (MPS): a rank's producer must find room beside
                     # the other ranks' spinning merges, and a cluster needs several free
@@ -442,8 +456,14 @@ class Exchange:
                 f"{'closed' if self.closed else 'open'})")
 
 
-def _check_create_args(topk, local_topk, max_rows, world, rank, timeout_us, rescue_list=False):
+def _check_create_args(topk, local_topk, max_rows, world, rank, timeout_us, rescue_list=False, interleave=1,
+                       score_dtype="bfloat16"):
     layout.check_config(world, topk, local_topk)
+    layout.check_kernel_interleave(interleave, world)
+    if layout.score_dtype_name(score_dtype) != "bfloat16":
+        raise NotImplementedError(
+            f"score_dtype={layout.score_dtype_name(score_dtype)}: the GPU kernels take bfloat16 scores; float32 "
+            "scores run exactly on the XLA path (topk_exchange_merge(..., path='xla') or xla_path.xla_topk_merge)")
     if not isinstance(rescue_list, bool):
         raise TypeError(f"rescue_list={rescue_list!r} must be a bool")
     if not isinstance(max_rows, int) or max_rows < 1:
@@ -466,6 +486,23 @@ def _device_ordinal(device) -> int:
     if isinstance(device, int):
         return device
     return int(device.local_hardware_id)
+
+
+def _device_arch(ordinal: int, arch: str | None) -> str:
+    """The kernels' target for CUDA device ``ordinal``: its compute capability's (layout.ARCHS);
+    ``arch``, where given, must be that one.  ValueError naming the device's target, the ones the
+    kernels build for and the build command."""
+    cc = _cupy().cuda.Device(ordinal).compute_capability  # e.g. "90", "100", "103"
+    mine = layout.arch_of((int(cc[:-1]), int(cc[-1])))
+    if mine not in layout.ARCHS:
+        raise ValueError(f"GPU {ordinal} is {mine} (compute capability {cc[:-1]}.{cc[-1]}); the kernels build for "
+                         f"{', '.join(layout.ARCHS)} only: use the XLA path (path='xla') there")
+    if arch is not None and arch != mine:
+        layout.arch_limits(arch)
+        raise ValueError(f"arch={arch!r} but GPU {ordinal} is {mine}: kernels of one target run on that compute "
+                         f"capability only (leave arch unset, or build with python -m jax_dsa_exchange.build "
+                         f"--arch {mine})")
+    return mine
 
 
 def _bus_id(ordinal: int) -> str:

@@ -108,11 +108,58 @@ PRODUCER_LEAN_MIN_SLICE = 2048
 PRODUCER_LEAN_FILL_CTAS = 64
 
 
+@dataclasses.dataclass(frozen=True)
+class ArchLimits:
+    """What the kernels and the launch policy need of one GPU target.  The launcher reads the
+    device's own SM count and co-resident cluster counts at run time; ``sm_count`` is what the
+    kernels' compile-time thresholds assume (a full-size part of the target)."""
+
+    arch: str  # the CuTe DSL / ptxas target: kernels of one target run on that compute capability only
+    compute_capability: tuple
+    parts: str
+    sm_count: int
+    smem_per_sm: int  # shared memory of an SM, bytes (1 KB of it reserved per resident CTA)
+    smem_per_cta: int  # the most dynamic shared memory one CTA may opt in to, bytes
+
+
+# The targets the kernels build for.  sm_90a is tested on hardware (H100, H200); sm_100a and
+# sm_103a are built and compile-tested only.  Shared memory per SM and per CTA: the CUDA
+# programming guide's table for compute capabilities 9.0, 10.0 and 10.3.
+ARCHS = {
+    "sm_90a": ArchLimits("sm_90a", (9, 0), "H100, H200", 132, 228 * 1024, 227 * 1024),
+    "sm_100a": ArchLimits("sm_100a", (10, 0), "B200, GB200", 148, 228 * 1024, 227 * 1024),
+    "sm_103a": ArchLimits("sm_103a", (10, 3), "B300, GB300", 148, 228 * 1024, 227 * 1024),
+}
+
+
+def arch_limits(arch: str) -> ArchLimits:
+    """The table entry of ``arch``; ValueError naming the supported targets."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r}: the kernels build for {', '.join(ARCHS)}")
+    return ARCHS[arch]
+
+
+def arch_of(compute_capability) -> str:
+    """The arch-specific target of a compute capability ((9, 0) -> "sm_90a"), whether or not
+    the kernels build for it (the caller names it in its error)."""
+    major, minor = (int(x) for x in compute_capability)
+    return f"sm_{major}{minor}a"
+
+
 def producer_split() -> dict:
     """The split policy's parameters, as the kernel metadata carries them."""
     return {"slice_max": PRODUCER_SLICE_MAX, "cluster_max": PRODUCER_CLUSTER_MAX,
             "min_slice": PRODUCER_MIN_SLICE, "fill_ctas": PRODUCER_FILL_CTAS,
             "cache_max": PRODUCER_CACHE_MAX, "cache_wide": PRODUCER_CACHE_WIDE}  # fmt: skip
+
+
+def split_for_device(split: dict, sm_count: int) -> dict:
+    """A metadata split for a device of ``sm_count`` SMs: its fill_ctas (measured on 132-SM
+    parts: one CTA per SM for select_push, about half of them for the lean image) scaled to the
+    device's SMs, the same share of them."""
+    out = dict(split)
+    out["fill_ctas"] = int(split["fill_ctas"]) * int(sm_count) // PRODUCER_FILL_CTAS
+    return out
 
 
 def producer_lean_split() -> dict:

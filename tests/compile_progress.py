@@ -129,8 +129,7 @@ class Progress:
         @functools.wraps(compile_kernel)
         def wrapped(*args, **kwargs):
             c = self._config(compile_kernel, args, kwargs)
-            key = tuple(c.get(k) for k in ("kernel", "arch", "world", "topk", "local_topk"))
-            key += (bool(c.get("rescue_list", False)),)
+            key = cache.compiled_key(**c)
             if key in getattr(cache, "_COMPILED", {}):  # compiled before: no compile, no line
                 return compile_kernel(*args, **kwargs)
             name = c.get("kernel")

@@ -5,6 +5,7 @@ set."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import pathlib
 import subprocess
@@ -226,18 +227,21 @@ def test_gpu_check_lists_and_dry_runs():
 
 
 def test_build_set_covers_the_gpu_tests():
-    """Every (W, K, N) the GPU kernel tests use is in the build set, with both kinds."""
+    """Every (W, K, N) and (W, K, N, I) the GPU kernel tests use is in the build set, with both
+    kinds."""
     import test_kernels_gpu
 
     built = {}
-    for worlds, topks, ns, kinds in build_cubins.CONFIGS:
-        for w in worlds:
-            for k in topks:
-                for n in ns:
-                    if n <= k:
-                        built.setdefault((w, k, n), set()).update({"default", "rl"} if kinds == "both" else {"default"})
+    for worlds, topks, ns, kinds, *rest in build_cubins.CONFIGS:
+        for w, k, n, i in itertools.product(worlds, topks, ns, rest[0] if rest else (1,)):
+            if n <= k:
+                built.setdefault((w, k, n, i), set()).update({"default", "rl"} if kinds == "both" else {"default"})
     for cfg in test_kernels_gpu.CONFIGS:
+        assert built.get(cfg + (1,)) == {"default", "rl"}, cfg
+    for cfg in test_kernels_gpu.INTERLEAVED:
         assert built.get(cfg) == {"default", "rl"}, cfg
+    argv = build_cubins.build_argv("py", build_cubins.CONFIGS[-2], "/o")
+    assert argv[-3:] == ["--interleave", "3", "--both"], argv
     argv = build_cubins.build_argv("py", build_cubins.CONFIGS[0], "/o")
     assert argv[:3] == ["py", "-m", "jax_dsa_exchange.build"] and argv[-1] == "--both" and "/o" in argv
 

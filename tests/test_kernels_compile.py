@@ -466,7 +466,7 @@ def test_rolled_round2_fits_beside_a_producer_cta():
                 if m.roll2:
                     rolled.add((world, topk, n))
                     assert (m.smem + select_push.smem_bytes(n, topk) + 2 * merge.CTA_RESERVED_SMEM
-                            <= merge.SM_SMEM_BYTES), (world, topk, n, m.smem)  # fmt: skip
+                            <= layout.ARCHS["sm_90a"].smem_per_sm), (world, topk, n, m.smem)  # fmt: skip
                     assert m.stage2_words % (2 * 512) == 0 and m.kp2 // 2 <= 16
     assert (8, 2048, 512) in rolled and (2, 2048, 512) in rolled
     assert (4, 4096, 2048) not in rolled and not merge.Merge(merge.MergeConfig(4, 4096, 2048)).roll2
@@ -528,3 +528,42 @@ def test_rescue_list_kernels():
 
     with pytest.raises(TypeError, match="rescue_list"):
         exchange._check_create_args(2048, 512, 8, 8, 0, 1000, rescue_list=1)
+
+
+@pytest.mark.parametrize("rescue_list", [False, True], ids=["default", "rescue-list"])
+@pytest.mark.parametrize("arch", list(layout.ARCHS))
+def test_default_configuration_builds_for_every_target(arch, rescue_list):
+    """W = 8, K = 2048, N = 512 compiles for every target of layout.ARCHS (sm_100a / sm_103a:
+    built and compile-tested only): each image names its target in its metadata, PTX and
+    cubin, fits the target's shared memory per CTA, and has the launch ABI."""
+    imgs = cache.compile_images(arch, 8, 2048, 512, rescue_list)
+    lim = layout.ARCHS[arch]
+    assert set(imgs) >= {"select_push", "merge"}
+    for name, (img, _) in imgs.items():
+        assert img.arch == arch and img.metadata()["arch"] == arch, name
+        assert f".target {arch}" in img.ptx, name
+        assert cache.cubin_sm(img.cubin) == 10 * lim.compute_capability[0] + lim.compute_capability[1], name
+        assert 0 < img.smem <= lim.smem_per_cta, (name, img.smem)
+        assert img.params == abi.KERNELS[img.kernel].pairs(), name
+        assert cache.cubin_resources(img.cubin)["frame_bytes"] == 0, name
+
+
+def test_targets_and_their_errors(tmp_path, monkeypatch):
+    """layout.ARCHS names every target; another one is a ValueError naming them, at the build
+    CLI too; a folder of another target's images is named in load_kernels' error."""
+    assert layout.arch_of((9, 0)) == "sm_90a" and layout.arch_of((10, 3)) == "sm_103a"
+    with pytest.raises(ValueError, match="arch='sm_80': the kernels build for sm_90a, sm_100a, sm_103a"):
+        cache.check_build("sm_80", 8, 2048, 512)
+    from jax_dsa_exchange import build
+
+    with pytest.raises(SystemExit):
+        build.main(["--arch", "sm_80", "--topk", "64", "--local-topk", "32", "--world", "1", "--out", str(tmp_path)])
+    w, k, n = 1, 64, 32
+    cache.write_images(cache.compile_images("sm_100a", w, k, n), tmp_path / "prebuilt")
+    monkeypatch.setenv(cache.ENV_DIRS, str(tmp_path / "prebuilt"))
+    monkeypatch.setenv(cache.ENV_CACHE, str(tmp_path / "empty"))
+    monkeypatch.setattr(cache, "cutlass_available", lambda: False)
+    assert cache.prebuilt_archs(w, k, n) == {"sm_100a"}
+    with pytest.raises(FileNotFoundError, match=r"no prebuilt kernels for arch=sm_90a .*found for \['sm_100a'\] "
+                                                r"only.*python -m jax_dsa_exchange.build --arch sm_90a"):
+        cache.load_kernels("sm_90a", w, k, n, allow_compile=False)

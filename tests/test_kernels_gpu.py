@@ -36,6 +36,11 @@ CLUSTERED = [(16, 2048, 1024), (8, 2048, 1024), (16, 2048, 512)]
 # ... and those with a second merge image of wider clusters (kernels/cache.py OPTIONAL):
 # W = 16, N = 1024 over 4 CTAs of 8 words, W = 8, N = 1024 and W = 16, N = 512 over 4 of 4
 WIDE = [(16, 2048, 1024), (8, 2048, 1024), (16, 2048, 512)]
+# KV caches interleaved in chunks of I tokens (docs/DESIGN.md §4): (W, K, N, I) configurations,
+# the small one at every W and I, and the paths of the larger ones (one CTA in registers, a
+# clustered row, keys re-read from memory) at one I each, a power of two or not
+INTERLEAVED = ([(w, SMALL_K, SMALL_N, i) for w in (1, 2, 8, 16) for i in (2, 16, 64)]
+               + [(3, SMALL_K, SMALL_N, 16), (8, 2048, 512, 16), (16, 2048, 1024, 64), (16, 4096, 2048, 3)])
 # which merge image the sims launch: "auto" (the launcher's choice by rows), "merge" or
 # "merge_wide" (every call on it where the configuration has one)
 TEST_MERGE = os.environ.get("JAX_DSA_EXCHANGE_TEST_MERGE", "auto")
@@ -47,22 +52,22 @@ TEST_PRODUCER = os.environ.get("JAX_DSA_EXCHANGE_TEST_PRODUCER", "auto")
 _SIMS: dict = {}
 
 
-def sim_for(world, topk, n, max_rows=64, rescue_list=None):
+def sim_for(world, topk, n, max_rows=64, rescue_list=None, interleave=1):
     """A cached Sim; ``rescue_list`` None: $JAX_DSA_EXCHANGE_TEST_RESCUE_LIST (1: every test
     on the rescue-list kernels: dev/gpu_check.py's tests step runs them once per kind)."""
     from jax_dsa_exchange.testing.sim import Sim
 
     if rescue_list is None:
         rescue_list = os.environ.get("JAX_DSA_EXCHANGE_TEST_RESCUE_LIST", "") == "1"
-    key = (world, topk, n, rescue_list)
+    key = (world, topk, n, rescue_list, interleave)
     if key not in _SIMS or _SIMS[key].max_rows < max_rows:
-        _SIMS[key] = Sim(world, topk, n, max_rows, rescue_list=rescue_list, merge=TEST_MERGE, producer=TEST_PRODUCER)
+        _SIMS[key] = Sim(world, topk, n, max_rows, rescue_list=rescue_list, merge=TEST_MERGE, producer=TEST_PRODUCER,
+                         interleave=interleave)
     return _SIMS[key]
 
 
 def check(case, got, *, want_ids=True, want_sat=True, what=""):
-    ref = reference.protocol_merge(*case.args, topk=case.topk, local_topk=case.local_topk,
-                                   block_size=case.block_size)  # fmt: skip
+    ref = case.model()
     for q in range(case.world):
         g, r = got[q], ref[q]
         assert (g["status"] == 0).all(), f"{what} {case} rank {q}: status {g['status']}"
@@ -96,6 +101,22 @@ def test_adversarial(world):
         _run_check(sim, case)
         if i == 0:  # optional outputs off: kv_rows / counts still right
             _run_check(sim, case, want_ids=False, want_sat=False)
+
+
+@pytest.mark.parametrize("world,topk,n,interleave", INTERLEAVED,
+                         ids=[f"W{w}-K{k}-N{n}-I{i}" for w, k, n, i in INTERLEAVED])
+def test_adversarial_interleaved(world, topk, n, interleave):
+    """Every adversarial family with the KV cache interleaved in chunks of I tokens (ties that
+    straddle chunk boundaries, rows shorter than one chunk, rescues): ids (the interleaved
+    global positions), kv_rows, counts and saturated bit-identical to the protocol model."""
+    rng = np.random.default_rng([2000, world, topk, n, interleave])
+    sim = sim_for(world, topk, n, interleave=interleave)
+    allc = cases.adversarial_cases(rng, world=world, topk=topk, local_topk=n, interleave=interleave,
+                                   rows=16 if topk == SMALL_K else 4, cols=3000 if topk > SMALL_K else None,
+                                   saturating_rows=2)  # fmt: skip
+    assert "chunk_ties" in {c.name for c in allc}
+    for case in allc:
+        _run_check(sim, case)
 
 
 @pytest.mark.parametrize("world,topk,n", [(w, SMALL_K, SMALL_N) for w in (1, 2, 4, 8)] + [(8, 2048, 512)])

@@ -46,6 +46,19 @@ def test_multiprocess_decode_loop_matches_oracle(world, topk, local_topk, graphs
 
 @requires_gpu_stack
 @pytest.mark.gpu
+@pytest.mark.parametrize("world,topk,local_topk,interleave", [(2, 256, 64, 16), (4, 512, 128, 3)])
+def test_multiprocess_decode_loop_interleaved(world, topk, local_topk, interleave):
+    """An exchange created for a KV cache interleaved in chunks of I tokens: every call, rescues
+    included, is the protocol model's at that I (docs/DESIGN.md §4)."""
+    args = ["--topk", str(topk), "--local-topk", str(local_topk), "--rows", "16", "--cols", "4096",
+            "--layers", "3", "--steps", "2", "--interleave", str(interleave)]
+    r = _launch(world, "op_worker.py", *args, timeout=400, graphs="checked")
+    assert r.returncode == 0
+    assert r.stdout.count("RANK OK") == world
+
+
+@requires_gpu_stack
+@pytest.mark.gpu
 def test_multiprocess_decode_loop_on_merge_wide():
     """W = 8, N = 1024 with 2 rows per call: every row has its own cluster of 4, so the C++
     launcher runs the exchange's merge_wide image (layout.merge_uses_wide); the answers are the

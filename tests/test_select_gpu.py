@@ -131,7 +131,7 @@ def test_pushed_rows_are_the_model_rows_for_every_split(kind, rescue_list):
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "specials", "recent", "runs"])
 def test_lean_image_pushes_the_model_rows(kind):
     """The lean producer image (kernels/lean.py), forced, at every split whose slices fit it
-    (16K tokens), in launches of at most lean.SPEC_CTAS = 132 CTAs (slices cut from the buffer's
+    (16K tokens), in launches of at most one wave of CTAs (layout.ARCHS: 132 on sm_90a) (slices cut from the buffer's
     row length, loaded before the row end is known) and of more (slices cut from each row's end):
     rows byte-identical to reference.pack_local_topk, the right epoch tag in every LL half."""
     from jax_dsa_exchange.testing.sim import Sim

@@ -1,8 +1,9 @@
 """Compile, store and find the two kernels' cubins (no JAX, no CUDA import).
 
-A configuration is (arch, world W, topk K, local_topk N).  Its images are
-keyed by that and by the sha256 of the kernels' source files
-(:data:`SOURCE_FILES`), so an edit to a kernel never loads a stale cubin.
+A configuration is (arch, world W, topk K, local_topk N, rescue list, interleave I).  Its
+images are keyed by that and by the sha256 of the kernels' source files
+(:data:`SOURCE_FILES`), so an edit to a kernel never loads a stale cubin.  ``arch`` is one of
+layout.ARCHS: kernels of one target run on that compute capability only.
 
 Lookup order of :func:`load_kernels`: in-memory cache, then every directory
 of ``$JAX_DSA_EXCHANGE_CUBIN_DIR`` (``os.pathsep``-separated; e.g. a folder
@@ -12,14 +13,15 @@ with the CuTe DSL when it is importable (and store into the user cache); else
 a clear error naming the configuration and the build command.
 
 On disk, per configuration: ``<dir>/<tag>/{select_push,merge}.{cubin,ptx,json}``
-with ``tag = f"{arch}-w{W}-k{K}-n{N}-{hash[:16]}"``, and ``select_push_lean.*`` /
+with ``tag = f"{arch}-w{W}-k{K}-n{N}[-rl][-i{I}]-{hash[:16]}"`` (``-rl``: the rescue list;
+``-i{I}``: an interleave other than 1), and ``select_push_lean.*`` /
 ``merge_wide.*`` where the configuration has the lean producer / a second merge of wider
 clusters (:data:`OPTIONAL`).  The JSON::
 
     {"kernel": "select_push" | "merge", "entry": <PTX entry symbol>,
      "params": [[name, "i64" | "i32"], ...]  (launch order),
      "block": 512 (threads per CTA, 1-D), "smem": <dynamic shared bytes>,
-     "config": {"world": W, "topk": K, "local_topk": N},
+     "config": {"world": W, "topk": K, "local_topk": N, "rescue_list": bool, "interleave": I},
      "arch": "sm_90a", "source_hash": <sha256 hex>, "grid": <how to size it>,
      "cluster": C (merge, merge_wide: only where C > 1: every launch in clusters of C CTAs),
      "compile_seconds": <float>, "cubin": <file>, "ptx": <file>}
@@ -120,6 +122,17 @@ def cubin_resources(cubin: bytes) -> dict:
     return out
 
 
+def cubin_sm(cubin: bytes) -> int:
+    """The SM version a cubin was built for (90 for sm_90a, 100 for sm_100a, 103 for sm_103a),
+    from its ELF header's e_flags, whose layout the header's ABI version (byte 8) gives."""
+    import struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not a 64-bit ELF cubin")
+    flags = struct.unpack_from("<I", cubin, 0x30)[0]
+    return (flags >> 8) & 0xFF if cubin[8] >= 8 else flags & 0xFF
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelImage:
     """One compiled kernel, ready for cuModuleLoadData + cuLaunchKernel."""
@@ -162,14 +175,23 @@ def source_hash(files=SOURCE_FILES) -> str:
 
 
 def config_tag(arch: str, world: int, topk: int, local_topk: int, shash: str,
-               rescue_list: bool = False) -> str:
-    return f"{arch}-w{world}-k{topk}-n{local_topk}{'-rl' if rescue_list else ''}-{shash[:16]}"
+               rescue_list: bool = False, interleave: int = 1) -> str:
+    return (f"{arch}-w{world}-k{topk}-n{local_topk}{'-rl' if rescue_list else ''}"
+            f"{f'-i{interleave}' if interleave != 1 else ''}-{shash[:16]}")
 
 
-def build_command(arch, world, topk, local_topk, out="DIR", rescue_list=False) -> str:
+def build_command(arch, world, topk, local_topk, out="DIR", rescue_list=False, interleave=1) -> str:
     return (f"python -m jax_dsa_exchange.build --arch {arch} --topk {topk} "
-            f"--local-topk {local_topk} --world {world}{' --rescue-list' if rescue_list else ''} "
-            f"--out {out}")  # fmt: skip
+            f"--local-topk {local_topk} --world {world}{' --rescue-list' if rescue_list else ''}"
+            f"{f' --interleave {interleave}' if interleave != 1 else ''} --out {out}")  # fmt: skip
+
+
+def check_build(arch: str, world: int, topk: int, local_topk: int, interleave: int = 1) -> None:
+    """What the kernels build for (docs/DESIGN.md §2, layout.ARCHS); TypeError / ValueError
+    naming the value."""
+    layout.arch_limits(arch)
+    layout.check_config(world, topk, local_topk)
+    layout.check_kernel_interleave(interleave, world)
 
 
 def cutlass_available() -> bool:
@@ -182,18 +204,21 @@ def cutlass_available() -> bool:
 
 # ------------------------------------------------------------------ compile
 
-_COMPILED: dict = {}  # (kernel, arch, W, K, N, rescue_list) -> (compiled object, seconds)
+_COMPILED: dict = {}  # (kernel, arch, W, K, N, rescue_list, I) -> (compiled object, seconds)
 
 
-def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_list: bool = False):
-    """The kernel object of one image: its static configuration, compile() and metadata."""
+def _kernel_object(kernel: str, world: int, topk: int, local_topk: int, rescue_list: bool = False,
+                   interleave: int = 1, arch: str = DEFAULT_ARCH):
+    """The kernel object of one image: its static configuration, compile() and metadata.  The
+    producer works on local indices only, so its images are the same at every interleave."""
     if kernel in ("select_push", "select_push_lean"):
         from .select_push import ProducerConfig, SelectPush
 
-        return SelectPush(ProducerConfig(world, topk, local_topk, rescue_list, lean=kernel == "select_push_lean"))
+        return SelectPush(ProducerConfig(world, topk, local_topk, rescue_list, lean=kernel == "select_push_lean",
+                                         arch=arch))
     from .merge import Merge, MergeConfig
 
-    config = MergeConfig(world, topk, local_topk, rescue_list)
+    config = MergeConfig(world, topk, local_topk, rescue_list, interleave=interleave, arch=arch)
     return Merge(config.wide() if kernel == "merge_wide" else config)
 
 
@@ -217,12 +242,18 @@ def has_wide_merge(world: int, topk: int, local_topk: int, rescue_list: bool = F
     return m > 1 and _kernel_object("merge_wide", world, topk, local_topk, rescue_list).clus > m
 
 
+def compiled_key(kernel: str, arch: str, world: int, topk: int, local_topk: int, rescue_list: bool = False,
+                 interleave: int = 1) -> tuple:
+    """The key of one image in this process's compile cache (whether it compiled already)."""
+    return (kernel, arch, world, topk, local_topk, bool(rescue_list), interleave)
+
+
 def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: int,
-                   rescue_list: bool = False):
+                   rescue_list: bool = False, interleave: int = 1):
     """The CuTe DSL compiled object, cached on the static config only."""
-    key = (kernel, arch, world, topk, local_topk, bool(rescue_list))
+    key = compiled_key(kernel, arch, world, topk, local_topk, rescue_list, interleave)
     if key not in _COMPILED:
-        obj = _kernel_object(kernel, world, topk, local_topk, bool(rescue_list))
+        obj = _kernel_object(kernel, world, topk, local_topk, bool(rescue_list), interleave, arch)
         t0 = time.perf_counter()
         # a private dump directory (common.compile_options): the DSL writes the PTX and
         # cubin there and reads them back before compile() returns
@@ -232,10 +263,11 @@ def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: in
     return _COMPILED[key]
 
 
-def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_list: bool = False) -> dict:
+def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_list: bool = False,
+                   interleave: int = 1) -> dict:
     """Compile both kernels (and merge_wide where the configuration has it) -> {name:
     (KernelImage, compile seconds)}, merge last."""
-    layout.check_config(world, topk, local_topk)
+    check_build(arch, world, topk, local_topk, interleave)
     from .abi import KERNELS as ABIS
     from .common import TB
 
@@ -244,7 +276,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_lis
     names = (producer_images(world, topk, local_topk, rescue_list)
              + (("merge_wide",) if has_wide_merge(world, topk, local_topk, rescue_list) else ()) + ("merge",))
     for name in names:
-        obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk, rescue_list)
+        obj, compiled, secs = compile_kernel(name, arch, world, topk, local_topk, rescue_list, interleave)
         entries = list(compiled.kernel_info)
         if len(entries) != 1:
             raise RuntimeError(f"{name}: expected one kernel entry, got {entries}")
@@ -253,7 +285,7 @@ def compile_images(arch: str, world: int, topk: int, local_topk: int, rescue_lis
             ptx=str(compiled.__ptx__), block=TB, smem=int(obj.smem),
             params=ABIS[KIND[name]].pairs(),
             config={"world": world, "topk": topk, "local_topk": local_topk,
-                    "rescue_list": bool(rescue_list)},
+                    "rescue_list": bool(rescue_list), "interleave": interleave},
             arch=arch, source_hash=shash,
             split=obj.split() if KIND[name] == "select_push" else None,
             cluster=int(getattr(obj, "clus", 1)),
@@ -271,7 +303,8 @@ def write_images(images: dict, out_dir) -> pathlib.Path:
     first = first[0] if isinstance(first, tuple) else first
     c = first.config
     d = pathlib.Path(out_dir) / config_tag(first.arch, c["world"], c["topk"], c["local_topk"],
-                                           first.source_hash, c.get("rescue_list", False))  # fmt: skip
+                                           first.source_hash, c.get("rescue_list", False),
+                                           c.get("interleave", 1))  # fmt: skip
     d.mkdir(parents=True, exist_ok=True)
     for name, v in images.items():
         img, secs = v if isinstance(v, tuple) else (v, None)
@@ -331,16 +364,17 @@ _LOADED: dict = {}
 
 
 def load_kernels(arch: str, world: int, topk: int, local_topk: int, *, allow_compile=True,
-                 rescue_list: bool = False) -> dict:
-    """{"select_push": KernelImage, "merge": KernelImage} of one config (``rescue_list``: the
-    producer also makes each row's K-list, which a rescue then pushes; kernels/select.py)."""
-    layout.check_config(world, topk, local_topk)
+                 rescue_list: bool = False, interleave: int = 1) -> dict:
+    """{"select_push": KernelImage, "merge": KernelImage, ...} of one config (``rescue_list``: the
+    producer also makes each row's K-list, which a rescue then pushes; kernels/select.py;
+    ``interleave``: the KV cache's interleave size, which the merge's global positions take)."""
+    check_build(arch, world, topk, local_topk, interleave)
     rescue_list = bool(rescue_list)
     shash = source_hash()
-    key = (arch, world, topk, local_topk, shash, rescue_list)
+    key = (arch, world, topk, local_topk, shash, rescue_list, interleave)
     if key in _LOADED:
         return _LOADED[key]
-    tag = config_tag(arch, world, topk, local_topk, shash, rescue_list)
+    tag = config_tag(arch, world, topk, local_topk, shash, rescue_list, interleave)
     for d in search_dirs():
         folder = d / tag
         if all((folder / f"{n}.json").is_file() for n in KERNELS):
@@ -348,7 +382,7 @@ def load_kernels(arch: str, world: int, topk: int, local_topk: int, *, allow_com
             _LOADED[key] = imgs
             return imgs
     if allow_compile and cutlass_available():
-        built = compile_images(arch, world, topk, local_topk, rescue_list)
+        built = compile_images(arch, world, topk, local_topk, rescue_list, interleave)
         try:
             write_images(built, user_cache_dir())
         except OSError:
@@ -356,11 +390,26 @@ def load_kernels(arch: str, world: int, topk: int, local_topk: int, *, allow_com
         imgs = {n: v[0] for n, v in built.items()}
         _LOADED[key] = imgs
         return imgs
+    others = sorted(prebuilt_archs(world, topk, local_topk, rescue_list, interleave, shash) - {arch})
     raise FileNotFoundError(
         f"no prebuilt kernels for arch={arch} world={world} topk={topk} "
-        f"local_topk={local_topk} (source hash {shash[:16]}, folder {tag}) in "
-        f"{[str(d) for d in search_dirs()]}, and the CuTe DSL (nvidia-cutlass-dsl) is "
+        f"local_topk={local_topk}{f' interleave={interleave}' if interleave != 1 else ''} "
+        f"(source hash {shash[:16]}, folder {tag}) in "
+        f"{[str(d) for d in search_dirs()]}"
+        f"{f' (found for {others} only)' if others else ''}, and the CuTe DSL (nvidia-cutlass-dsl) is "
         f"{'not importable' if not cutlass_available() else 'disabled'} here. Build them on "
-        f"any machine with: {build_command(arch, world, topk, local_topk, rescue_list=rescue_list)} and point "
-        f"{ENV_DIRS} at DIR."
+        f"any machine with: {build_command(arch, world, topk, local_topk, rescue_list=rescue_list, interleave=interleave)}"
+        f" and point {ENV_DIRS} at DIR."
     )
+
+
+def prebuilt_archs(world: int, topk: int, local_topk: int, rescue_list: bool = False, interleave: int = 1,
+                   shash: str | None = None) -> set:
+    """The targets the search folders hold this configuration's images for (of this source)."""
+    shash = shash or source_hash()
+    found = set()
+    for arch in layout.ARCHS:
+        tag = config_tag(arch, world, topk, local_topk, shash, rescue_list, interleave)
+        if any(all((d / tag / f"{n}.json").is_file() for n in KERNELS) for d in search_dirs()):
+            found.add(arch)
+    return found

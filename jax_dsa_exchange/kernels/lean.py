@@ -43,12 +43,11 @@ SLICE_MAX = TB * TMAX  # the longest slice the lean select takes (16384 tokens)
 assert SLICE_MAX == layout.PRODUCER_LEAN_SLICE_MAX, (SLICE_MAX, layout.PRODUCER_LEAN_SLICE_MAX)
 SH1 = 16 - S.B1  # ord16 >> SH1 = the first histogram's bin
 BIN_MIN = 0x007F >> SH1  # the lowest bin a valid score reaches (ord16 >= 0x7F: -inf)
-# Launches of at most SPEC_CTAS CTAs cut the slices from the buffer's row length, so every CTA's
-# loads start with the kernel, beside the row end's load (one memory round trip less: (1, 128K)
-# 8.03 -> 7.46 us on an H200; a row shorter than the buffer then reads past its end, which larger
-# launches, whose bandwidth counts, do not).  132 is the H100's SM count (one wave of CTAs); it
-# assumes a GPU of about that many SMs.
-SPEC_CTAS = 132
+# Launches of at most one wave of CTAs (the target's SM count, layout.ARCHS: select_row_lean's
+# ``spec_ctas``) cut the slices from the buffer's row length, so every CTA's loads start with the
+# kernel, beside the row end's load (one memory round trip less: (1, 128K) 8.03 -> 7.46 us on an
+# H200; a row shorter than the buffer then reads past its end, which larger launches, whose
+# bandwidth counts, do not).
 # published slots (read by the other CTAs of the cluster): own count above b1, own valid count,
 # top ord16
 _P_ABOVE, _P_VALID, _P_TOP = 0, 1, 3
@@ -422,12 +421,13 @@ def emit_kept(mcand: Uint32, v: Uint32, need_eq: Int32, gt_b: Int32, eq_b: Int32
 
 @cute.jit
 def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n: cutlass.Constexpr,
-                    rw: cutlass.Constexpr, parts, tid, lane, warp, csize: Int32, me: Int32, early=None):
+                    rw: cutlass.Constexpr, parts, tid, lane, warp, csize: Int32, me: Int32,
+                    spec_ctas: cutlass.Constexpr, early=None):
     """Top-min(n, valid) of the first end bf16 at ``row_addr`` (end = ``end_raw`` clamped to
     [0, min(cols, 2**17)]), this CTA's slice of it -> (p0, p1, p_end, writer) as
     ``select.select_row`` with ``own_part`` (this CTA's positions [p0, p1) in its own row buffer,
     bit 16 of l in its own mask words; the caller pushes them and, where csize > 1, waits at the
-    cluster barrier before exit).  Launches of at most SPEC_CTAS CTAs cut the slices from the
+    cluster barrier before exit).  Launches of at most ``spec_ctas`` CTAs cut the slices from the
     buffer's row length min(cols, 2**17) and issue their loads before ``end_raw`` (a load in
     flight) is waited for; larger ones cut them from the row's end; the tokens at or past the
     end count as invalid.  A slice has at most TB * TMAX tokens (the caller's test, ``fits``).
@@ -450,7 +450,7 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     ch = Int32(0)
     s0 = Int32(0)
     s_buf = Int32(0)
-    if rows * csize <= Int32(SPEC_CTAS):
+    if rows * csize <= Int32(spec_ctas):
         sl, ch, s0, s_buf = issue_loads(row_addr, cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize, me, tid,
                                         aligned, xs, vok)  # fmt: skip
     else:

@@ -69,8 +69,7 @@ R2_H = S.NB1 // (2 * C.TB)
 R2_M = S.MASK_WORDS // (2 * C.TB)
 # A merge CTA must fit on an SM beside a producer CTA (it starts under PDL while the producer
 # runs): round 2 is rolled only where both kernels' shared memory, plus the 1 KB an SM reserves
-# per CTA, fit the H100 / H200's 228 KB.
-SM_SMEM_BYTES = 228 * 1024
+# per CTA, fit the target's shared memory per SM (layout.ARCHS).
 CTA_RESERVED_SMEM = 1024
 EQ_MAX = abi.MERGE_EQ_MAX  # most keys at the boundary score tie-broken by ranking (one per thread)
 # A row of more than CLUS_KP round-1 words per thread is split over a cluster of at most
@@ -101,6 +100,7 @@ class MergeConfig:
     max_cluster: int = CLUS_MAX  # the most CTAs of a clustered row
     min_cluster_words: int = CLUS_KP  # the fewest round-1 words per thread of a clustered CTA
     interleave: int = 1  # the KV cache's chunks of I tokens per rank (docs/DESIGN.md §4)
+    arch: str = "sm_90a"  # the target (layout.ARCHS)
 
     def wide(self) -> "MergeConfig":
         return dataclasses.replace(self, max_cluster=CLUS_WIDE, min_cluster_words=WIDE_KP)
@@ -314,7 +314,7 @@ class Merge:
             self.stage2_words = max(0, self.kp2 // 2 - R2_H - R2_M) * 2 * C.TB
             self.r2m_words = (self.nk2max // 32 + 3) // 4 * 4
             self.roll2 = (self._smem() + select_push_smem(n, topk, config.rescue_list) + 2 * CTA_RESERVED_SMEM
-                          <= SM_SMEM_BYTES)  # fmt: skip
+                          <= layout.arch_limits(config.arch).smem_per_sm)  # fmt: skip
             if not self.roll2:
                 self.stage2_words = self.r2m_words = 0
         self.smem = self._smem()
@@ -2355,9 +2355,12 @@ class Merge:
                     rescue_off, flags_off, timeout_us, host_status).launch(
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)
 
-    def compile(self, arch: str = "sm_90a", dump_dir: str = "."):
-        """The compiled kernel for ``arch`` (cached on this object; the DSL writes its PTX and
-        cubin into ``dump_dir``)."""
+    def compile(self, arch: str | None = None, dump_dir: str = "."):
+        """The compiled kernel for the configuration's target (``arch``: None or that one; cached
+        on this object; the DSL writes its PTX and cubin into ``dump_dir``)."""
+        arch = arch or self.config.arch
+        if arch != self.config.arch:
+            raise ValueError(f"a merge configured for {self.config.arch} cannot compile for {arch}")
         if arch not in self._compiled:
             self._compiled[arch] = cute.compile(self.entry, *ABI.dummies(Int64, Int32),
                                                 options=C.compile_options(arch, dump_dir))

@@ -63,8 +63,10 @@ class ProducerConfig:
     local_topk: int
     rescue_list: bool = False
     lean: bool = False
+    arch: str = "sm_90a"  # the target (layout.ARCHS)
 
     def __post_init__(self):
+        layout.arch_limits(self.arch)
         if self.lean and not lean_ok(self.local_topk, self.topk, self.rescue_list):
             raise ValueError(f"no lean select_push for n={self.local_topk}, topk={self.topk}, "
                              f"rescue_list={self.rescue_list}")  # fmt: skip
@@ -74,9 +76,9 @@ class ProducerConfig:
         return "select_push_lean" if self.lean else "select_push"
 
 
-def producer_configs(world: int, topk: int, local_topk: int, rescue_list: bool = False) -> tuple:
+def producer_configs(world: int, topk: int, local_topk: int, rescue_list: bool = False, arch: str = "sm_90a") -> tuple:
     """The producer images of a configuration: select_push, and the lean one where lean_ok."""
-    base = ProducerConfig(world, topk, local_topk, bool(rescue_list))
+    base = ProducerConfig(world, topk, local_topk, bool(rescue_list), arch=arch)
     if lean_ok(local_topk, topk, rescue_list):
         return base, dataclasses.replace(base, lean=True)
     return (base,)
@@ -175,7 +177,9 @@ class SelectPush:
                 P.trap()
             row_addr = logits + Int64(t) * Int64(cols) * Int64(2)
             p0, p1, p_end, writer = LS.select_row_lean(row_addr, end_raw, cols, rows, self.n, self.rw, sm.parts(),
-                                                       tid, lane, warp, csize, me, early=early)  # fmt: skip
+                                                       tid, lane, warp, csize, me,
+                                                       layout.arch_limits(self.config.arch).sm_count,
+                                                       early=early)  # fmt: skip
         else:
             k_out = None
             if cutlass.const_expr(self.n2 > 0):
@@ -294,9 +298,13 @@ class SelectPush:
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem
         )
 
-    def compile(self, arch: str = "sm_90a", dump_dir: str = "."):
-        """The compiled kernel for ``arch`` (cached on the object; ``dump_dir``: where the DSL
-        writes and reads back its PTX and cubin, common.compile_options)."""
+    def compile(self, arch: str | None = None, dump_dir: str = "."):
+        """The compiled kernel for the configuration's target (``arch``: None or that one; cached
+        on the object; ``dump_dir``: where the DSL writes and reads back its PTX and cubin,
+        common.compile_options)."""
+        arch = arch or self.config.arch
+        if arch != self.config.arch:
+            raise ValueError(f"a producer configured for {self.config.arch} cannot compile for {arch}")
         if arch not in self._compiled:
             self._compiled[arch] = cute.compile(self.entry, *ABI.dummies(Int64, Int32),
                                                 options=C.compile_options(arch, dump_dir, PTXAS_OPTIONS))

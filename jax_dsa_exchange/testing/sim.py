@@ -12,6 +12,7 @@ W grids are co-resident (docs/DESIGN.md §6.7).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import tempfile
 import time
@@ -150,14 +151,15 @@ def _load_function(img, tmpdir, name=None):
 
 
 class Sim:
-    def __init__(self, world, topk, local_topk, max_rows, *, arch="sm_90a", cta_budget=96,
-                 rescue_list=False, merge="auto", producer="auto", images=None):
+    def __init__(self, world, topk, local_topk, max_rows, *, arch=None, cta_budget=96,
+                 rescue_list=False, merge="auto", producer="auto", images=None, interleave=1):
         """``merge``: which merge image every call launches: "auto" the launcher's choice
         (layout.merge_uses_wide), "merge" or "merge_wide" (the configuration's, where it has
         one: else "merge").  ``producer``: likewise "auto" (layout.producer_uses_lean),
         "select_push" or "select_push_lean" (where the configuration has it and the launch's
         slices fit it: else select_push).  ``images``: the kernel images to launch (another
-        build of this configuration, testing.timing.prebuilt_images); None: this tree's."""
+        build of this configuration, testing.timing.prebuilt_images); None: this tree's, for
+        ``arch`` (None: the device's target) and the KV cache's ``interleave``."""
         import cupy as cp
 
         if merge not in ("auto", "merge", "merge_wide"):
@@ -171,8 +173,16 @@ class Sim:
         self.lay = layout.BufferLayout(world, topk, local_topk, max_rows)
         self.rescue_list = bool(rescue_list)  # (the kernels' option: Exchange.create)
         self.st = layout.StateLayout(max_rows, topk if rescue_list else 0)
-        self.images = images if images is not None else load_kernels(arch, world, topk, local_topk,
-                                                                     rescue_list=self.rescue_list)
+        self.interleave = interleave
+        dev = cp.cuda.Device()
+        cc = dev.compute_capability
+        arch = arch or layout.arch_of((int(cc[:-1]), int(cc[-1])))
+        images = images if images is not None else load_kernels(arch, world, topk, local_topk,
+                                                                rescue_list=self.rescue_list, interleave=interleave)
+        # the splits as the launcher sets them on this device (Exchange._register)
+        sms = dev.attributes["MultiProcessorCount"]
+        self.images = {name: dataclasses.replace(img, split=layout.split_for_device(img.split, sms))
+                       if img.split else img for name, img in images.items()}
         self._tmp = tempfile.TemporaryDirectory()
         self.fns, self.loaded_from = {}, {}
         self._mods = []
@@ -358,6 +368,9 @@ class Sim:
         launcher's order; the merge then starts while its producer runs); only
         for small calls, whose W producers and W merges all fit on the GPU at once,
         and not with the other options."""
+        if case.interleave != self.interleave:
+            raise ValueError(f"{case} has interleave={case.interleave}, this Sim's merge is built for "
+                             f"interleave={self.interleave}")
         cp = self.cp
         dev = self.upload(case)
         cp.cuda.Device().synchronize()

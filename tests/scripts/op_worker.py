@@ -43,6 +43,7 @@ p.add_argument("--steps", type=int, default=3)
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--timeout-us", type=int, default=5_000_000)
 p.add_argument("--rescue-list", action="store_true", help="Exchange.create(rescue_list=True)")
+p.add_argument("--interleave", type=int, default=1, help="Exchange.create(interleave=...)")
 p.add_argument("--chain", action="store_true",
                help="make each layer's row_ends depend on the previous layer's counts, as in a "
                     "real decode step (the next layer's input depends on this layer's attention)")
@@ -55,7 +56,8 @@ p.add_argument("--no-workaround", action="store_true",
 a = p.parse_args()
 K, N, R, L, B = a.topk, a.local_topk, a.rows, a.cols, 16
 
-ex = Exchange.create(topk=K, local_topk=N, max_rows=R, timeout_us=a.timeout_us, rescue_list=a.rescue_list)
+ex = Exchange.create(topk=K, local_topk=N, max_rows=R, timeout_us=a.timeout_us, rescue_list=a.rescue_list,
+                     interleave=a.interleave)
 # which merge image the launcher runs for these R rows (the op tests assert it where it matters)
 print(f"merge image: {'merge_wide' if layout.merge_uses_wide(R, ex.merge_wide_grid) else 'merge'} "
       f"(wide grid {ex.merge_wide_grid})", flush=True)
@@ -83,10 +85,10 @@ for step in range(a.steps):
         kind = (step * a.layers + layer) % 3
         if kind == 2 and slots:
             c = cases.saturating_case(rng, world, K, N, 1 + layer % min(world, slots),
-                                      rows=R, cols=L, block_size=B)
+                                      rows=R, cols=L, block_size=B, interleave=a.interleave)
         else:
             c = cases.random_case(rng, world=world, topk=K, local_topk=N, rows=R, cols=L,
-                                  block_size=B, distinct_values=None if kind == 0 else 7)
+                                  block_size=B, distinct_values=None if kind == 0 else 7, interleave=a.interleave)
         per_layer.append(c)
     # One request mapping for the whole step, as in a decode step: layer 0's.
     bt = per_layer[0].block_tables
@@ -112,7 +114,7 @@ for step in range(a.steps):
     rescued = 0
     for layer, c in enumerate(per_layer):
         want = reference.protocol_merge(c.logits, c.row_ends, rq, bt, topk=K, local_topk=N,
-                                        block_size=B)[rank]
+                                        block_size=B, interleave=a.interleave)[rank]
         got = dict(kv_rows=outs[0][layer], counts=outs[1][layer], ids=outs[2][layer],
                    saturated=outs[3][layer])
         rescued += int(np.count_nonzero(want.saturated))

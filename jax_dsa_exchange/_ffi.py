@@ -187,8 +187,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def library_path() -> str | None:
-    """The file the launcher library was loaded from, None when it was not (the GPU-machine
-    scripts copy it: tools/gpu_integration_run.sh --build)."""
+    """The file the launcher library was loaded from, None when it was not (dev/build_cubins.py
+    copies a build of it into build/ffi_lib)."""
     lib = library()
     return None if lib is None else lib._name
 

@@ -17,7 +17,7 @@ the repetitions.  In the same run, rank 0 times, by the same method:
 * the XLA path (``all_gather`` + exact top-K) where the W ranks have W distinct GPUs
   (it needs NCCL, which refuses several ranks on one GPU);
 
-and the kernels alone (``kernels.timing``: CUDA events, W ranks simulated in one
+and the kernels alone (``testing.timing``: CUDA events, W ranks simulated in one
 process, rank 0's select+push and merge) next to the memory floor of the producer (one
 read of R x L bf16 at the copy bandwidth measured in the same run).
 

@@ -229,12 +229,12 @@ class Exchange:
         world = len(devices)
         _check_create_args(topk, local_topk, max_rows, world, 0, timeout_us, rescue_list, interleave, score_dtype)
         ordinals = [_device_ordinal(d) for d in devices]
+        if len(set(ordinals)) != world:
+            raise ValueError(f"create_local needs {world} distinct GPUs, got ordinals {ordinals}")
         archs = {_device_arch(o, arch) for o in ordinals}
         if len(archs) != 1:
             raise ValueError(f"create_local needs GPUs of one target, got {sorted(archs)}")
         arch = archs.pop()
-        if len(set(ordinals)) != world:
-            raise ValueError(f"create_local needs {world} distinct GPUs, got ordinals {ordinals}")
         cp = _cupy()
         for a in ordinals:
             with cp.cuda.Device(a):

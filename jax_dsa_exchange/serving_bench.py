@@ -22,7 +22,7 @@ per step.  Rows, all in one run:
 * the op's device time per layer the bench's way: a step of only merges,
   (t(2 x layers) - t(layers)) / layers, median of ``--reps``, each step waited for (the
   merges run back to back there, the logits stay in L2: a lower bound);
-* the kernels alone (CUDA events, ``kernels.timing``) when CuPy and the kernels load.
+* the kernels alone (CUDA events, ``testing.timing``) when CuPy and the kernels load.
 
 The check: the default mode adds at most the op's device time in this loop + 2 us per
 layer over ``no merge`` (host serialization would show up as device idle time

@@ -3,8 +3,8 @@ on one GPU (jax_dsa_exchange.testing.sim), bit-identical to the NumPy
 protocol model on the shared adversarial cases.
 
 Runs where a GPU and CuPy exist, from prebuilt cubins found through
-JAX_DSA_EXCHANGE_CUBIN_DIR (the GPU machine has no CuTe DSL); build them with
-``python -m jax_dsa_exchange.build`` for the configurations of CONFIGS.
+JAX_DSA_EXCHANGE_CUBIN_DIR (a GPU node needs no CuTe DSL): ``python dev/build_cubins.py``
+builds every configuration of CONFIGS and INTERLEAVED.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _call(**kw):
     "kw, exc, msg",
     [
         (dict(exchange=DummyExchange(closed=True)), ValueError, "exchange 7 is closed"),
-        (dict(logits=jnp.zeros((R, L), jnp.float32)), TypeError, "logits must be bfloat16, got float32"),
+        (dict(logits=jnp.zeros((R, L), jnp.float32)), TypeError, "logits are float32 but the exchange was created with score_dtype=bfloat16"),
         (dict(logits=jnp.zeros((R, L, 1), jnp.bfloat16)), ValueError, r"logits must be \[R, L\]"),
         (dict(logits=sds((17, L), jnp.bfloat16)), ValueError, r"R=17 rows > the exchange's max_rows=16"),
         (dict(logits=sds((0, L), jnp.bfloat16)), ValueError, "R=0 rows"),

@@ -319,7 +319,7 @@ def write_images(images: dict, out_dir) -> pathlib.Path:
 
 
 def read_packed(path) -> bytes:
-    """A prebuilt file's bytes, or those of its gzip copy ``<name>.gz`` (tools/pack_cubins.sh
+    """A prebuilt file's bytes, or those of its gzip copy ``<name>.gz`` (dev/pack_cubins.sh
     gzips the PTX and the cubins of a folder: ~3x smaller)."""
     path = pathlib.Path(path)
     if path.is_file():

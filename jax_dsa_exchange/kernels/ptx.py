@@ -105,7 +105,7 @@ def st_u32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
 @dsl_user_op
 def st_u32_if(addr: Int64, v: Int32, pred: Int32, *, loc=None, ip=None) -> None:
     """st_u32 when ``pred`` != 0, by a predicated store: an ``if`` around a store compiles
-    to a branch and a convergence barrier per store (kernels/NOTES.md, merge outputs)."""
+    to a branch and a convergence barrier per store (docs/kernels.md, the merge's outputs)."""
     _asm(None, [Int64(addr), Int32(v), Int32(pred)],
          "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p st.global.u32 [$0], $1; }", "l,r,r,~{memory}",
          loc, ip)  # fmt: skip

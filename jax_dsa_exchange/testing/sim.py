@@ -199,9 +199,6 @@ class Sim:
         for h in self._host_status:
             np.frombuffer(h, np.int32, layout.STATUS_REPORT_WORDS)[:] = 0
         self.cta_budget = cta_budget
-        # select_push's launch shared memory is at least this many bytes (timing experiments:
-        # fewer CTAs per SM; benchmarks/bench_select_variants.py ``lsmem=``); 0 = the launcher's
-        self.select_smem_floor = 0
         # the split the launcher would use: the metadata's plus the device's co-resident
         # cluster counts (the C++ launcher measures the same when the split is set)
         sp = self.images["select_push"]
@@ -329,7 +326,6 @@ class Sim:
                 if split.get("cache_max", 0) > 0:
                     cache = layout.producer_cache_tokens(rows, cols, c, split)
                     smem = sp.smem - 2 * (sp.split["cache_max"] - cache)
-                smem = min(sp.smem, max(smem, self.select_smem_floor))
                 values = abi.SELECT_PUSH.pack(dict(
                     logits=d["logits"].data.ptr, row_ends=d["row_ends"].data.ptr, rows=rows, cols=cols,
                     epoch=self.states[q].data.ptr, peers=self.peers.data.ptr, rank=q,

@@ -26,7 +26,9 @@ import re
 import sys
 
 # a configuration folder: the tag of kernels/cache.py config_tag (hash: its first 16 hex digits)
-TAG = re.compile(r"^(?P<config>.+-w\d+-k\d+-n\d+(?:-rl)?)-(?P<hash>[0-9a-f]{16})$")
+TAG = re.compile(r"^(?P<config>.+-w\d+-k\d+-n\d+(?:-rl)?(?:-i\d+)?)-(?P<hash>[0-9a-f]{16})$")
+# configuration keys a build may leave out, at these values (builds older than the key)
+CONFIG_DEFAULTS = {"interleave": 1}
 # metadata that differs between builds of identical kernels: the source hash, the compile time,
 # the grid's documentation text, the file names
 IGNORED = ("source_hash", "compile_seconds", "grid", "cubin", "ptx")
@@ -57,6 +59,8 @@ def read(path: pathlib.Path) -> bytes | None:
 
 def metadata(folder: pathlib.Path, name: str) -> dict:
     meta = json.loads((folder / f"{name}.json").read_text())
+    if isinstance(meta.get("config"), dict):
+        meta["config"] = {**CONFIG_DEFAULTS, **meta["config"]}
     return {k: v for k, v in meta.items() if k not in IGNORED}
 
 

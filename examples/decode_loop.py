@@ -53,14 +53,16 @@ def rank_decode_step(q, idx_keys, kv, row_ends, req_id, block_table):
 
     def layer(h, xs):
         q_l, keys_l, kv_l = xs
-        logits = (q_l + h) @ keys_l.T  # [R, L] indexer scores of this rank's tokens
-        sel = xla_topk_merge(logits.astype(jnp.bfloat16), row_ends, req_id, block_table,
+        # [R, L] float32 indexer scores of this rank's tokens, merged as they are (rounding
+        # them to bfloat16 first would be one more pass and would rank collapsed scores by position)
+        logits = (q_l + h) @ keys_l.T
+        sel = xla_topk_merge(logits, row_ends, req_id, block_table,
                              axis_name="dcp", topk=K, block_size=B, with_ids=True)
         # Sparse attention over the selected tokens: this rank's partial sums,
         # then a psum over the ranks (softmax left out to keep it short).
         rows = jnp.where((sel.kv_rows >= 0)[..., None], kv_l[jnp.maximum(sel.kv_rows, 0)], 0.0)
         h = lax.psum(rows.sum(1), "dcp") / K
-        return h, (logits.astype(jnp.bfloat16), sel.kv_rows, sel.counts, sel.ids)
+        return h, (logits, sel.kv_rows, sel.counts, sel.ids)
 
     h, outs = lax.scan(layer, jnp.zeros((R, D), jnp.float32), (q, idx_keys, kv))
     return h, *(o[None] for o in outs)  # put the rank axis back: [1, LAYERS, ...]

@@ -134,6 +134,9 @@ constexpr int kStateEpochRows = 0, kStateStatusRows = 2;
 constexpr int kMaxLocalLen = 1 << 17;
 constexpr int kProducerClusterMax = 8;
 constexpr int kProducerWideCluster = 4;  // layout.PRODUCER_WIDE_CLUSTER
+// The arguments of dsa_load_kernel (the Python side passes this many: an older library would
+// ignore the target it no longer checks).
+constexpr int kLoadKernelArgs = 11;
 
 // ---------------------------------------------------------------------------
 // Kernel parameters, filled by name: the kernel metadata's "params" (kernels/abi.py,
@@ -690,6 +693,7 @@ int64_t dsa_layout_constant(const char* name) {
       {"STATUS_RANK", kStatusRank}, {"STATUS_REPORT_WORDS", kStatusReportWords},
       {"STATE_EPOCH_ROWS", kStateEpochRows}, {"STATE_STATUS_ROWS", kStateStatusRows},
       {"MAX_LOCAL_LEN", kMaxLocalLen}, {"PRODUCER_CLUSTER_MAX", kProducerClusterMax},
+      {"LOAD_KERNEL_ARGS", kLoadKernelArgs},
       {"PRODUCER_WIDE_CLUSTER", kProducerWideCluster}};
   for (const auto& e : table)
     if (name && std::strcmp(name, e.first) == 0) return e.second;

@@ -17,8 +17,7 @@ import numpy as np
 from . import layout
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-SCORE_DTYPES = (BF16, F32)
+SCORE_DTYPES = tuple(np.dtype(name) for name in layout.SCORE_DTYPES)  # (ml_dtypes names bfloat16)
 INT32 = np.dtype(np.int32)
 
 NO_GRAD = (
@@ -62,8 +61,9 @@ def check_arrays(logits, row_ends, req_id, block_table, *, max_rows=None, score_
     if dt not in SCORE_DTYPES:  # a silent rounding would change the ties
         raise TypeError(f"logits must be bfloat16 or float32, got {dt}")
     if score_dtype is not None and dt.name != score_dtype:
-        raise TypeError(f"logits are {dt.name} but the exchange was created with score_dtype={score_dtype}: "
-                        f"pass {score_dtype} logits, or create the exchange with score_dtype={dt.name}")
+        raise TypeError(f"logits are {dt.name} but the exchange's GPU kernels take {score_dtype} "
+                        f"(score_dtype={score_dtype}): pass {score_dtype} logits, or merge {dt.name} scores on the "
+                        "XLA path (path='xla' with axis_name, or xla_path.xla_topk_merge)")
     if len(logits.shape) != 2:
         raise ValueError(f"logits must be [R, L], got shape {_shape(logits)}")
     rows, cols = _shape(logits)

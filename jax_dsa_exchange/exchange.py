@@ -98,7 +98,7 @@ class Exchange:
         self.id, self.world, self.rank = exchange_id, world, rank
         self.rescue_list = rescue_list
         self.interleave = interleave  # the KV cache's interleave size (docs/DESIGN.md §4)
-        self.score_dtype = "bfloat16"  # what the kernels take (op.py checks every call's logits)
+        self.score_dtype = layout.KERNEL_SCORE_DTYPE  # what the kernels take (op.py checks every call's logits)
         self.topk, self.local_topk, self.max_rows = topk, local_topk, max_rows
         self.ordinal, self.timeout_us, self.arch = ordinal, timeout_us, arch
         self.layout = layout.BufferLayout(world, topk, local_topk, max_rows)
@@ -153,7 +153,6 @@ class Exchange:
         rank = jax.process_index() if rank is None else rank
         _check_create_args(topk, local_topk, max_rows, world, rank, timeout_us, rescue_list, interleave, score_dtype)
         ordinal = _device_ordinal(device)
-        arch = _device_arch(ordinal, arch)
         exchange_id = _next_id()
         rdv = Rendezvous(distributed_client(), world=world, rank=rank,
                          prefix=f"jax_dsa_exchange/{exchange_id}", timeout_s=timeout_s)
@@ -162,6 +161,8 @@ class Exchange:
         ex = None
         error = None
         try:
+            # (inside the try: a rank whose GPU the kernels do not build for tells its peers)
+            arch = _device_arch(ordinal, arch)
             ex = cls(exchange_id=exchange_id, world=world, rank=rank, topk=topk,
                      local_topk=local_topk, max_rows=max_rows, ordinal=ordinal,
                      timeout_us=timeout_us, arch=arch, rescue_list=rescue_list, interleave=interleave)
@@ -460,10 +461,11 @@ def _check_create_args(topk, local_topk, max_rows, world, rank, timeout_us, resc
                        score_dtype="bfloat16"):
     layout.check_config(world, topk, local_topk)
     layout.check_kernel_interleave(interleave, world)
-    if layout.score_dtype_name(score_dtype) != "bfloat16":
+    if layout.score_dtype_name(score_dtype) != layout.KERNEL_SCORE_DTYPE:
         raise NotImplementedError(
             f"score_dtype={layout.score_dtype_name(score_dtype)}: the GPU kernels take bfloat16 scores; float32 "
-            "scores run exactly on the XLA path (topk_exchange_merge(..., path='xla') or xla_path.xla_topk_merge)")
+            "scores merge exactly on the XLA path (xla_path.xla_topk_merge, or topk_exchange_merge(..., "
+            "path='xla', axis_name=...) with a bfloat16 exchange)")
     if not isinstance(rescue_list, bool):
         raise TypeError(f"rescue_list={rescue_list!r} must be a bool")
     if not isinstance(max_rows, int) or max_rows < 1:
@@ -496,7 +498,7 @@ def _device_arch(ordinal: int, arch: str | None) -> str:
     mine = layout.arch_of((int(cc[:-1]), int(cc[-1])))
     if mine not in layout.ARCHS:
         raise ValueError(f"GPU {ordinal} is {mine} (compute capability {cc[:-1]}.{cc[-1]}); the kernels build for "
-                         f"{', '.join(layout.ARCHS)} only: use the XLA path (path='xla') there")
+                         f"{', '.join(layout.ARCHS)} only: merge on xla_path.xla_topk_merge there")
     if arch is not None and arch != mine:
         layout.arch_limits(arch)
         raise ValueError(f"arch={arch!r} but GPU {ordinal} is {mine}: kernels of one target run on that compute "

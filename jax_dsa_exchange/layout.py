@@ -308,6 +308,8 @@ def check_config(world: int, topk: int, local_topk: int) -> None:
 # key (ord16 / ord32, docs/DESIGN.md §5).
 SCORE_DTYPES = ("bfloat16", "float32")
 SCORE_BITS = {"bfloat16": 16, "float32": 32}
+# The scores the GPU kernels take (ord16 keys); float32 merges on the XLA path.
+KERNEL_SCORE_DTYPE = "bfloat16"
 
 
 def score_dtype_name(dtype) -> str:
@@ -382,7 +384,8 @@ def global_position(l, q, world: int, interleave: int = 1):
     (the kernels compute the same expression on device integers)."""
     if interleave == 1:
         return l * world + q
-    return (l // interleave) * (world * interleave) + q * interleave + l % interleave
+    # (no W * I constant: it would overflow int32 arrays where the positions themselves do not)
+    return ((l // interleave) * world + q) * interleave + l % interleave
 
 
 def owner_and_local(g, world: int, interleave: int = 1):
@@ -404,8 +407,8 @@ def check_interleave(interleave, world: int) -> None:
     ids for W ranks of up to 2**17 tokens each; TypeError / ValueError naming the value."""
     if not isinstance(interleave, int) or isinstance(interleave, bool):
         raise TypeError(f"interleave must be an int, got {type(interleave).__name__} {interleave!r}")
-    if interleave < 1:
-        raise ValueError(f"interleave={interleave} must be >= 1")
+    if not 1 <= interleave <= MAX_GLOBAL_POSITION:
+        raise ValueError(f"interleave={interleave} must be in [1, {MAX_GLOBAL_POSITION}]")
     if max_global_position(world, interleave) > MAX_GLOBAL_POSITION:
         raise ValueError(f"interleave={interleave} with world={world}: global positions up to "
                          f"{max_global_position(world, interleave)} do not fit int32 ids "
@@ -425,7 +428,7 @@ def check_kernel_interleave(interleave: int, world: int) -> None:
     if gid_bits(world, interleave) > KERNEL_GID_BITS:
         raise ValueError(f"interleave={interleave} with world={world}: global positions of "
                          f"{gid_bits(world, interleave)} bits; the GPU kernels take up to {KERNEL_GID_BITS} "
-                         f"(any interleave <= {MAX_LOCAL_LEN}); use the XLA path (path='xla') for larger ones")
+                         f"(any interleave <= {MAX_LOCAL_LEN}); xla_path.xla_topk_merge takes larger ones")
 
 
 def gid_bits(world: int, interleave: int = 1) -> int:
@@ -548,4 +551,5 @@ def launcher_constants() -> dict:
         "STATE_EPOCH_ROWS": STATE_EPOCH_ROWS, "STATE_STATUS_ROWS": STATE_STATUS_ROWS,
         "MAX_LOCAL_LEN": MAX_LOCAL_LEN, "PRODUCER_CLUSTER_MAX": PRODUCER_CLUSTER_MAX,
         "PRODUCER_WIDE_CLUSTER": PRODUCER_WIDE_CLUSTER,
+        "LOAD_KERNEL_ARGS": 11,  # (_ffi.load_kernel's arguments: a library of another count is refused)
     }  # fmt: skip

@@ -98,7 +98,7 @@ from jax.extend import core
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import ad, batching, mlir
 
-from . import _ffi, _jax_private, checks
+from . import _ffi, _jax_private, checks, layout
 from .output import MergeOutput
 
 __all__ = ["MergeOutput", "topk_exchange_merge", "DsaExchangeEffect", "topk_exchange_merge_p", "compiler_options",
@@ -449,10 +449,12 @@ def _validate(exchange, logits, row_ends, req_id, block_table, block_size, with_
     # Exchanges made before these options (or stand-ins in tests) are bfloat16, token by token.
     ex_interleave = int(getattr(exchange, "interleave", 1))
     interleave = checks.check_interleave_matches(interleave, ex_interleave, exchange.id, exchange.world)
+    # The kernels take one score dtype; the XLA path takes either.
+    score_dtype = layout.KERNEL_SCORE_DTYPE if _use_ffi(path) else None
     checks.check_call(logits, row_ends, req_id, block_table, world=exchange.world, topk=exchange.topk,
                       local_topk=exchange.local_topk, block_size=block_size, with_ids=with_ids,
                       with_saturated=with_saturated, max_rows=exchange.max_rows, interleave=interleave,
-                      score_dtype=getattr(exchange, "score_dtype", "bfloat16"))
+                      score_dtype=score_dtype)
     return interleave
 
 

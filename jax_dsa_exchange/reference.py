@@ -43,7 +43,7 @@ from .output import MergeOutput
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
-SCORE_NP_DTYPES = (BF16, F32)
+SCORE_NP_DTYPES = tuple(np.dtype(name) for name in layout.SCORE_DTYPES)  # (ml_dtypes names bfloat16)
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 

@@ -67,7 +67,7 @@ def _ffi_lib() -> str | None:
 
     if not _ffi.available():
         return (f"the FFI launcher library is not loadable: {_ffi.load_error()} "
-                f"(or: bash dev/build_cubins.sh, which writes build/ffi_lib)")  # fmt: skip
+                f"(or: python dev/build_cubins.py, which writes build/ffi_lib)")  # fmt: skip
     return None
 
 
@@ -100,7 +100,7 @@ def _cubins() -> str | None:
             return None
     return (f"no prebuilt kernels of this source tree (source hash {tail}) in "
             f"{[str(d) for d in cache.search_dirs()]}, and the CuTe DSL is not installed to build them; "
-            f"build them with `bash dev/build_cubins.sh` (on any machine with the kernels extra) and set "
+            f"build them with `python dev/build_cubins.py` (on any machine with the kernels extra) and set "
             f"{cache.ENV_DIRS}=.cubins")  # fmt: skip
 
 

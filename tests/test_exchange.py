@@ -14,12 +14,24 @@ from jax_dsa_exchange.exchange import Exchange
     (dict(world=17), "world=17 must be in \\[1, 16\\]"),
     (dict(rank=4), "rank=4 must be in \\[0, world=4\\)"),
     (dict(timeout_us=0), "timeout_us=0 must be a positive int32"),
+    (dict(interleave=0), r"interleave=0 must be in \[1, 2147483647\]"),
+    (dict(world=16, rank=0, interleave=2**20), "global positions of 24 bits; the GPU kernels take up to 22"),
 ])
 def test_bad_arguments_fail_before_any_gpu_work(kw, match):
     args = dict(topk=2048, local_topk=512, max_rows=64, world=4, rank=0)
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         Exchange.create(**args)
+
+
+@pytest.mark.parametrize("score_dtype, exc, match", [
+    ("float32", NotImplementedError, "score_dtype=float32: the GPU kernels take bfloat16 scores; float32 scores "
+                                     "merge exactly on the XLA path"),
+    ("float16", TypeError, "score dtype must be bfloat16 or float32, got 'float16'"),
+])
+def test_score_dtypes_the_kernels_do_not_take(score_dtype, exc, match):
+    with pytest.raises(exc, match=match):
+        Exchange.create(topk=2048, local_topk=512, max_rows=64, world=4, rank=0, score_dtype=score_dtype)
 
 
 def test_create_local_needs_distinct_gpus():

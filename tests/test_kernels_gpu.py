@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, requires_gpu_stack]
 
 SMALL_K, SMALL_N = 256, 64
 WORLDS = [1, 2, 4, 8, 16]
-# (W, K, N) configurations these tests use (dev/build_cubins.sh builds them).
+# (W, K, N) configurations these tests use (dev/build_cubins.py builds them).
 CONFIGS = ([(w, SMALL_K, SMALL_N) for w in WORLDS] + [(w, SMALL_K, SMALL_K) for w in WORLDS]
            + [(8, 2048, 512), (16, 2048, 1024), (2, 2048, 512), (16, 4096, 2048), (8, 2048, 1024),
               (16, 2048, 512)])  # fmt: skip

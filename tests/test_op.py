@@ -38,7 +38,6 @@ class DummyExchange:
     local_topk: int = 32
     max_rows: int = 16
     closed: bool = False
-    score_dtype: str = "bfloat16"
     interleave: int = 1
 
 
@@ -83,7 +82,7 @@ def _call(**kw):
     "kw, exc, msg",
     [
         (dict(exchange=DummyExchange(closed=True)), ValueError, "exchange 7 is closed"),
-        (dict(logits=jnp.zeros((R, L), jnp.float32)), TypeError, "logits are float32 but the exchange was created with score_dtype=bfloat16"),
+        (dict(logits=jnp.zeros((R, L), jnp.float32)), TypeError, "logits are float32 but the exchange's GPU kernels take bfloat16"),
         (dict(logits=jnp.zeros((R, L, 1), jnp.bfloat16)), ValueError, r"logits must be \[R, L\]"),
         (dict(logits=sds((17, L), jnp.bfloat16)), ValueError, r"R=17 rows > the exchange's max_rows=16"),
         (dict(logits=sds((0, L), jnp.bfloat16)), ValueError, "R=0 rows"),
@@ -156,7 +155,7 @@ def _rank_args(**over):
 
 BAD_ON_EVERY_PATH = [
     (dict(logits=sds((R, L), jnp.float16)), TypeError, "logits must be bfloat16 or float32, got float16"),
-    (dict(interleave=0), ValueError, "interleave=0 must be >= 1"),
+    (dict(interleave=0), ValueError, r"interleave=0 must be in \[1, 2147483647\]"),
     (dict(interleave=1.0), TypeError, "interleave must be an int, got float 1.0"),
     (dict(logits=sds((R, L, 1), jnp.bfloat16)), ValueError, r"logits must be \[R, L\], got shape \(4, 256, 1\)"),
     (dict(logits=sds((0, L), jnp.bfloat16)), ValueError, "logits has R=0 rows"),
@@ -204,17 +203,18 @@ def test_every_path_rejects_the_same_arguments_the_same_way(path, kw, exc, msg):
 
 
 @pytest.mark.parametrize("path", ["ffi", "xla"])
-def test_the_op_takes_the_exchanges_score_dtype_and_interleave(path):
-    """A call's logits must have its exchange's score dtype, and its interleave (when given)
-    must be its exchange's: both name the two values."""
-    with pytest.raises(TypeError, match="logits are float32 but the exchange was created with "
-                                        "score_dtype=bfloat16"):
-        jax.jit(_over_one_rank(_merge_fn(path, DummyExchange(world=1), block_size=B))).trace(
-            *_rank_args(logits=sds((R, L), jnp.float32)))
-    f32 = DummyExchange(world=1, score_dtype="float32")
-    jax.jit(_over_one_rank(_merge_fn(path, f32, block_size=B))).trace(*_rank_args(logits=sds((R, L), jnp.float32)))
-    with pytest.raises(TypeError, match="logits are bfloat16 but the exchange was created with score_dtype=float32"):
-        jax.jit(_over_one_rank(_merge_fn(path, f32, block_size=B))).trace(*_rank_args())
+def test_the_op_takes_the_kernels_score_dtype_and_the_exchanges_interleave(path):
+    """The FFI path takes the kernels' bfloat16 logits (float32 is a TypeError naming both
+    dtypes and the XLA path), the XLA path either dtype; a call's interleave, when given, must
+    be its exchange's (a ValueError naming both values)."""
+    f32 = _rank_args(logits=sds((R, L), jnp.float32))
+    fn = _over_one_rank(_merge_fn(path, DummyExchange(world=1), block_size=B))
+    if path == "ffi":
+        with pytest.raises(TypeError, match="logits are float32 but the exchange's GPU kernels take bfloat16 "
+                                            r"\(score_dtype=bfloat16\).*path='xla'"):
+            jax.jit(fn).trace(*f32)
+    else:
+        jax.jit(fn).trace(*f32)
     with pytest.raises(ValueError, match="interleave=2 but exchange 7 was created with interleave=1"):
         jax.jit(_over_one_rank(_merge_fn(path, DummyExchange(world=1), block_size=B, interleave=2))).trace(
             *_rank_args())

@@ -653,3 +653,27 @@ def test_interleave_changes_the_tie_order(rng):
     four = dataclasses.replace(c, interleave=4).oracle()
     assert not np.array_equal(one[0].ids, four[0].ids)
     assert all(set(one[0].ids[i]) != set(four[0].ids[i]) for i in range(c.rows))
+
+
+def test_kernel_interleave_limit():
+    """The GPU kernels rank positions of up to 22 bits: every W with every I <= 2^17; a larger
+    I is a ValueError naming the XLA path (which takes it)."""
+    for w in (1, 2, 3, 8, 16):
+        for interleave in (1, 2, 3, 16, 64, 1000, layout.MAX_LOCAL_LEN):
+            layout.check_kernel_interleave(interleave, w)
+    with pytest.raises(ValueError, match=r"interleave=1048576 with world=16: global positions of 24 bits; the GPU "
+                                         r"kernels take up to 22 .*xla_path.xla_topk_merge"):
+        layout.check_kernel_interleave(2**20, 16)
+    layout.check_interleave(2**20, 16)  # (the XLA path's limit: int32 positions)
+    with pytest.raises(ValueError, match=r"interleave=2147483648 must be in \[1, 2147483647\]"):
+        layout.check_interleave(2**31, 1)
+
+
+def test_global_positions_fit_int32_arrays():
+    """global_position on int32 arrays never forms W * I: the largest accepted I gives the
+    largest positions without overflowing."""
+    interleave = 2**30
+    layout.check_interleave(interleave, 2)
+    l = np.array([0, 1, layout.MAX_LOCAL_LEN - 1], np.int32)
+    g = layout.global_position(l, np.int32(1), 2, interleave)
+    assert g.dtype == np.int32 and g.tolist() == [2**30, 2**30 + 1, 2**30 + layout.MAX_LOCAL_LEN - 1]

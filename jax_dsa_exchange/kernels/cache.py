@@ -244,8 +244,9 @@ def has_wide_merge(world: int, topk: int, local_topk: int, rescue_list: bool = F
 
 def compiled_key(kernel: str, arch: str, world: int, topk: int, local_topk: int, rescue_list: bool = False,
                  interleave: int = 1) -> tuple:
-    """The key of one image in this process's compile cache (whether it compiled already)."""
-    return (kernel, arch, world, topk, local_topk, bool(rescue_list), interleave)
+    """The key of one image in this process's compile cache (whether it compiled already); the
+    producer's images do not depend on the interleave, so every I shares them."""
+    return (kernel, arch, world, topk, local_topk, bool(rescue_list), 1 if KIND[kernel] == "select_push" else interleave)
 
 
 def compile_kernel(kernel: str, arch: str, world: int, topk: int, local_topk: int,

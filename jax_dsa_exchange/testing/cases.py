@@ -22,8 +22,7 @@ import numpy as np
 from .. import layout
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-F32 = np.dtype(np.float32)
-DTYPES = {"bfloat16": BF16, "float32": F32}
+DTYPES = {name: np.dtype(name) for name in layout.SCORE_DTYPES}  # (ml_dtypes names bfloat16)
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 # bf16 bit patterns worth having in every test.
@@ -46,11 +45,8 @@ _BITS = {"bfloat16": (np.uint16, NAN_BITS, ZERO_BITS, SPECIAL_BITS),
 
 
 def _dtype(dtype) -> str:
-    """The canonical dtype name of a generator's ``dtype`` argument."""
-    name = getattr(dtype, "name", str(dtype))
-    if name not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} must be 'bfloat16' or 'float32'")
-    return name
+    """The canonical dtype name of a generator's ``dtype`` argument (TypeError for another)."""
+    return layout.score_dtype_name(dtype)
 
 
 def as_scores(values, dtype) -> np.ndarray:

@@ -71,10 +71,10 @@ QUICK = [
 ]
 
 
-def build_argv(python: str, cfg: tuple, out: str) -> list:
+def build_argv(python: str, cfg: tuple, out: str, arch: str = "sm_90a") -> list:
     worlds, topks, ns, kinds, *rest = cfg
-    argv = [python, "-m", "jax_dsa_exchange.build", "--world", *map(str, worlds), "--topk", *map(str, topks),
-            "--local-topk", *map(str, ns), "--out", out]  # fmt: skip
+    argv = [python, "-m", "jax_dsa_exchange.build", "--arch", arch, "--world", *map(str, worlds),
+            "--topk", *map(str, topks), "--local-topk", *map(str, ns), "--out", out]  # fmt: skip
     if rest:
         argv += ["--interleave", *map(str, rest[0])]
     return argv + (["--both"] if kinds == "both" else [])
@@ -170,7 +170,7 @@ def build_cubins(a) -> int:
     configs = QUICK if a.quick else CONFIGS
 
     def one(cfg):
-        argv = build_argv(a.python, cfg, out)
+        argv = build_argv(a.python, cfg, out, a.arch)
         r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
         return argv, r
 
@@ -197,6 +197,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=str(ROOT / ".cubins"), help="folder of the cubins (default: .cubins)")
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK)} representative configurations only")
     ap.add_argument("--jobs", type=int, default=1, help="builds at once (each one CPU core; default 1)")
+    ap.add_argument("--arch", default="sm_90a", choices=("sm_90a", "sm_100a", "sm_103a"),
+                    help="the GPU target (jax_dsa_exchange.layout.ARCHS; default sm_90a: H100, H200)")
     ap.add_argument("--python", default=sys.executable,
                     help="the interpreter with the kernels extra (default: this one)")
     ap.add_argument("--no-pack", action="store_true", help="leave the cubins and PTX unzipped")

@@ -68,3 +68,40 @@ def test_poll_raises_on_every_call_after_a_failure_until_close():
     # after close(): silent (a replay's kernels do no work; a recreated exchange is not blocked)
     _polled_exchange([layout.STATUS_TIMEOUT_ROUND1, 6, 3, 2], freed=True).poll()
 
+
+
+@pytest.mark.parametrize("cc, arch, want", [
+    ("90", None, "sm_90a"), ("100", None, "sm_100a"), ("103", None, "sm_103a"), ("90", "sm_90a", "sm_90a"),
+    ("100", "sm_90a", r"arch='sm_90a' but GPU 0 is sm_100a: kernels of one target run on that compute "
+                      r"capability only .*--arch sm_100a"),
+    ("80", None, r"GPU 0 is sm_80a \(compute capability 8.0\); the kernels build for sm_90a, sm_100a, sm_103a only"),
+    ("90", "sm_75", r"arch='sm_75': the kernels build for sm_90a, sm_100a, sm_103a"),
+])
+def test_the_kernels_target_is_the_devices(monkeypatch, cc, arch, want):
+    """Exchange takes its device's target (layout.ARCHS); another one, or a device the kernels
+    do not build for, is a ValueError naming the device's target and what to do."""
+    from types import SimpleNamespace
+
+    from jax_dsa_exchange import exchange
+
+    device = SimpleNamespace(compute_capability=cc)
+    monkeypatch.setattr(exchange, "_cupy", lambda: SimpleNamespace(cuda=SimpleNamespace(Device=lambda o: device)))
+    if want.startswith("sm_"):
+        assert exchange._device_arch(0, arch) == want
+    else:
+        with pytest.raises(ValueError, match=want):
+            exchange._device_arch(0, arch)
+
+
+def test_the_producer_split_follows_the_devices_sms():
+    """The metadata's fill CTAs (measured on 132-SM parts) scale with the device's SM count:
+    unchanged on H100 SXM / H200, one CTA per SM on a 148-SM part, the lean image's half too."""
+    from jax_dsa_exchange import layout
+
+    sp, lean = layout.producer_split(), layout.producer_lean_split()
+    assert layout.split_for_device(sp, 132) == sp and layout.split_for_device(lean, 132) == lean
+    assert layout.split_for_device(sp, 148)["fill_ctas"] == 148
+    assert layout.split_for_device(sp, 114)["fill_ctas"] == 114
+    assert layout.split_for_device(lean, 148)["fill_ctas"] == 64 * 148 // 132
+    assert {k: v for k, v in layout.split_for_device(sp, 148).items() if k != "fill_ctas"} == \
+        {k: v for k, v in sp.items() if k != "fill_ctas"}

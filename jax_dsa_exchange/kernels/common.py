@@ -119,8 +119,7 @@ def block_scan(val: Int32, lane: Int32, warp: Int32, warp_totals: cute.Tensor):
     if lane == Int32(31):
         warp_totals[warp] = x
     cute.arch.sync_threads()
-    before = Int32(0)
-    total = Int32(0)
+    before, total = Int32(0), Int32(0)
     for w in cutlass.range_constexpr(NWARPS):
         t = warp_totals[w]
         if Int32(w) < warp:

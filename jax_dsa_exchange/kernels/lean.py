@@ -91,8 +91,7 @@ def cluster_word(a: Int32, r: Int32, one: Int32) -> Int32:
 def cluster_sum(a: Int32, csize: Int32, one: Int32, upto: Int32):
     """(the sum over the CTAs r < csize of the shared word at ``a``, over r < upto), every DSMEM load
     in flight at once (``one``: its own word, and 0)."""
-    tot = Int32(0)
-    bef = Int32(0)
+    tot, bef = Int32(0), Int32(0)
     if one != Int32(0):
         tot = P.ld_smem_u32(a)
     else:
@@ -189,14 +188,12 @@ def pass1(row_addr: Int64, xs: cute.Tensor, vok: cute.Tensor, ch: Int32, t0: Int
 
 
 @cute.jit
-def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, published_a: Int32,
-                 scalars: cute.Tensor, ch: Int32, csize: Int32, me: Int32, one: Int32, lane,
-                 n: cutlass.Constexpr):
+def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, published_a: Int32, scalars: cute.Tensor,
+                 ch: Int32, csize: Int32, me: Int32, one: Int32, lane, n: cutlass.Constexpr):
     """Warp 0, after the first cluster barrier, into scalars: the row's valid count, the earlier
     CTAs', and the boundary bin b1 (-1: every valid token kept), walking the cluster's histogram
     down from its top bin 32 bins a step (lane 0 the highest) until n scores lie at or above one."""
-    ptop = Int32(0)
-    pcnt = Int32(0)
+    ptop, pcnt = Int32(0), Int32(0)
     if lane < csize:
         ptop = cluster_word(published_a + Int32(4 * _P_TOP), lane, one)
         pcnt = Int32(TB) * ch - cluster_word(h1_a, lane, one)  # (every CTA of the cluster has this ch)
@@ -206,19 +203,13 @@ def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, publis
     if lane < me:
         kb = pcnt
     kbefore = cute.arch.warp_redux_sync(kb, "add")
-    w_b1 = Int32(-1)
-    w_above1 = Int32(0)
-    w_oabove1 = Int32(0)
+    w_b1, w_above1, w_oabove1 = Int32(-1), Int32(0), Int32(0)
     if w_total > Int32(n):
         hi = ctop >> Int32(SH1)
-        above = Int32(0)
-        oabove = Int32(0)
-        go = Int32(1)
+        above, oabove, go = Int32(0), Int32(0), Int32(1)
         while go != Int32(0):
             bn = hi - lane
-            c = Int32(0)
-            cb = Int32(0)
-            ow = Int32(0)
+            c, cb, ow = Int32(0), Int32(0), Int32(0)
             if bn >= Int32(BIN_MIN):
                 ow = P.ld_smem_u32(h1_a + bn * Int32(4))
                 if one != Int32(0):
@@ -256,13 +247,11 @@ def pass2(xs: cute.Tensor, ch: Int32, t0: Int32, b1: Int32, cache_a: Int32, h2_a
     """Pass 2 from registers: the thread's tokens of bin >= b1 and > b1 as masks (b1 = -1: every
     valid token), the second histogram of its bin-b1 tokens (from the slice copy) and their 2-bit
     counters (select.low_counter_add) -> (masks, counters, 1 where a counter would pass 3)."""
-    thr = Uint32(1)
-    thr_g = Uint32(1)
+    thr, thr_g = Uint32(1), Uint32(1)
     if b1 >= Int32(0):
         thr = Uint32(b1) << Uint32(SH1)
         thr_g = thr + Uint32(1 << SH1)
-    mcand = Uint32(0)
-    mg = Uint32(0)
+    mcand, mg = Uint32(0), Uint32(0)
     for k in cutlass.range_constexpr(NVEC):
         if Int32(8 * k) < ch:
             for p in cutlass.range_constexpr(4):
@@ -273,8 +262,7 @@ def pass2(xs: cute.Tensor, ch: Int32, t0: Int32, b1: Int32, cache_a: Int32, h2_a
                 mcand = P.or_if_ge(mcand, hi2, thr, 8 * k + 2 * p + 1)
                 mg = P.or_if_ge(mg, lo, thr_g, 8 * k + 2 * p)
                 mg = P.or_if_ge(mg, hi2, thr_g, 8 * k + 2 * p + 1)
-    lowc = Uint64(0)
-    ovf = Int32(0)
+    lowc, ovf = Uint64(0), Int32(0)
     m = mcand & ~mg
     while m != Uint32(0):
         j = P.low_bit(Int32(m))
@@ -290,17 +278,11 @@ def pass2(xs: cute.Tensor, ch: Int32, t0: Int32, b1: Int32, cache_a: Int32, h2_a
 
 
 @cute.jit
-def boundary_score(hist2: cute.Tensor, h2_a: Int32, published: cute.Tensor, published_a: Int32,
-                   scalars: cute.Tensor, b1: Int32, csize: Int32, me: Int32, one: Int32, lane,
-                   n: cutlass.Constexpr):
+def boundary_score(hist2: cute.Tensor, h2_a: Int32, published: cute.Tensor, published_a: Int32, scalars: cute.Tensor,
+                   b1: Int32, csize: Int32, me: Int32, one: Int32, lane, n: cutlass.Constexpr):
     """Warp 0, after the second cluster barrier, into scalars: the boundary score v, need_eq, and
     the counts > v / == v before this slice and in it."""
-    u_v = Int32(0)
-    u_need = Int32(0)
-    u_gtb = Int32(0)
-    u_eqb = Int32(0)
-    u_gto = Int32(0)
-    u_eqo = Int32(0)
+    u_v, u_need, u_gtb, u_eqb, u_gto, u_eqo = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
     if b1 >= Int32(0):
         need2 = Int32(n) - scalars[_ABOVE1]
         b2 = Int32(S.NB2 - 1) - lane  # lane 0 the highest low value
@@ -394,21 +376,13 @@ def select_row_lean(row_addr: Int64, end_raw: Int32, cols: Int32, rows: Int32, n
     ``end_raw``'s (H200, R = 1, L = 128K: 7.46 us against 8.03); larger ones, whose bandwidth
     counts, from the row's end.  Every slice fits (the caller's test, ``fits``)."""
     cache, hist1, hist2, gsum2, pub, scal, wt, row, mask, mbar = parts
-    cache_a = P.smem_addr(cache)
-    h1_a = P.smem_addr(hist1)
-    h2_a = P.smem_addr(hist2)
-    pub_a = P.smem_addr(pub)
-    row_a = P.smem_addr(row)
-    wt_a = P.smem_addr(wt)
+    cache_a, h1_a, h2_a, pub_a, row_a, wt_a = map(P.smem_addr, (cache, hist1, hist2, pub, row, wt))
     one = S.one_cta(csize)  # (a one-CTA cluster takes block barriers and reads its own memory)
     aligned = Int32((row_addr & Int64(15)) == Int64(0))
     # ---- every 16-byte load in flight before any is used (a branch each, so that nothing waits)
     xs = cute.make_rmem_tensor((TMAX // 2,), Int32)
     vok = cute.make_rmem_tensor((NVEC,), Int32)
-    sl = Int32(0)
-    ch = Int32(0)
-    s0 = Int32(0)
-    s_buf = Int32(0)
+    sl, ch, s0, s_buf = Int32(0), Int32(0), Int32(0), Int32(0)
     if rows * csize <= Int32(spec_ctas):
         sl, ch, s0, s_buf = issue_loads(row_addr, cutlass.min(cols, Int32(layout.MAX_LOCAL_LEN)), csize, me, tid,
                                         aligned, xs, vok)  # fmt: skip

@@ -134,8 +134,7 @@ st_smem_v2 = _op("st.shared.v2.u32 [$0], {$1, $2};", "r,r,r,~{memory}", (Int32,)
 ld_smem_v4 = _op("ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", _S, Int32, 4)
 st_smem_v4 = _op("st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", (Int32,) * 5)
 # cp.async.ca(dst, src, nbytes = 4 or 8): no register waits for the data (cp_async_wait_all)
-cp_async = _op(lambda nbytes: f"cp.async.ca.shared.global [$0], [$1], {int(nbytes)};", "r,l,~{memory}",
-               (Int32, Int64))  # fmt: skip
+cp_async = _op(lambda nbytes: f"cp.async.ca.shared.global [$0], [$1], {int(nbytes)};", "r,l,~{memory}", (Int32, Int64))
 cp_async_wait_all = _op("cp.async.wait_all;", "~{memory}")
 # bulk_start(mbar, dst, src, nbytes): initialise the mbarrier (one arrival), make that visible to
 # the async proxy, arrive expecting nbytes and start one cp.async.bulk of them from global to shared
@@ -153,8 +152,7 @@ mbar_wait0 = _op("{\n\t.reg .pred p;\n\tjdx_wait:\n\t"
 
 # ---- cluster barriers
 # every thread of every CTA of the cluster: release, then acquire
-cluster_sync = _op("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-                   "~{memory}")  # fmt: skip
+cluster_sync = _op("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", "~{memory}")
 # a relaxed arrival: says only that this thread reads no other CTA's shared memory any more;
 # cluster_wait completes it (before a CTA exits, no other CTA may still read its shared memory)
 cluster_arrive = _op("barrier.cluster.arrive.relaxed.aligned;", "~{memory}")

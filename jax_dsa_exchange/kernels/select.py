@@ -228,9 +228,8 @@ def load_vector(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: In
 
 
 @cute.jit
-def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32,
-                 cache_a: Int32, xs: cute.Tensor, from_cache: Int32, nv: cutlass.Constexpr,
-                 stride: cutlass.Constexpr):
+def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32, cache_a: Int32,
+                 xs: cute.Tensor, from_cache: Int32, nv: cutlass.Constexpr, stride: cutlass.Constexpr):
     """xs[4u : 4u+4] = ord16 pairs of vector v0 + u*stride (u < nv, 0 past nvec), from the cache
     where ``from_cache`` (uniform), else from global memory."""
     for u in cutlass.range_constexpr(nv):
@@ -261,10 +260,7 @@ def block_scan2(a: Int32, b: Int32, lane, warp, warp_totals: cute.Tensor):
         warp_totals[warp] = x
         warp_totals[NWARPS + warp] = y
     cute.arch.sync_threads()
-    ba = Int32(0)
-    bb = Int32(0)
-    ta = Int32(0)
-    tb = Int32(0)
+    ba, bb, ta, tb = Int32(0), Int32(0), Int32(0), Int32(0)
     for w in cutlass.range_constexpr(NWARPS):
         u = warp_totals[w]
         v = warp_totals[NWARPS + w]
@@ -463,10 +459,7 @@ def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_b
     if cutlass.const_expr(clustered):
         if csize >= Int32(BOUNDED_MIN):
             # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
-            pt = Int32(0)
-            pl = Int32(0)
-            ph = Int32(0)
-            pz = Int32(0)
+            pt, pl, ph, pz = Int32(0), Int32(0), Int32(0), Int32(0)
             if lane < csize:
                 pt, pl, ph, pz = P.ld_dsmem_v4(P.mapa(published_a + Int32(16), lane))
             cl_total = cute.arch.warp_redux_sync(pt, "add")
@@ -488,9 +481,8 @@ def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_b
 
 
 @cute.jit
-def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32,
-                        cluster_bins: cute.Tensor, own_bins: cute.Tensor, bin_lo: Int32,
-                        scalars: cute.Tensor, so: cutlass.Constexpr):
+def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32, cluster_bins: cute.Tensor,
+                        own_bins: cute.Tensor, bin_lo: Int32, scalars: cute.Tensor, so: cutlass.Constexpr):
     """The thread whose bins hold the cluster's count-th score (ig / il: the inclusive scans of the
     cluster's / own bin sums sg / sl) writes its bin, the cluster's and its CTA's scores above it
     into scalars[so + _B1, _ABOVE1, _OWN_ABOVE1]."""
@@ -522,8 +514,7 @@ def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, publis
         if csize >= Int32(BOUNDED_MIN):
             publish_bounds(hist1, published, warp_totals, own_bins, bin_lo, max(n, n2), tid, lane, warp)
     cluster_barrier(clustered, csize)
-    cl_total = cluster_histogram(hist1, h1_a, published_a, own_bins, cluster_bins, bin_lo, csize, tid, lane,
-                                 clustered)  # fmt: skip
+    cl_total = cluster_histogram(hist1, h1_a, published_a, own_bins, cluster_bins, bin_lo, csize, tid, lane, clustered)
     sg = cluster_bins[0] + cluster_bins[1] + cluster_bins[2] + cluster_bins[3]
     sl = own_bins[0] + own_bins[1] + own_bins[2] + own_bins[3]
     ig, il, tg, tl = block_scan2(sg, sl, lane, warp, warp_totals)
@@ -607,8 +598,7 @@ def next_two_set_bits(m: Uint32, base: Int32, sl: Slice):
         more = Int32(1)
         ltb = base + P.low_bit(Int32(m))
     m = m & (m - Uint32(1))  # (m = 0 stays 0)
-    oa = Uint32(0)
-    ob = Uint32(0)
+    oa, ob = Uint32(0), Uint32(0)
     if sl.keep != Int32(0):
         oa = P.ld_smem_u16(sl.cache_a + lta * Int32(2))
         ob = P.ld_smem_u16(sl.cache_a + ltb * Int32(2))
@@ -649,9 +639,7 @@ def hist2_walk(sl: Slice, units: Units, b1: Int32, b1kc: Int32, h2_a: Int32, dua
     """A kept slice's second histogram(s) from its mask's set bits over the thread's units; one count
     (no rescue list) also keeps low_counter_add's counters -> (1 where no counter passed 3, above,
     counters)."""
-    above = Int32(0)
-    lowc = Uint64(0)
-    ovf = Int32(0)
+    above, lowc, ovf = Int32(0), Uint64(0), Int32(0)
     for j in cutlass.range(0, (units.per_thread + Int32(1)) >> Int32(1), unroll=1):
         m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)
         while m != Uint32(0):
@@ -733,8 +721,7 @@ def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor,
     v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
     need_eq = Int32(nn) - scalars[so + _ABOVE1] - scalars[so + _ABOVE2]
     if r < csize:
-        gt = Int32(0)
-        eq = Int32(0)
+        gt, eq = Int32(0), Int32(0)
         if j > lowv:
             gt = x
         if j == lowv:
@@ -764,8 +751,7 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
     (v, need_eq).  (so, ho, pa): the count's scalars, second histograms (hist2 / gsum2) and
     published own count above its b1, (0, 0, 0) for n, (_K, NB2, 2) for n2.  Ends with a block
     barrier."""
-    v = Uint32(0)
-    need_eq = Int32(0)
+    v, need_eq = Uint32(0), Int32(0)
     r = tid >> Int32(5)
     j = tid & Int32(31)
     fast = Int32(0)  # a one-CTA cluster: warp 0 does the step
@@ -776,8 +762,7 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
         v, need_eq = boundary_score_one_cta(nn, b1, hist2, published, scalars, lane, warp, ho, pa, so)
     elif total > Int32(nn):
         v, need_eq = boundary_score_cluster(nn, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a,
-                                            scalars_a, r, j, lane, warp, csize, me, clustered, ho, pa,
-                                            so)  # fmt: skip
+                                            scalars_a, r, j, lane, warp, csize, me, clustered, ho, pa, so)
     else:
         # every valid token is kept (v = 0); what precedes the slice is the earlier CTAs' valid count
         if tid < csize and tid < me:
@@ -847,9 +832,7 @@ def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, la
     for u in cutlass.range(u0, u1, unroll=1):
         cnt = cnt + Int32(cute.arch.popc(P.ld_smem_u16(mask_a + u * Int32(2))))
     icnt, _, nbits, _ = block_scan2(cnt, Int32(0), lane, warp, warp_totals)
-    ok = Int32(0)
-    r0 = Int32(0)
-    r1 = Int32(0)
+    ok, r0, r1 = Int32(0), Int32(0), Int32(0)
     if nbits <= Int32(MASK_WORDS) - lw:
         ok = Int32(1)
         build_list(mask_a, cache_a, lw, u0, u1, icnt - cnt)
@@ -876,8 +859,7 @@ def counts_from_low_counters(above: Int32, lowc: Uint64, lowv: Int32):
     """A thread's compaction counts (> v, == v) from its hist2 walk's counters, v = (b1 << 5) | lowv."""
     x = lowc >> Uint64(Int32(2) * lowv)
     hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
-    ngt = (above + P.popc64(hi & Uint64(0x5555555555555555))
-           + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA)))  # fmt: skip
+    ngt = above + P.popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
     return ngt, Int32(x & Uint64(3))
 
 
@@ -969,10 +951,7 @@ def count_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, vk: Uint32,
                c2_above: Int32, c2_low: Uint64, dual: cutlass.Constexpr):
     """The compaction's first walk: this thread's counts (> v, == v; > vk, == vk) over its list
     entries, from its hist2 walk's counters, or over its units -> (ngt, neq, ngtk, neqk)."""
-    ngt = Int32(0)
-    neq = Int32(0)
-    ngtk = Int32(0)
-    neqk = Int32(0)
+    ngt, neq, ngtk, neqk = Int32(0), Int32(0), Int32(0), Int32(0)
     if share.used != Int32(0):
         for r in cutlass.range(share.r0, share.r1, unroll=1):
             o = Uint32(share.mask[share.first_word + r]) >> Uint32(16)
@@ -1028,11 +1007,10 @@ def emit_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, need_eq: Int
 
 
 @cute.jit
-def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, scalars_a: Int32,
-            warp_totals: cute.Tensor, row: cute.Tensor, row_a: Int32, h1_a: Int32, k_out, v: Uint32,
-            need_eq: Int32, vk: Uint32, need_eqk: Int32, cnt_ok: Int32, c2_above: Int32, c2_low: Uint64,
-            csize: Int32, lane, warp, n: cutlass.Constexpr, n2: cutlass.Constexpr,
-            clustered: cutlass.Constexpr, own: cutlass.Constexpr):
+def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, scalars_a: Int32, warp_totals: cute.Tensor,
+            row: cute.Tensor, row_a: Int32, h1_a: Int32, k_out, v: Uint32, need_eq: Int32, vk: Uint32, need_eqk: Int32,
+            cnt_ok: Int32, c2_above: Int32, c2_low: Uint64, csize: Int32, lane, warp, n: cutlass.Constexpr,
+            n2: cutlass.Constexpr, clustered: cutlass.Constexpr, own: cutlass.Constexpr):
     """After the boundary step: this thread's counts (count_kept), one pair block scan, then every
     kept token's word at its final position (emit_kept), in this CTA's row buffer (``own``) or
     CTA 0's, and the K-list's -> this CTA's positions [p0, p1) of the row, [p0k, p1k) of the K-list."""
@@ -1045,9 +1023,7 @@ def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, sca
         if csize > Int32(1):
             remote = Int32(1)
     gtk_run = Int32(0)  # (the rescue list) the same for n2
-    eqk_run = Int32(0)
-    p0k = Int32(0)
-    p1k = Int32(0)
+    eqk_run, p0k, p1k = Int32(0), Int32(0), Int32(0)
     stage_klist = cutlass.const_expr(klist_staged(n2))
     work = Int32(0)  # (the rescue list) n2's tokens to write
     if cutlass.const_expr(dual):
@@ -1057,8 +1033,7 @@ def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, sca
     if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
         ngt, neq, ngtk, neqk = count_kept(sl, units, share, v, vk, cnt_ok, c2_above, c2_low, dual)
         igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, warp_totals)
-        gtk_b = Int32(0)
-        eqk_b = Int32(0)
+        gtk_b, eqk_b = Int32(0), Int32(0)
         if cutlass.const_expr(dual):
             igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, warp_totals)
             gtk_b = gtk_run + igtk - ngtk
@@ -1110,14 +1085,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     if cutlass.const_expr(dual):
         assert n2 > n and n2 % 32 == 0, (n, n2)
     cache, hist1, hist2, gsum2, published, scalars, warp_totals, row, mask, mbar = parts
-    cache_a = P.smem_addr(cache)
-    h1_a = P.smem_addr(hist1)
-    h2_a = P.smem_addr(hist2)
-    g2_a = P.smem_addr(gsum2)
-    published_a = P.smem_addr(published)
-    scalars_a = P.smem_addr(scalars)
-    row_a = P.smem_addr(row)
-    mbar_a = P.smem_addr(mbar)
+    cache_a, h1_a, h2_a, g2_a, published_a, scalars_a, row_a, mbar_a = map(
+        P.smem_addr, (cache, hist1, hist2, gsum2, published, scalars, row, mbar))
     # ---- this CTA's slice: s_len <= slice_tokens tokens from s0
     slice_tokens = slice_len(end, csize)
     keep = Int32(0)  # the slice stays in shared memory
@@ -1171,8 +1140,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     sl = Slice(row_addr, s0, keep, cache_a)
     units = Units(mask_a, u0, u1, upt)
     cnt_ok = Int32(0)  # this thread's compaction counts come from its hist2 walk
-    c2_above = Int32(0)
-    c2_low = Uint64(0)
+    c2_above, c2_low = Int32(0), Uint64(0)
     if total > Int32(n):
         if tid == Int32(0):
             published[0] = scalars[_OWN_ABOVE1]
@@ -1196,9 +1164,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             P.cluster_arrive()
     # a crowded slice: the walks take even shares of a list of its tokens at or above the (lower)
     # boundary score, not the units (a few of which would hold all of them)
-    use_list = Int32(0)
-    r0 = Int32(0)
-    r1 = Int32(0)
+    use_list, r0, r1 = Int32(0), Int32(0), Int32(0)
     if cutlass.const_expr(listed):
         if big != Int32(0):
             vlo = v  # (the rescue list: n2's boundary, the lower one, keeps both counts' tokens)
@@ -1209,9 +1175,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, warp_totals, tid)
     share = ListShare(mask, lw, r0, r1, use_list)
     # ---- the compaction, in index order, straight to the final positions
-    p0, p1, p0k, p1k = compact(sl, units, share, scalars, scalars_a, warp_totals, row, row_a, h1_a, k_out, v,
-                               need_eq, vk, need_eqk, cnt_ok, c2_above, c2_low, csize, lane, warp, n, n2,
-                               clustered, own)  # fmt: skip
+    p0, p1, p0k, p1k = compact(sl, units, share, scalars, scalars_a, warp_totals, row, row_a, h1_a, k_out, v, need_eq,
+                               vk, need_eqk, cnt_ok, c2_above, c2_low, csize, lane, warp, n, n2, clustered, own)
     if cutlass.const_expr(own):
         cute.arch.sync_threads()  # this CTA's part of the row is complete
     else:

@@ -206,8 +206,7 @@ class SelectPush:
         nmw = n // 32  # mask words
         mrec = (self.rw - n) // 2  # their records (with the padding words)
         assert own_part_ok(n), n
-        m0 = Int32(0)
-        m1 = Int32(0)
+        m0, m1 = Int32(0), Int32(0)
         if writes_mask != Int32(0) and warp == Int32(0):
             f = Int32(n)
             for k in cutlass.range_constexpr(0, nmw, 32):
@@ -226,8 +225,7 @@ class SelectPush:
         # the edge words: thread TB - 1 the one at lo (odd lo), TB - 2 the one before hi (odd hi)
         e_lo = Int32(lo < hi) & Int32(tid == Int32(C.TB - 1)) & (lo & Int32(1))
         e_hi = Int32(lo < hi) & Int32(tid == Int32(C.TB - 2)) & (hi & Int32(1))
-        ew = Int32(0)
-        eo = Int64(0)
+        ew, eo = Int32(0), Int64(0)
         if e_lo != Int32(0):
             ew = row[lo]
             eo = Int64(lo >> Int32(1)) * Int64(layout.LL_RECORD_BYTES) + Int64(layout.LL_HALF_BYTES)
@@ -264,9 +262,8 @@ class SelectPush:
     def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32, epoch: Int64, peers: Int64,
               rank: Int32, max_rows: Int32, cache_tokens: Int32):
         # compile-time launch shape only: the launcher gives the grid and cluster
-        self.kernel(logits, row_ends, rows, cols, epoch, peers, rank, max_rows, cache_tokens).launch(
-            grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem
-        )
+        self.kernel(logits, row_ends, rows, cols, epoch, peers, rank, max_rows,
+                    cache_tokens).launch(grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem )
 
     def compile(self, arch: str | None = None, dump_dir: str = "."):
         """The compiled kernel for the configuration's target (cached; ``dump_dir``:

@@ -37,6 +37,8 @@ def _op(text, cons, args=(), out=None, n=1):
 
     @dsl_user_op
     def op(*vals, loc=None, ip=None):
+        if len(vals) != len(args) + (text.__code__.co_argcount if callable(text) else 0):
+            raise TypeError(f"{len(vals)} operands for {text!r}")
         ins = [ty(v) for ty, v in zip(args, vals)]
         txt = text(*vals[len(args):]) if callable(text) else text
         if out is None:

@@ -1,11 +1,6 @@
 """Addresses in the symmetric buffer and the local state, and the CTA-wide pieces both kernels
-share (docs/DESIGN.md §4-§6).  No JAX import; the inline PTX is in ``ptx.py``.
-
-One CTA of ``TB`` threads works on one row at a time.  The producer's local top-n of a bf16 row
-(and the merge's rescue select) is in ``select.py``; the merge's exact select of the K-th largest
-64-bit key, digit by digit from the top (``DIGIT``-bit digits), takes its histogram
-(:func:`hist_inc`), its block scan (:func:`block_scan`) and its bin search (:func:`find_bin`)
-from here.
+share (docs/DESIGN.md §4-§6): the merge's select of the K-th largest 64-bit key, ``DIGIT`` bits
+at a time from the top, takes its histogram, block scan and bin search from here.  No JAX import.
 """
 
 from __future__ import annotations
@@ -21,12 +16,7 @@ NWARPS = TB // 32
 DIGIT = 9  # bits per radix digit of the 64-bit key select (2**9 == TB bins)
 
 
-# --------------------------------------------------------------------------
-# Addresses in the local state (int32 words, layout.StateLayout) and its status
-# words (layout.STATUS_*), built from layout.py's numbers.
-# --------------------------------------------------------------------------
-
-
+# ---- addresses in the local state (int32 words, layout.StateLayout) and its status words
 def _region(max_rows, rows: int):
     """Int64 word offset rows * max_rows of a state region (rows from layout.py)."""
     return Int64(max_rows) if rows == 1 else Int64(max_rows) * Int64(rows)
@@ -45,8 +35,7 @@ def state_seq(state, max_rows, t):
 
 
 def state_klist(state, max_rows, t, row_words: int):
-    """Address of klist[t] (layout.StateLayout.klist_off: the status words, then 16-byte
-    aligned; rows of ``row_words`` words)."""
+    """Address of klist[t] (layout.StateLayout.klist_off; rows of ``row_words`` words)."""
     w = Int64(max_rows) * Int64(layout.STATE_STATUS_ROWS) + Int64(layout.STATUS_WORDS)
     w = (w + Int64(3)) & Int64(-4)
     return state + (w + Int64(t) * Int64(row_words)) * Int64(4)
@@ -62,18 +51,16 @@ def status_word(status, i: int):
     return status if i == 0 else status + Int64(4 * i)
 
 
+# layout's offsets on device integers (Int64)
 def ll_row_offset(parity, src, row, world, max_rows, row_bytes):
-    """layout.ll_row_offset on device integers (Int64)."""
     return layout.ll_row_offset(parity, src, row, world, max_rows, row_bytes, i64=Int64)
 
 
 def rescue_row_offset(row, slot, slots, row_bytes):
-    """layout.rescue_row_offset on device integers (Int64)."""
     return layout.rescue_row_offset(row, slot, slots, row_bytes, i64=Int64)
 
 
 def flag_offset(src, row, max_rows):
-    """layout.flag_offset on device integers (Int64)."""
     return layout.flag_offset(src, row, max_rows, i64=Int64)
 
 
@@ -84,32 +71,24 @@ def ll_word_addr(base, j):
 
 
 def compile_options(arch: str, dump_dir: str, ptxas: str = "") -> str:
-    """cute.compile options: the PTX and cubin are kept (the cache stores them) in
-    ``dump_dir``, where the DSL writes them under the kernel's name and reads them back:
-    one directory per compile, or builds running side by side can read each other's.
-    ``ptxas``: extra ptxas options (one string)."""
+    """cute.compile options: the PTX and cubin kept in ``dump_dir`` (one per compile: the DSL reads
+    them back by the kernel's name), ``ptxas`` extra ptxas options."""
     extra = f" --ptxas-options '{ptxas}'" if ptxas else ""
     return f"--gpu-arch {arch} --keep-ptx --keep-cubin --dump-dir={dump_dir}{extra}"
 
 
-# --------------------------------------------------------------------------
-# Small device functions.
-# --------------------------------------------------------------------------
-
-
+# ---- small device functions
 @cute.jit
 def hist_inc(hist: cute.Tensor, b: Int32, valid):
-    """hist[b] += 1 for the lanes with ``valid``.  Plain shared atomics: a
-    warp-aggregated variant (match.any.sync per element) measured 37% slower
-    on the producer on an H200 (bench_kernels, normal scores)."""  # fmt: skip
+    """hist[b] += 1 for the lanes with ``valid``, by plain shared atomics (warp-aggregated ones,
+    match.any.sync per element, measured 37% slower on an H200)."""
     if valid:
         cute.arch.atomic_add(hist.iterator + b, Int32(1), sem="relaxed", scope="cta")
 
 
 @cute.jit
 def ord16(bits: Uint32) -> Uint32:
-    """docs/DESIGN.md §5: order-preserving map of non-NaN bf16 bits to 1..0xFFFF; 0 for
-    NaN (never a candidate)."""
+    """docs/DESIGN.md §5: the order-preserving map of bf16 bits to 1..0xFFFF, 0 for NaN."""
     o = Uint32(0)
     if (bits & Uint32(0x7FFF)) <= Uint32(0x7F80):
         b = bits
@@ -134,19 +113,13 @@ def warp_incl_scan(x: Int32, lane) -> Int32:
 
 @cute.jit
 def block_scan(val: Int32, lane: Int32, warp: Int32, warp_totals: cute.Tensor):
-    """Inclusive sum over the CTA in thread order -> (inclusive, total).
-    Two barriers; ``warp_totals`` (NWARPS Int32 in smem) is free again when it
-    returns."""
-    x = val
-    for d in cutlass.range_constexpr(5):
-        y = cute.arch.shuffle_sync_up(x, 1 << d)
-        if lane >= Int32(1 << d):
-            x = x + y
+    """Inclusive sum over the CTA in thread order -> (inclusive, total); ``warp_totals`` (NWARPS
+    words of shared memory) is free again when it returns."""
+    x = warp_incl_scan(val, lane)
     if lane == Int32(31):
         warp_totals[warp] = x
     cute.arch.sync_threads()
-    before = Int32(0)
-    total = Int32(0)
+    before, total = Int32(0), Int32(0)
     for w in cutlass.range_constexpr(NWARPS):
         t = warp_totals[w]
         if Int32(w) < warp:
@@ -159,10 +132,8 @@ def block_scan(val: Int32, lane: Int32, warp: Int32, warp_totals: cute.Tensor):
 @cute.jit
 def find_bin(hist: cute.Tensor, nbins, need: Int32, tid, lane, warp, warp_totals,
              scalars: cute.Tensor, slot: cutlass.Constexpr):
-    """Bins scanned from the top (bin nbins-1 first): the bin holding the
-    need-th element.  scalars[slot] = bin, [slot+1] = elements above it,
-    [slot+2] = its count; returns the total over all bins (uniform).
-    ``nbins`` <= TB may be dynamic."""  # fmt: skip
+    """The bin holding the need-th element from the top (nbins <= TB, may be dynamic): scalars[slot]
+    = bin, [slot+1] = elements above it, [slot+2] = its count -> the total over all bins."""
     cnt = Int32(0)
     if tid < nbins:
         cnt = hist[nbins - Int32(1) - tid]

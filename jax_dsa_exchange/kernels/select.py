@@ -1,39 +1,18 @@
-"""Exact local top-n of one bf16 row (docs/DESIGN.md §4 on one rank), split over the CTAs of
-a thread-block cluster: the producer's select (select_push) and the merge's rescue select.
+"""Exact local top-n of one bf16 row (docs/DESIGN.md §4 on one rank), split over the C CTAs of a
+thread-block cluster: the producer's select (select_push) and the merge's rescue select (C = 1).
 
-The row's valid prefix ``[0, end)`` is cut into C slices of S tokens (S = ceil(end / C)
-rounded up to 8), one per CTA of the cluster (C = 1: one CTA does the whole row, as the
-merge's rescue does).  A token's score is its ``ord16`` (docs/DESIGN.md §5: order-preserving,
-0 for NaN and past the end).  Per CTA, in :func:`select_row`:
+Each CTA takes one slice of the row's valid prefix (ceil(end / C) rounded up to 8 tokens); a
+token's score is its ``ord16`` (docs/DESIGN.md §5, 0 for NaN and past the end).  In
+:func:`select_row`: pass 1 histograms the high B1 bits (keeping the slice on chip where it fits);
+after a cluster barrier the C histograms (DSMEM) give the boundary bin; pass 2 masks the tokens
+at or above it and histograms the boundary bin's low bits; after a second cluster barrier those
+give the boundary score v, the ties kept and what precedes this slice; the compaction walks the
+mask twice (counts, a pair block scan, every kept word at its final position).  The rescue list
+(``n2``) is a second count from the same passes.  docs/kernels.md, "The select", says why.
 
-1. **pass 1** (:func:`pass1`) reads the slice once (a kept, aligned slice by ``cp.async.bulk``
-   copies into shared memory, else 16-byte loads), keeps its ord16 in shared memory when it
-   fits the launch's cache, and histograms the high ``B1`` bits of every token;
-2. **the boundary bin** (:func:`boundary_bin`): one cluster barrier, every CTA sums the C
-   histograms through distributed shared memory (DSMEM) and one block scan finds the bin
-   ``b1`` of the n-th score, the scores above it and this CTA's own above it;
-3. **pass 2** (:func:`pass2`, :func:`hist2_walk`) marks a bit per token of bin >= b1 (every
-   valid token where the row has at most n) and histograms the low ``16 - B1`` bits of the
-   bin-b1 tokens;
-4. **the boundary score** (:func:`boundary_step`): one cluster barrier, the C second
-   histograms give the boundary score ``v``, how many ``== v`` are kept (``need_eq``, ties to
-   the lower index) and how many ``> v`` / ``== v`` precede this slice;
-5. **the compaction** (:func:`count_kept`, :func:`emit_kept`) walks the mask's set bits in
-   index order twice (each thread a contiguous run of 16-token units; a crowded slice walks
-   an even share of a list of its candidates instead): counts, one pair block scan, then every
-   kept token's packed word straight to its final position.  The slice's kept tokens are one
-   range of positions: select_push keeps each CTA's range in its own row buffer and pushes it
-   (``own_part``, after a relaxed arrival at the cluster barrier); otherwise the CTAs write
-   into CTA 0's row buffer and a closing cluster barrier completes it.
-
-With the rescue list (``n2``) the same passes also select the row's top-n2 (a second boundary
-from the same histograms, a second compaction count) and write it to global memory.
-
-Every value a branch around a barrier depends on comes from shared memory after a barrier, so
-those branches are uniform over the CTA (and over the cluster where it matters: every CTA runs
-the same cluster barriers); the walks over set bits diverge per thread and reconverge before the
-next barrier.  Exactness does not depend on C: the boundary, the counts and every position come
-from exact integer counts over the whole row.
+Every branch around a barrier depends on values read from shared memory after a barrier, so it
+is uniform over the CTA (and the cluster).  Exactness does not depend on C: the boundary, the
+counts and every position come from exact integer counts over the whole row.
 """
 
 from __future__ import annotations
@@ -54,25 +33,18 @@ B1 = 11  # high bits of ord16 in the first histogram
 NB1 = 1 << B1  # 2048 bins
 NB2 = 1 << (16 - B1)  # 32 bins of the second pass
 BPT = NB1 // TB  # first-pass bins per thread in the boundary search (contiguous)
-# 16-byte loads (vectors of 8 tokens) per thread per round of passes 1 and 2: 2 rather than 4
-# (H200, N = 512: R = 1 L = 8K 10.88 -> 10.17 us, R = 256 L = 128K 79.76 -> 77.62, 59 -> 48
-# registers) or 1 (as fast, but +1.3 us on an uncached 128K slice at C = 1)
+# 16-byte loads per thread per round of passes 1 and 2 (H200, N = 512, R = 1, L = 8K: 10.17 us
+# against 10.88 with 4, 48 registers against 59)
 U1 = 2
-# Clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
-# boundary (publish_bounds; every CTA reading all C histograms whole was 64 KB of DSMEM loads per
-# CTA at C = 8, ~2 us); smaller clusters sum every bin (H200, N = 512, R = 16, L = 128K, C = 6:
-# 15.02 us bounded against 15.68 with every bin).  At least 2: one CTA reads its own histogram.
+# clusters of at least BOUNDED_MIN CTAs sum only the first-histogram bins that can hold the
+# boundary (publish_bounds): every histogram whole was 64 KB of DSMEM loads per CTA at C = 8
 BOUNDED_MIN = 5
-# A kept slice whose boundary bin is crowded (more than max(BIG_B1, BIG_RATIO x its own count
-# above that bin: a recency bias puts thousands there, all but ~n below the boundary score, in a
-# few threads' units) walks an even share of a list of its candidates (make_list).  Random scores
-# stay off this path (where their bin holds more than 512, at most 3.5x the count above it), on
-# which it costs ~3 us per CTA.
+# a kept slice whose boundary bin holds more than max(BIG_B1, BIG_RATIO x its own count above it)
+# walks an even share of a list of its candidates (make_list): a recency bias crowds the bin into
+# a few threads' units; random scores stay below it (at most 3.5x)
 BIG_B1 = 512
 BIG_RATIO = 8
-# The most tokens per CTA kept on chip (ord16 pairs, the last part of SelectSmem: a launch's
-# dynamic shared memory holds its cache_tokens of them).
-CACHE_MAX = layout.PRODUCER_CACHE_MAX
+CACHE_MAX = layout.PRODUCER_CACHE_MAX  # the most tokens per CTA kept on chip (SelectSmem.cache)
 CLUSTER_MAX = layout.PRODUCER_CLUSTER_MAX  # CTAs per cluster summed over (the portable limit)
 MASK_WORDS = layout.MAX_LOCAL_LEN // 32  # pass 2's mask: a bit per token of the longest slice
 NCHUNK = -(-CACHE_MAX // (TB * 8))  # bulk copies of TB vectors (8 KB) per slice at most
@@ -120,27 +92,24 @@ class ListShare(NamedTuple):
 
 
 def slice_len(end, csize):
-    """Tokens per CTA of a row of ``end`` tokens over a cluster of csize: ceil(end / csize)
-    rounded up to 8 (end >= 0 and csize >= 1: the unsigned quotient is the signed one)."""
+    """ceil(end / csize) rounded up to 8: a CTA's tokens (the unsigned quotient: end >= 0)."""
     return Int32((Uint32(end + csize - Int32(1)) // Uint32(csize) + Uint32(7)) & Uint32(0xFFFFFFF8))
 
 
 def klist_n2(n: int, topk: int, rescue_list: bool) -> int:
-    """The second count select_push makes and the merge's rescue takes (the rescue list): K
-    where a rescue can happen (K > n), else 0."""
+    """The rescue list's count: K where a rescue can happen (K > n), else 0."""
     return topk if rescue_list and topk > n else 0
 
 
 def klist_staged(n2: int) -> bool:
-    """Whether the rescue list's K-list words of a CTA are staged in hist1 (free after the second
-    cluster barrier: no CTA reads another's first histogram after it), then stored whole
-    (coalesced): where they fit."""
+    """Whether a CTA's K-list words are staged in hist1 (free after the second cluster barrier),
+    then stored whole (coalesced): where they fit."""
     return 0 < n2 <= NB1
 
 
 def smem_words(rw: int, cached: bool, dual: bool = False) -> int:
-    """Shared 32-bit words of :class:`SelectSmem` (allocation order, 16-byte aligned parts;
-    the cache last, so a launch with a smaller cache needs that much less)."""
+    """Shared 32-bit words of :class:`SelectSmem` (16-byte aligned parts; the cache last, so a
+    launch with a smaller cache needs that much less)."""
     h2 = NB2 * (2 if dual else 1)  # second histograms: one per count (n, and the rescue list's n2)
     parts = [NB1, h2, h2, 16, 32, 2 * NWARPS, rw, MASK_WORDS, 2 * NCHUNK if cached else 4,
              CACHE_MAX // 2 if cached else 4]
@@ -169,8 +138,7 @@ class SelectSmem:
         self.row = arr(rw)  # the packed row (CTA 0's; own_part: each CTA's range of it)
         self.mask = arr(MASK_WORDS)  # a bit per slice token (pass 2); a crowded slice's list after it
         self.mbar = arr(2 * NCHUNK if cached else 4)  # the bulk copies' mbarriers (8 bytes each)
-        # ord16 pairs of the slice, last: a launch's shared memory holds cache_tokens of them
-        self.cache = arr(CACHE_MAX // 2 if cached else 4)
+        self.cache = arr(CACHE_MAX // 2 if cached else 4)  # the slice's ord16 pairs, last
 
     def parts(self):
         """The arrays as a tuple (the DSL carries tuples of tensors through traced code)."""
@@ -178,14 +146,10 @@ class SelectSmem:
                 self.warp_totals, self.row, self.mask, self.mbar)  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------------
-# Loads and ord16
-# --------------------------------------------------------------------------------------------------
-
-
+# ---- loads and ord16
 @cute.jit
 def clamp_end(end: Int32, cols: Int32) -> Int32:
-    """A row's end clamped to [0, min(cols, 2**17)] (docs/DESIGN.md §3: row_ends clamp to [0, L])."""
+    """A row's end clamped to [0, min(cols, 2**17)] (docs/DESIGN.md §3)."""
     lim = cols
     if lim > Int32(layout.MAX_LOCAL_LEN):
         lim = Int32(layout.MAX_LOCAL_LEN)
@@ -198,9 +162,8 @@ def clamp_end(end: Int32, cols: Int32) -> Int32:
 
 @cute.jit
 def ord16_pair(w: Int32) -> Int32:
-    """Two bf16 (low half first) -> their ord16 (docs/DESIGN.md §5), packed the same way,
-    without branches: x ^ 0x8000 for a clear sign, ~x for a set one, then -0
-    (which lands on 0x7FFF) -> 0x8000 and NaN (outside [0x007F, 0xFF80]) -> 0."""
+    """Two bf16 (low half first) -> their ord16, packed the same way, without branches: x ^ 0x8000
+    for a clear sign, ~x for a set one, then -0 (at 0x7FFF) -> 0x8000 and NaN -> 0."""
     u = Uint32(w)
     neg = (u >> Uint32(15)) & Uint32(0x00010001)
     o = u ^ (neg * Uint32(0x7FFF)) ^ Uint32(0x80008000)
@@ -219,9 +182,8 @@ def ord16_pair(w: Int32) -> Int32:
 
 @cute.jit
 def ord16_special(w: Int32) -> Uint32:
-    """Nonzero when a half of the pair is NaN or +-0 (bit 15 / 31 set), with packed
-    arithmetic (no carry crosses the halves: |h| <= 0x7FFF): |h| + 0x7F >= 0x8000 iff
-    NaN; (|h| | 0x8000) - 1 < 0x8000 iff |h| == 0."""
+    """Nonzero where a half of the pair is NaN or +-0, by packed arithmetic (no carry crosses the
+    halves): |h| + 0x7F >= 0x8000 iff NaN; (|h| | 0x8000) - 1 < 0x8000 iff |h| == 0."""
     a = Uint32(w) & Uint32(0x7FFF7FFF)
     nan = a + Uint32(0x007F007F)
     zero = ~((a | Uint32(0x80008000)) - Uint32(0x00010001))
@@ -230,7 +192,7 @@ def ord16_special(w: Int32) -> Uint32:
 
 @cute.jit
 def ord16_fast(w: Int32) -> Int32:
-    """ord16_pair for a pair without NaN or +-0: x ^ 0x8000 for a clear sign, ~x for a set one."""
+    """ord16_pair of a pair without NaN or +-0."""
     u = Uint32(w)
     neg = (u >> Uint32(15)) & Uint32(0x00010001)
     return Int32(u ^ (neg * Uint32(0x7FFF)) ^ Uint32(0x80008000))
@@ -238,8 +200,8 @@ def ord16_fast(w: Int32) -> Int32:
 
 @cute.jit
 def ord16_quad(a: Int32, b: Int32, c: Int32, d: Int32, xs: cute.Tensor, off: cutlass.Constexpr):
-    """xs[off : off+4] = ord16_pair of the four pairs (8 bf16): the short form unless one of
-    them is NaN or +-0 (rare in scores; the full form then, for all four)."""
+    """xs[off : off+4] = ord16_pair of the four pairs: the short form unless one of them holds
+    NaN or +-0 (rare in scores)."""
     if (ord16_special(a) | ord16_special(b) | ord16_special(c) | ord16_special(d)) == Uint32(0):
         for q, w in enumerate((a, b, c, d)):
             xs[off + q] = ord16_fast(w)
@@ -250,7 +212,7 @@ def ord16_quad(a: Int32, b: Int32, c: Int32, d: Int32, xs: cute.Tensor, off: cut
 
 @cute.jit
 def load_vector(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: Int32, xs: cute.Tensor,
-             off: cutlass.Constexpr):
+                off: cutlass.Constexpr):
     """ord16 pairs of slice tokens 8*vi .. 8*vi+7 into xs[off : off+4] (0 past s_len)."""
     l0 = vi * Int32(8)
     if aligned != Int32(0) and l0 + Int32(8) <= s_len:
@@ -266,11 +228,10 @@ def load_vector(row_addr: Int64, s0: Int32, vi: Int32, s_len: Int32, aligned: In
 
 
 @cute.jit
-def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32,
-             cache_a: Int32, xs: cute.Tensor, from_cache: Int32, nv: cutlass.Constexpr,
-             stride: cutlass.Constexpr):
-    """xs[4u : 4u+4] = ord16 pairs of vector v0 + u*stride (u < nv); 0 past nvec.
-    From the shared copy when ``from_cache`` (uniform), else from global memory."""
+def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int32, aligned: Int32, cache_a: Int32,
+                 xs: cute.Tensor, from_cache: Int32, nv: cutlass.Constexpr, stride: cutlass.Constexpr):
+    """xs[4u : 4u+4] = ord16 pairs of vector v0 + u*stride (u < nv, 0 past nvec), from the cache
+    where ``from_cache`` (uniform), else from global memory."""
     for u in cutlass.range_constexpr(nv):
         vi = v0 + Int32(u * stride)
         for k in cutlass.range_constexpr(4):
@@ -283,11 +244,7 @@ def load_vectors(row_addr: Int64, s0: Int32, v0: Int32, nvec: Int32, s_len: Int3
                 load_vector(row_addr, s0, vi, s_len, aligned, xs, 4 * u)
 
 
-# --------------------------------------------------------------------------------------------------
-# Scans and barriers
-# --------------------------------------------------------------------------------------------------
-
-
+# ---- scans and barriers
 @cute.jit
 def block_scan2(a: Int32, b: Int32, lane, warp, warp_totals: cute.Tensor):
     """Inclusive sums over the CTA in thread order of a pair -> (ia, ib, ta, tb)."""
@@ -303,10 +260,7 @@ def block_scan2(a: Int32, b: Int32, lane, warp, warp_totals: cute.Tensor):
         warp_totals[warp] = x
         warp_totals[NWARPS + warp] = y
     cute.arch.sync_threads()
-    ba = Int32(0)
-    bb = Int32(0)
-    ta = Int32(0)
-    tb = Int32(0)
+    ba, bb, ta, tb = Int32(0), Int32(0), Int32(0), Int32(0)
     for w in cutlass.range_constexpr(NWARPS):
         u = warp_totals[w]
         v = warp_totals[NWARPS + w]
@@ -321,16 +275,14 @@ def block_scan2(a: Int32, b: Int32, lane, warp, warp_totals: cute.Tensor):
 
 @cute.jit
 def one_cta(csize: Int32) -> Int32:
-    """1 where the cluster is one CTA (uniform): it takes block barriers for cluster barriers
-    and reads its own shared memory for the DSMEM loads."""
+    """1 where the cluster is one CTA: it takes block barriers and reads its own shared memory."""
     return Int32(csize == Int32(1))
 
 
 @cute.jit
 def cluster_barrier(clustered: cutlass.Constexpr, csize: Int32):
-    """Cluster barriers 1 and 2: every DSMEM datum read after them was written by its owner CTA,
-    so each CTA releases only its own shared memory (MEMBAR.ALL.CTA, where a full release is
-    MEMBAR.ALL.GPU); a one-CTA cluster or an unclustered CTA takes a block barrier."""
+    """Cluster barriers 1 and 2: every DSMEM datum read after them was written by its owner CTA, so
+    each CTA releases only its own shared memory (P.cluster_sync_local); one CTA: a block barrier."""
     if one_cta(csize) != Int32(0):
         cute.arch.sync_threads()
     else:
@@ -342,9 +294,8 @@ def cluster_barrier(clustered: cutlass.Constexpr, csize: Int32):
 
 @cute.jit
 def closing_barrier(clustered: cutlass.Constexpr, csize: Int32):
-    """The closing barrier where the CTAs wrote into CTA 0's row (DSMEM stores): a full release,
-    unless the cluster is one CTA (every store went to its own shared memory; a bar.sync is not
-    shown to order DSMEM stores, so it keeps the cluster barrier)."""
+    """After the CTAs wrote into CTA 0's row (DSMEM stores): a full release; a one-CTA cluster
+    keeps a cluster barrier (a bar.sync is not shown to order DSMEM stores)."""
     if cutlass.const_expr(clustered):
         if csize == Int32(1):
             P.cluster_sync_local()
@@ -356,9 +307,8 @@ def closing_barrier(clustered: cutlass.Constexpr, csize: Int32):
 
 @cute.jit
 def sum_cluster_bins(h1_a: Int32, bin_lo: Int32, csize: Int32, cluster_bins: cute.Tensor):
-    """cluster_bins[0..4) += bins bin_lo .. bin_lo + 3 of the first histogram (shared address
-    h1_a) of every CTA r < csize of the cluster (one 16-byte DSMEM load each, all in flight at
-    once: a remote load costs a round trip)."""
+    """cluster_bins[0..4) += first-histogram bins bin_lo .. bin_lo + 3 of every CTA of the cluster
+    (one 16-byte DSMEM load each, all in flight at once: a remote load costs a round trip)."""
     for r in cutlass.range_constexpr(CLUSTER_MAX):
         if Int32(r) < csize:
             a, b, c, d = P.ld_dsmem_v4(P.mapa(h1_a + bin_lo * Int32(4), Int32(r)))
@@ -368,17 +318,11 @@ def sum_cluster_bins(h1_a: Int32, bin_lo: Int32, csize: Int32, cluster_bins: cut
             cluster_bins[3] = cluster_bins[3] + d
 
 
-# --------------------------------------------------------------------------------------------------
-# Pass 1 and the boundary bin (first cluster barrier)
-# --------------------------------------------------------------------------------------------------
-
-
+# ---- pass 1 and the boundary bin (first cluster barrier)
 @cute.jit
-def start_bulk_copies(row_addr: Int64, s0: Int32, nfull: Int32, copies: Int32, cache_a: Int32,
-                      mbar_a: Int32, tid):
-    """Pass 1's loads of a kept, 16-byte aligned slice: its ``nfull`` full vectors in flight at
-    once, as ``copies`` cp.async.bulk copies of TB vectors into the cache, one lane of warp 0
-    each (each completes on its own mbarrier, waited for in pass 1)."""
+def start_bulk_copies(row_addr: Int64, s0: Int32, nfull: Int32, copies: Int32, cache_a: Int32, mbar_a: Int32, tid):
+    """A kept, 16-byte aligned slice's ``nfull`` full vectors in flight at once: ``copies``
+    cp.async.bulk copies of TB vectors into the cache, each by one lane of warp 0 on its mbarrier."""
     if tid < copies:
         nb = cutlass.min(Int32(TB), nfull - tid * Int32(TB)) * Int32(16)
         P.bulk_start(mbar_a + tid * Int32(8), cache_a + tid * Int32(TB * 16),
@@ -388,8 +332,8 @@ def start_bulk_copies(row_addr: Int64, s0: Int32, nfull: Int32, copies: Int32, c
 @cute.jit
 def zero_counters(hist1: cute.Tensor, hist2: cute.Tensor, gsum2: cute.Tensor, scalars: cute.Tensor,
                   row: cute.Tensor, rw: cutlass.Constexpr, dual: cutlass.Constexpr, tid):
-    """Zero the histograms, the scalars and the row buffer (other CTAs write into the row only
-    after the first cluster barrier, which orders this); ends with a block barrier."""
+    """Zero the histograms, the scalars and the row buffer (other CTAs write into the row only after
+    the first cluster barrier); ends with a block barrier."""
     for i in cutlass.range(tid, rw, TB, unroll=1):
         row[i] = Int32(0)
     for i in cutlass.range_constexpr(BPT):
@@ -427,8 +371,8 @@ def load_landed_vectors(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, n
 def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, aligned: Int32,
           keep: Int32, bulk: Int32, copies: Int32, cache_a: Int32, mbar_a: Int32, h1_a: Int32,
           xs: cute.Tensor, tid, cached: cutlass.Constexpr, vpr: cutlass.Constexpr):
-    """Pass 1: the slice read once (from the bulk copies' landing place, else by 16-byte loads),
-    its ord16 kept in the cache (a kept slice), and the first histogram of every token."""
+    """The slice read once (from the bulk copies, else by 16-byte loads), its ord16 kept in the
+    cache (a kept slice), and the first histogram of every token."""
     for base in cutlass.range(0, nvec, TB * vpr, unroll=1):
         if cutlass.const_expr(cached):
             if bulk != Int32(0):
@@ -442,18 +386,15 @@ def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, a
             vi = base + tid + Int32(u * TB)
             if cutlass.const_expr(cached):
                 if vi < nvec and keep != Int32(0):
-                    P.st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2],
-                                 xs[4 * u + 3])  # fmt: skip
+                    P.st_smem_v4(cache_a + vi * Int32(16), xs[4 * u], xs[4 * u + 1], xs[4 * u + 2], xs[4 * u + 3])
             for k in cutlass.range_constexpr(8):
                 # every token, unconditionally (a predicated red compiles to a branch and a
-                # convergence barrier per token): NaN / past the end (o = 0) count in bin 0,
-                # which no valid score reaches and the boundary search drops
+                # convergence barrier per token): NaN / past the end (o = 0) count in bin 0
                 o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                 P.red_smem_add(h1_a + Int32(o >> Uint32(16 - B1)) * Int32(4), Int32(1))
     if cutlass.const_expr(cached):
         if bulk != Int32(0):
-            # every issued copy is waited for (any the rounds above did not take): none may still
-            # be landing in the cache after this
+            # every issued copy waited for (those the rounds did not take): none may still land
             done = (nvec + Int32(TB * vpr - 1)) // Int32(TB * vpr) * Int32(vpr)
             for c in cutlass.range(done, copies, unroll=1):
                 P.mbar_wait0(mbar_a + c * Int32(8))
@@ -462,10 +403,9 @@ def pass1(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nfull: Int32, a
 @cute.jit
 def publish_bounds(hist1: cute.Tensor, published: cute.Tensor, warp_totals: cute.Tensor,
                    own_bins: cute.Tensor, bin_lo: Int32, count: cutlass.Constexpr, tid, lane, warp):
-    """Before the first cluster barrier of a cluster of at least BOUNDED_MIN CTAs: this CTA's
-    [valid count, own count-th bin (0: fewer), own top non-empty bin (0: none)] in published[4..6].
-    The cluster's count-th score lies in a bin >= the largest of the CTAs' own count-th bins, and
-    no bin above the largest of their top bins holds one: only the bins between are summed."""
+    """Before the first cluster barrier: this CTA's [valid count, own count-th bin (0: fewer), own
+    top non-empty bin (0: none)] in published[4..6].  The cluster's count-th score lies between
+    the largest of the CTAs' count-th bins and the largest of their top bins."""
     cute.arch.sync_threads()  # hist1 complete
     for p in cutlass.range_constexpr(BPT):
         own_bins[p] = hist1[bin_lo + Int32(p)]
@@ -507,9 +447,9 @@ def publish_bounds(hist1: cute.Tensor, published: cute.Tensor, warp_totals: cute
 def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_bins: cute.Tensor,
                       cluster_bins: cute.Tensor, bin_lo: Int32, csize: Int32, tid, lane,
                       clustered: cutlass.Constexpr) -> Int32:
-    """After the first cluster barrier: own_bins = this thread's 4 bins of its CTA's first histogram,
-    cluster_bins = the same bins summed over the cluster (bin 0 dropped from both) -> the cluster's valid
-    count where only the bounded bins were summed, else -1 (the scan's total is it)."""
+    """After the first cluster barrier: own_bins / cluster_bins = this thread's 4 bins of its CTA's
+    / the cluster's first histogram (bin 0 dropped) -> the cluster's valid count where only the
+    bounded bins were summed, else -1 (the scan's total is it)."""
     for p in cutlass.range_constexpr(BPT):
         own_bins[p] = hist1[bin_lo + Int32(p)]
         cluster_bins[p] = Int32(0)
@@ -519,10 +459,7 @@ def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_b
     if cutlass.const_expr(clustered):
         if csize >= Int32(BOUNDED_MIN):
             # every warp: lane r < C reads CTA r's published triple (one 16-byte load)
-            pt = Int32(0)
-            pl = Int32(0)
-            ph = Int32(0)
-            pz = Int32(0)
+            pt, pl, ph, pz = Int32(0), Int32(0), Int32(0), Int32(0)
             if lane < csize:
                 pt, pl, ph, pz = P.ld_dsmem_v4(P.mapa(published_a + Int32(16), lane))
             cl_total = cute.arch.warp_redux_sync(pt, "add")
@@ -544,12 +481,11 @@ def cluster_histogram(hist1: cute.Tensor, h1_a: Int32, published_a: Int32, own_b
 
 
 @cute.jit
-def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32,
-                        cluster_bins: cute.Tensor, own_bins: cute.Tensor, bin_lo: Int32,
-                        scalars: cute.Tensor, so: cutlass.Constexpr):
-    """The thread whose bins hold the cluster's count-th score (from the top; ig / il: the
-    inclusive scans of the cluster's / own bin sums sg / sl) writes its bin, the cluster's
-    scores above it and its CTA's own above it into scalars[so + _B1, _ABOVE1, _OWN_ABOVE1]."""
+def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int32, sl: Int32, cluster_bins: cute.Tensor,
+                        own_bins: cute.Tensor, bin_lo: Int32, scalars: cute.Tensor, so: cutlass.Constexpr):
+    """The thread whose bins hold the cluster's count-th score (ig / il: the inclusive scans of the
+    cluster's / own bin sums sg / sl) writes its bin, the cluster's and its CTA's scores above it
+    into scalars[so + _B1, _ABOVE1, _OWN_ABOVE1]."""
     above = ig - sg
     own_above = il - sl
     if above < Int32(count) and ig >= Int32(count):
@@ -567,12 +503,10 @@ def locate_boundary_bin(count: cutlass.Constexpr, ig: Int32, il: Int32, sg: Int3
 def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, published_a: Int32,
                  scalars: cute.Tensor, warp_totals: cute.Tensor, csize: Int32, tid, lane, warp,
                  n: cutlass.Constexpr, n2: cutlass.Constexpr, clustered: cutlass.Constexpr):
-    """Before the first cluster barrier (bounded clusters: publish_bounds) and after it: the
-    cluster's first histogram, one block scan from the top bin, the boundary bin of the top-n
-    (and of the top-n2) in scalars, the row's valid count in scalars[_TOTAL], this CTA's in published[1].
-    Ends with a block barrier."""
-    # thread tid owns bins bin_lo+3 .. bin_lo of the first histogram, bin_lo = NB1 - 4 (tid + 1): the
-    # scans below rank the bins from the top
+    """Around the first cluster barrier: the boundary bin of the top-n (and top-n2) in scalars by
+    one block scan from the top bin, the row's valid count in scalars[_TOTAL], this CTA's in
+    published[1].  Ends with a block barrier."""
+    # thread tid owns bins bin_lo + 3 .. bin_lo, bin_lo = NB1 - 4 (tid + 1): the scans rank from the top
     bin_lo = Int32(NB1 - BPT) - tid * Int32(BPT)
     own_bins = cute.make_rmem_tensor((BPT,), Int32)
     cluster_bins = cute.make_rmem_tensor((BPT,), Int32)
@@ -580,8 +514,7 @@ def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, publis
         if csize >= Int32(BOUNDED_MIN):
             publish_bounds(hist1, published, warp_totals, own_bins, bin_lo, max(n, n2), tid, lane, warp)
     cluster_barrier(clustered, csize)
-    cl_total = cluster_histogram(hist1, h1_a, published_a, own_bins, cluster_bins, bin_lo, csize, tid, lane,
-                                 clustered)  # fmt: skip
+    cl_total = cluster_histogram(hist1, h1_a, published_a, own_bins, cluster_bins, bin_lo, csize, tid, lane, clustered)
     sg = cluster_bins[0] + cluster_bins[1] + cluster_bins[2] + cluster_bins[3]
     sl = own_bins[0] + own_bins[1] + own_bins[2] + own_bins[3]
     ig, il, tg, tl = block_scan2(sg, sl, lane, warp, warp_totals)
@@ -596,19 +529,14 @@ def boundary_bin(hist1: cute.Tensor, h1_a: Int32, published: cute.Tensor, publis
     cute.arch.sync_threads()
 
 
-# --------------------------------------------------------------------------------------------------
-# Pass 2: the mask and the second histograms
-# --------------------------------------------------------------------------------------------------
-
-
+# ---- pass 2: the mask and the second histograms
 @cute.jit
 def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, aligned: Int32,
           keep: Int32, big: Int32, mthr: Uint32, b1c: Int32, b1kc: Int32, cache_a: Int32, h2_a: Int32,
           mask_a: Int32, xs: cute.Tensor, tid, dual: cutlass.Constexpr, vpr: cutlass.Constexpr):
-    """Pass 2: a mask bit per token of ord16 >= mthr (what the compaction looks at: about n + the
-    boundary bin's count over the row), and in a slice re-read from global memory or a crowded
-    one (``big``) the second histogram of bin b1c's (and b1kc's) tokens, from the
-    tokens in registers; a kept slice counts it from the mask's set bits (hist2_walk)."""
+    """A mask bit per token of ord16 >= mthr (about n + the boundary bin's count over the row); a
+    slice re-read from global memory or a crowded one (``big``) also counts the second histogram
+    of bin b1c's (and b1kc's) tokens here, a kept one from the mask's set bits (hist2_walk)."""
     for base in cutlass.range(0, nvec4, TB * vpr, unroll=1):
         load_vectors(row_addr, s0, base + tid, nvec, s_len, aligned, cache_a, xs, keep, vpr, TB)
         for u in cutlass.range_constexpr(vpr):
@@ -621,8 +549,7 @@ def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, a
                 for k in cutlass.range_constexpr(8):
                     o = (Uint32(xs[4 * u + k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                     # a valid score's bin is >= 3 (ord16 >= 0x7F): bin == b1 excludes NaN
-                    P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4),
-                                      Int32(o >> Uint32(16 - B1)), b1c)  # fmt: skip
+                    P.red_smem_inc_if(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(o >> Uint32(16 - B1)), b1c)
                     if cutlass.const_expr(dual):
                         P.red_smem_inc_if(h2_a + Int32(NB2 * 4) + Int32(o & Uint32(NB2 - 1)) * Int32(4),
                                           Int32(o >> Uint32(16 - B1)), b1kc)  # fmt: skip
@@ -633,8 +560,8 @@ def pass2(row_addr: Int64, s0: Int32, s_len: Int32, nvec: Int32, nvec4: Int32, a
 
 @cute.jit
 def pass2_thresholds(total: Int32, b1: Int32, b1k: Int32, n: cutlass.Constexpr, n2: cutlass.Constexpr):
-    """(pass 2's mask threshold: the lower boundary bin's first ord16, 1 where the row has at most
-    that count; the bin whose second histogram is counted, -1: none; the rescue list's)."""
+    """(the mask's threshold: the lower boundary bin's first ord16, 1 where the row has at most that
+    count; the bin whose second histogram is counted, -1: none; the rescue list's)."""
     mthr = Uint32(1)  # ord16 >= 1: valid
     b1c = Int32(-1)
     if total > Int32(n):
@@ -651,8 +578,8 @@ def pass2_thresholds(total: Int32, b1: Int32, b1k: Int32, n: cutlass.Constexpr, 
 
 @cute.jit
 def mask_unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
-    """Mask units ua, ua + 1 (16 tokens each) below u1 as one word (zero past u1): the walks take
-    a thread's units two at a time (two predicated loads, no branch per unit)."""
+    """Mask units ua, ua + 1 (16 tokens each; zero at or past u1) as one word, by two predicated
+    loads: the walks take a thread's units two at a time."""
     lo = P.ld_smem_u16_if(mask_a + ua * Int32(2), Int32(ua < u1))
     hi = P.ld_smem_u16_if(mask_a + ua * Int32(2) + Int32(2), Int32(ua + Int32(1) < u1))
     return lo | (hi << Uint32(16))
@@ -661,9 +588,8 @@ def mask_unit_pair(mask_a: Int32, ua: Int32, u1: Int32) -> Uint32:
 @cute.jit
 def next_two_set_bits(m: Uint32, base: Int32, sl: Slice):
     """One step of a walk over the set bits m (some set) of the word whose bit 0 is slice token
-    ``base``: the lowest two set bits' tokens and ord16 (the second's 0 where there is none: 0 is
-    no valid score, so every walk's rule skips it), both loads issued before either is used (a
-    chain of dependent loads per bit was the walks' cost) -> (lta, oa, ltb, ob, m without them)."""
+    ``base``: the lowest two set bits' tokens and ord16 (the second's 0 where there is none, which
+    every walk skips), both loads issued before either is used -> (lta, oa, ltb, ob, m without them)."""
     lta = base + P.low_bit(Int32(m))
     m = m & (m - Uint32(1))
     ltb = lta
@@ -672,8 +598,7 @@ def next_two_set_bits(m: Uint32, base: Int32, sl: Slice):
         more = Int32(1)
         ltb = base + P.low_bit(Int32(m))
     m = m & (m - Uint32(1))  # (m = 0 stays 0)
-    oa = Uint32(0)
-    ob = Uint32(0)
+    oa, ob = Uint32(0), Uint32(0)
     if sl.keep != Int32(0):
         oa = P.ld_smem_u16(sl.cache_a + lta * Int32(2))
         ob = P.ld_smem_u16(sl.cache_a + ltb * Int32(2))
@@ -687,16 +612,16 @@ def next_two_set_bits(m: Uint32, base: Int32, sl: Slice):
 
 @cute.jit
 def hist2_add(h2_a: Int32, o: Uint32, b: Int32):
-    """The second histogram's count of ord16 o where its bin is b: an unconditional red of
-    (bin == b), no branch (o = 0, no token, is in bin 0, never b)."""
+    """The second histogram's count of ord16 o where its bin is b, by an unconditional red of
+    (bin == b) (o = 0, no token, is in bin 0, never b)."""
     P.red_smem_add(h2_a + Int32(o & Uint32(NB2 - 1)) * Int32(4), Int32(Int32(o >> Uint32(16 - B1)) == b))
 
 
 @cute.jit
 def low_counter_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32):
-    """One token of the hist2 walk (o = 0: none): above + (bin > b1); a bin-b1 token adds 1 to
-    its low value's 2-bit counter in lowc (32 of them in 64 bits), or sets ovf where that counter
-    is 3.  Once v is known they give the compaction's counts without its first walk."""
+    """One token of the hist2 walk (o = 0: none): above + (bin > b1); a bin-b1 token adds 1 to its
+    low value's 2-bit counter in lowc, or sets ovf where that is 3.  Once v is known they give the
+    compaction's counts without its first walk."""
     bn = Int32(o >> Uint32(16 - B1))
     if bn > b1:
         above = above + Int32(1)
@@ -711,13 +636,10 @@ def low_counter_add(o: Uint32, b1: Int32, above: Int32, lowc: Uint64, ovf: Int32
 
 @cute.jit
 def hist2_walk(sl: Slice, units: Units, b1: Int32, b1kc: Int32, h2_a: Int32, dual: cutlass.Constexpr):
-    """A kept slice's second histogram from its mask's set bits only (a few % of the tokens),
-    over the thread's units; one count (no rescue list) also keeps per thread its
-    count above bin b1 and a 2-bit counter per low value of its bin-b1 tokens (low_counter_add) ->
-    (1 where those give the compaction's counts: no counter passed 3, above, counters)."""
-    above = Int32(0)
-    lowc = Uint64(0)
-    ovf = Int32(0)
+    """A kept slice's second histogram(s) from its mask's set bits over the thread's units; one count
+    (no rescue list) also keeps low_counter_add's counters -> (1 where no counter passed 3, above,
+    counters)."""
+    above, lowc, ovf = Int32(0), Uint64(0), Int32(0)
     for j in cutlass.range(0, (units.per_thread + Int32(1)) >> Int32(1), unroll=1):
         m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)
         while m != Uint32(0):
@@ -736,17 +658,13 @@ def hist2_walk(sl: Slice, units: Units, b1: Int32, b1kc: Int32, h2_a: Int32, dua
     return ok, above, lowc
 
 
-# --------------------------------------------------------------------------------------------------
-# The boundary score (second cluster barrier)
-# --------------------------------------------------------------------------------------------------
-
-
+# ---- the boundary score (second cluster barrier)
 @cute.jit
 def boundary_score_one_cta(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor, published: cute.Tensor,
                            scalars: cute.Tensor, lane, warp, ho: cutlass.Constexpr, pa: cutlass.Constexpr,
                            so: cutlass.Constexpr):
-    """boundary_step of a one-CTA cluster: warp 0 scans its own second histogram (nothing
-    precedes the slice), one block barrier instead of three -> (v, need_eq)."""
+    """boundary_step of a one-CTA cluster: warp 0 scans its own second histogram, one block barrier
+    instead of three -> (v, need_eq)."""
     if warp == Int32(0):
         c = hist2[Int32(ho + NB2 - 1) - lane]  # (bins from the top)
         inc = C.warp_incl_scan(c, lane)
@@ -768,10 +686,9 @@ def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor,
                            published_a: Int32, scalars_a: Int32, r: Int32, j: Int32, lane, warp,
                            csize: Int32, me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
                            pa: cutlass.Constexpr, so: cutlass.Constexpr):
-    """boundary_step where the row has more than nn valid tokens: warp r < C adds CTA r's second
-    histogram into gsum2, warp 0 finds the boundary score in it, then every warp r adds CTA r's
-    counts > v / == v to this CTA's counts before its slice (r < me) or in it (r == me); lane j
-    of warp r takes bin j."""
+    """boundary_step where the row has more than nn valid tokens: warp r < C (lane j: bin j) adds
+    CTA r's second histogram into gsum2, warp 0 finds the boundary score in it, then warp r adds
+    CTA r's counts > v / == v to this CTA's counts before its slice (r < me) or in it (r == me)."""
     x = Int32(0)
     above = Int32(0)  # CTA r's count above b1 (lane j == 0), loaded with x
     if r < csize:
@@ -782,8 +699,8 @@ def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor,
                     above = published[pa]
             else:
                 x = P.ld_dsmem_u32(P.mapa(h2_a + (Int32(ho) + j) * Int32(4), r))
-                # (only CTAs up to this one count: no remote load whose value is dead, so
-                # every DSMEM load is used before own_part's relaxed arrival)
+                # (only CTAs up to this one count: every DSMEM load is used before own_part's
+                # relaxed arrival)
                 if j == Int32(0) and r <= me:
                     above = P.ld_dsmem_u32(P.mapa(published_a + Int32(4 * pa), r))
         else:
@@ -804,8 +721,7 @@ def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor,
     v = (Uint32(b1) << Uint32(16 - B1)) | Uint32(lowv)
     need_eq = Int32(nn) - scalars[so + _ABOVE1] - scalars[so + _ABOVE2]
     if r < csize:
-        gt = Int32(0)
-        eq = Int32(0)
+        gt, eq = Int32(0), Int32(0)
         if j > lowv:
             gt = x
         if j == lowv:
@@ -826,18 +742,16 @@ def boundary_score_cluster(nn: cutlass.Constexpr, b1: Int32, hist2: cute.Tensor,
 
 
 @cute.jit
-def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Tensor,
-                  gsum2: cute.Tensor, published: cute.Tensor, scalars: cute.Tensor, h2_a: Int32,
-                  g2_a: Int32, published_a: Int32, scalars_a: Int32, tid, lane, warp, csize: Int32,
-                  me: Int32, clustered: cutlass.Constexpr, ho: cutlass.Constexpr,
-                  pa: cutlass.Constexpr, so: cutlass.Constexpr):
-    """After the second cluster barrier: the boundary score v of the top-nn, need_eq (how many
-    == v are kept), and how many > v / == v precede this slice and lie in it (scalars slots + so)
-    -> (v, need_eq).  ``ho``: this count's second histograms in hist2 / gsum2; ``pa``: published's
-    own count above its b1; (so, ho, pa) = (0, 0, 0) for n, (_K, NB2, 2) for the rescue list's
-    n2.  Ends with a block barrier."""
-    v = Uint32(0)
-    need_eq = Int32(0)
+def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Tensor, gsum2: cute.Tensor,
+                  published: cute.Tensor, scalars: cute.Tensor, h2_a: Int32, g2_a: Int32, published_a: Int32,
+                  scalars_a: Int32, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
+                  ho: cutlass.Constexpr, pa: cutlass.Constexpr, so: cutlass.Constexpr):
+    """After the second cluster barrier: the boundary score v of the top-nn, need_eq (how many == v
+    are kept), and how many > v / == v precede this slice and lie in it (scalars slots + so) ->
+    (v, need_eq).  (so, ho, pa): the count's scalars, second histograms (hist2 / gsum2) and
+    published own count above its b1, (0, 0, 0) for n, (_K, NB2, 2) for n2.  Ends with a block
+    barrier."""
+    v, need_eq = Uint32(0), Int32(0)
     r = tid >> Int32(5)
     j = tid & Int32(31)
     fast = Int32(0)  # a one-CTA cluster: warp 0 does the step
@@ -848,11 +762,9 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
         v, need_eq = boundary_score_one_cta(nn, b1, hist2, published, scalars, lane, warp, ho, pa, so)
     elif total > Int32(nn):
         v, need_eq = boundary_score_cluster(nn, b1, hist2, gsum2, published, scalars, h2_a, g2_a, published_a,
-                                            scalars_a, r, j, lane, warp, csize, me, clustered, ho, pa,
-                                            so)  # fmt: skip
+                                            scalars_a, r, j, lane, warp, csize, me, clustered, ho, pa, so)
     else:
-        # every valid token is kept (v = 0: every ord16 of a valid token is > 0); what precedes
-        # the slice is the valid count of the CTAs before it
+        # every valid token is kept (v = 0); what precedes the slice is the earlier CTAs' valid count
         if tid < csize and tid < me:
             y = Int32(0)
             if cutlass.const_expr(clustered):
@@ -865,16 +777,11 @@ def boundary_step(nn: cutlass.Constexpr, total: Int32, b1: Int32, hist2: cute.Te
     return v, need_eq
 
 
-# --------------------------------------------------------------------------------------------------
-# A crowded slice's list
-# --------------------------------------------------------------------------------------------------
-
-
+# ---- a crowded slice's list
 @cute.jit
 def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid):
-    """Clear the mask bit of every token whose ord16 is below v (the boundary score): what
-    stays is what the compaction keeps or ties.  Thread tid takes mask words tid, tid + TB,
-    ... (4 vectors each; a vector's ord16 loaded only when it has a set bit)."""
+    """Clear the mask bit of every token below the boundary score v: what stays is kept or tied.
+    Thread tid takes mask words tid, tid + TB, ... (a vector's ord16 loaded where it has a set bit)."""
     for wi in cutlass.range(tid, nvec4 // Int32(4), TB, unroll=1):
         w = Uint32(mask[wi])
         if w != Uint32(0):
@@ -894,9 +801,8 @@ def refine_mask(mask: cute.Tensor, cache_a: Int32, nvec4: Int32, v: Uint32, tid)
 
 @cute.jit
 def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, pos: Int32):
-    """mask[lw + pos ..] = (ord16 << 16) | token of every set bit of units [u0, u1), in index
-    order: a unit's 16 tokens' ord16 in two 16-byte loads, then one predicated store per bit
-    (no chain of dependent loads however dense the unit)."""
+    """mask[lw + pos ..] = (ord16 << 16) | token of every set bit of units [u0, u1) in index order:
+    a unit's ord16 in two 16-byte loads, then a predicated store per bit (no chain of loads)."""
     for u in cutlass.range(u0, u1, unroll=1):
         m = P.ld_smem_u16(mask_a + u * Int32(2))
         if m != Uint32(0):
@@ -913,23 +819,20 @@ def build_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, p
                 o = (Uint32(xs[k // 2]) >> Uint32(16 * (k % 2))) & Uint32(0xFFFF)
                 bit = Int32((m >> Uint32(k)) & Uint32(1))
                 P.st_smem_u32_if(mask_a + (lw + pos) * Int32(4),
-                               Int32((o << Uint32(16)) | Uint32(u * Int32(16) + Int32(k))), bit)
+                                 Int32((o << Uint32(16)) | Uint32(u * Int32(16) + Int32(k))), bit)  # fmt: skip
                 pos = pos + bit
 
 
 @cute.jit
 def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, lane, warp,
               warp_totals: cute.Tensor, tid):
-    """The mask's set bits as a list at mask[lw ..] (build_list) when they fit, each thread's
-    share of it: -> (1, r0, r1), thread tid walking entries [r0, r1); (0, 0, 0) when the
-    list does not fit (the walks then take the units).  Every thread of the CTA calls it."""
+    """The mask's set bits as a list at mask[lw ..] (build_list) where it fits -> (1, r0, r1):
+    thread tid walks entries [r0, r1); else (0, 0, 0).  Every thread of the CTA calls it."""
     cnt = Int32(0)
     for u in cutlass.range(u0, u1, unroll=1):
         cnt = cnt + Int32(cute.arch.popc(P.ld_smem_u16(mask_a + u * Int32(2))))
     icnt, _, nbits, _ = block_scan2(cnt, Int32(0), lane, warp, warp_totals)
-    ok = Int32(0)
-    r0 = Int32(0)
-    r1 = Int32(0)
+    ok, r0, r1 = Int32(0), Int32(0), Int32(0)
     if nbits <= Int32(MASK_WORDS) - lw:
         ok = Int32(1)
         build_list(mask_a, cache_a, lw, u0, u1, icnt - cnt)
@@ -940,14 +843,10 @@ def make_list(mask_a: Int32, cache_a: Int32, lw: Int32, u0: Int32, u1: Int32, la
     return ok, r0, r1
 
 
-# --------------------------------------------------------------------------------------------------
-# The compaction
-# --------------------------------------------------------------------------------------------------
-
-
+# ---- the compaction
 @cute.jit
 def count_token(o: Uint32, v: Uint32, ngt: Int32, neq: Int32):
-    """The compaction's first walk, one token: (ngt, neq) + (o > v, o == v kept)."""
+    """(ngt, neq) + (o > v, o == v kept): one token of the compaction's first walk."""
     if o > v:
         ngt = ngt + Int32(1)
     if o == v and v != Uint32(0):
@@ -957,20 +856,17 @@ def count_token(o: Uint32, v: Uint32, ngt: Int32, neq: Int32):
 
 @cute.jit
 def counts_from_low_counters(above: Int32, lowc: Uint64, lowv: Int32):
-    """A thread's compaction counts from its hist2 walk's counters (low_counter_add), v = (b1 << 5)
-    | lowv: (> v: above b1, or in b1 with a low value above lowv; == v)."""
+    """A thread's compaction counts (> v, == v) from its hist2 walk's counters, v = (b1 << 5) | lowv."""
     x = lowc >> Uint64(Int32(2) * lowv)
     hi = x >> Uint64(2)  # (two shifts: lowv = 31 shifts by 64 in all)
-    ngt = (above + P.popc64(hi & Uint64(0x5555555555555555))
-           + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA)))  # fmt: skip
+    ngt = above + P.popc64(hi & Uint64(0x5555555555555555)) + Int32(2) * P.popc64(hi & Uint64(0xAAAAAAAAAAAAAAAA))
     return ngt, Int32(x & Uint64(3))
 
 
 @cute.jit
 def kept_pos(o: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32, n: cutlass.Constexpr):
-    """One token of a compaction walk in index order (> v kept, == v kept while fewer than
-    need_eq ties came before, ties to the lower index) -> (its position in the packed row or
-    -1, the advanced gt_b, eq_b)."""
+    """One token of a compaction walk in index order (> v kept; == v kept while fewer than need_eq
+    came before) -> (its position in the packed row or -1, the advanced gt_b, eq_b)."""
     pos = Int32(-1)
     if o > v:
         pos = gt_b + cutlass.min(eq_b, need_eq)
@@ -980,17 +876,15 @@ def kept_pos(o: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32, n: 
             pos = gt_b + eq_b
         eq_b = eq_b + Int32(1)
     if pos >= Int32(n):
-        # never write past the row: counts over logits changed while the kernel reads them
-        # could overshoot
-        pos = Int32(-1)
+        pos = Int32(-1)  # never past the row (logits changed while the kernel reads them)
     return pos, gt_b, eq_b
 
 
 @cute.jit
 def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32,
                n: cutlass.Constexpr, remote: Int32, dst_a: Int32, row: cute.Tensor, row_a: Int32):
-    """The compaction's second walk, one token (ord16 o, row index lu): its packed word at
-    its position in CTA 0's row when it is kept -> the advanced (gt_b, eq_b)."""
+    """The packed word of a kept token (ord16 o, row index lu) at its position in the row buffer
+    at dst_a (another CTA's where ``remote``) -> the advanced (gt_b, eq_b)."""
     pos, gt_b, eq_b = kept_pos(o, v, gt_b, eq_b, need_eq, n)
     if pos >= Int32(0):
         word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
@@ -1002,8 +896,7 @@ def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_
             if hi:
                 P.red_dsmem_or(maddr, mbit)
         else:
-            # own shared memory by plain shared accesses (a cluster of one CTA too): what
-            # closing_barrier's relaxed barrier releases
+            # plain shared accesses (a one-CTA cluster too): what closing_barrier's relaxed barrier releases
             row[pos] = word
             if hi:
                 P.red_smem_or(row_a + (Int32(n) + (pos >> Int32(5))) * Int32(4), mbit)
@@ -1013,11 +906,9 @@ def emit_token(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_
 @cute.jit
 def emit_k(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: Int32,
            n: cutlass.Constexpr, k_out: Int64, lo16: Int32, staged: cutlass.Constexpr, st_a: Int32):
-    """(the rescue list) emit_token's rule for the second count, one token: its packed word to position
-    pos of the K-list row: ``staged``, at shared address st_a + 4 pos (this CTA's positions,
-    copied to ``k_out`` whole after the walk: coalesced stores), else straight to k_out + 4 pos
-    (global; each position written once) -> the advanced (gt_b, eq_b, lo16: kept tokens with
-    l < 2**16)."""
+    """emit_token for the rescue list: the word at position pos of the K-list row, at shared
+    address st_a + 4 pos where ``staged`` (stored whole after the walk), else at k_out + 4 pos
+    -> the advanced (gt_b, eq_b, lo16: kept tokens with l < 2**16)."""
     pos, gt_b, eq_b = kept_pos(o, v, gt_b, eq_b, need_eq, n)
     if pos >= Int32(0):
         word = Int32((o << Uint32(16)) | (Uint32(0xFFFF) - (lu & Uint32(0xFFFF))))
@@ -1032,8 +923,8 @@ def emit_k(o: Uint32, lu: Uint32, v: Uint32, gt_b: Int32, eq_b: Int32, need_eq: 
 
 @cute.jit
 def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> Int32:
-    """Mask word k of a packed row: bit j set for position 32 k + j in [p_hi, p_end); the
-    padding words past the nmw mask words are zero."""
+    """Mask word k of a packed row: bit j set for position 32 k + j in [p_hi, p_end); the padding
+    words past the nmw mask words are zero."""
     a = cutlass.min(cutlass.max(p_hi - Int32(32) * k, Int32(0)), Int32(32))
     b = cutlass.min(cutlass.max(p_end - Int32(32) * k, Int32(0)), Int32(32))
     bits = Int32(0)
@@ -1045,8 +936,7 @@ def mask_bits(p_hi: Int32, p_end: Int32, k: Int32, nmw: cutlass.Constexpr) -> In
 
 @cute.jit
 def own_range(scalars: cute.Tensor, so: cutlass.Constexpr, need_eq: Int32, count: cutlass.Constexpr):
-    """After the boundary step: (> v, == v kept before this slice, the same up to its end, its
-    positions [p0, p1) of the packed row of ``count``)."""
+    """(> v, == v kept before this slice, the same up to its end, its positions [p0, p1))."""
     gt_run = scalars[so + _GT_BEFORE]
     eq_run = scalars[so + _EQ_BEFORE]
     gt_end = gt_run + scalars[so + _GT_OWN]
@@ -1059,12 +949,9 @@ def own_range(scalars: cute.Tensor, so: cutlass.Constexpr, need_eq: Int32, count
 @cute.jit
 def count_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, vk: Uint32, cnt_ok: Int32,
                c2_above: Int32, c2_low: Uint64, dual: cutlass.Constexpr):
-    """The compaction's first walk: this thread's counts (> v, == v; and for vk) over its list
-    entries, from its hist2 walk's counters, or over its mask units -> (ngt, neq, ngtk, neqk)."""
-    ngt = Int32(0)
-    neq = Int32(0)
-    ngtk = Int32(0)
-    neqk = Int32(0)
+    """The compaction's first walk: this thread's counts (> v, == v; > vk, == vk) over its list
+    entries, from its hist2 walk's counters, or over its units -> (ngt, neq, ngtk, neqk)."""
+    ngt, neq, ngtk, neqk = Int32(0), Int32(0), Int32(0), Int32(0)
     if share.used != Int32(0):
         for r in cutlass.range(share.r0, share.r1, unroll=1):
             o = Uint32(share.mask[share.first_word + r]) >> Uint32(16)
@@ -1087,13 +974,12 @@ def count_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, vk: Uint32,
 
 
 @cute.jit
-def emit_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, need_eq: Int32, gt_b: Int32,
-              eq_b: Int32, vk: Uint32, need_eqk: Int32, gtk_b: Int32, eqk_b: Int32, remote: Int32,
-              dst_a: Int32, row: cute.Tensor, row_a: Int32, k_out, h1_a: Int32, p0k: Int32,
-              n: cutlass.Constexpr, n2: cutlass.Constexpr, stage_klist: cutlass.Constexpr):
-    """The compaction's second walk, over the same tokens as count_kept: each kept token's
-    packed word at its position (emit_token; and the K-list's, emit_k) -> this thread's kept
-    K-list tokens with l < 2**16."""
+def emit_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, need_eq: Int32, gt_b: Int32, eq_b: Int32,
+              vk: Uint32, need_eqk: Int32, gtk_b: Int32, eqk_b: Int32, remote: Int32, dst_a: Int32, row: cute.Tensor,
+              row_a: Int32, k_out, h1_a: Int32, p0k: Int32, n: cutlass.Constexpr, n2: cutlass.Constexpr,
+              stage_klist: cutlass.Constexpr):
+    """The compaction's second walk, over count_kept's tokens: each kept token's word at its
+    position (emit_token; emit_k for the K-list) -> this thread's kept K-list tokens with l < 2**16."""
     lo16 = Int32(0)
     if share.used != Int32(0):
         for r in cutlass.range(share.r0, share.r1, unroll=1):
@@ -1109,13 +995,11 @@ def emit_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, need_eq: Int
             m = mask_unit_pair(units.mask_a, units.u0 + Int32(2) * j, units.u1)
             while m != Uint32(0):
                 lta, oa, ltb, ob, m = next_two_set_bits(m, (units.u0 + Int32(2) * j) * Int32(16), sl)
-                gt_b, eq_b = emit_token(oa, Uint32(sl.s0 + lta), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
-                                        row_a)  # fmt: skip
+                gt_b, eq_b = emit_token(oa, Uint32(sl.s0 + lta), v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
                 if cutlass.const_expr(n2 > 0):
                     gtk_b, eqk_b, lo16 = emit_k(oa, Uint32(sl.s0 + lta), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
                                                 lo16, stage_klist, h1_a - p0k * Int32(4))  # fmt: skip
-                gt_b, eq_b = emit_token(ob, Uint32(sl.s0 + ltb), v, gt_b, eq_b, need_eq, n, remote, dst_a, row,
-                                        row_a)  # fmt: skip
+                gt_b, eq_b = emit_token(ob, Uint32(sl.s0 + ltb), v, gt_b, eq_b, need_eq, n, remote, dst_a, row, row_a)
                 if cutlass.const_expr(n2 > 0):
                     gtk_b, eqk_b, lo16 = emit_k(ob, Uint32(sl.s0 + ltb), vk, gtk_b, eqk_b, need_eqk, n2, k_out,
                                                 lo16, stage_klist, h1_a - p0k * Int32(4))  # fmt: skip
@@ -1123,15 +1007,13 @@ def emit_kept(sl: Slice, units: Units, share: ListShare, v: Uint32, need_eq: Int
 
 
 @cute.jit
-def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, scalars_a: Int32,
-            warp_totals: cute.Tensor, row: cute.Tensor, row_a: Int32, h1_a: Int32, k_out, v: Uint32,
-            need_eq: Int32, vk: Uint32, need_eqk: Int32, cnt_ok: Int32, c2_above: Int32, c2_low: Uint64,
-            csize: Int32, lane, warp, n: cutlass.Constexpr, n2: cutlass.Constexpr,
-            clustered: cutlass.Constexpr, own: cutlass.Constexpr):
-    """The compaction after the boundary step: this thread's counts (count_kept), one pair block
-    scan, then every kept token's packed word at its final position (emit_kept), into this CTA's
-    row buffer (``own``) or CTA 0's; the rescue list's K-list alike -> this CTA's positions
-    [p0, p1) of the packed row and [p0k, p1k) of the K-list."""
+def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, scalars_a: Int32, warp_totals: cute.Tensor,
+            row: cute.Tensor, row_a: Int32, h1_a: Int32, k_out, v: Uint32, need_eq: Int32, vk: Uint32, need_eqk: Int32,
+            cnt_ok: Int32, c2_above: Int32, c2_low: Uint64, csize: Int32, lane, warp, n: cutlass.Constexpr,
+            n2: cutlass.Constexpr, clustered: cutlass.Constexpr, own: cutlass.Constexpr):
+    """After the boundary step: this thread's counts (count_kept), one pair block scan, then every
+    kept token's word at its final position (emit_kept), in this CTA's row buffer (``own``) or
+    CTA 0's, and the K-list's -> this CTA's positions [p0, p1) of the row, [p0k, p1k) of the K-list."""
     dual = cutlass.const_expr(n2 > 0)
     gt_run, eq_run, gt_end, eq_end, p0, p1 = own_range(scalars, 0, need_eq, n)
     dst_a = row_a
@@ -1141,9 +1023,7 @@ def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, sca
         if csize > Int32(1):
             remote = Int32(1)
     gtk_run = Int32(0)  # (the rescue list) the same for n2
-    eqk_run = Int32(0)
-    p0k = Int32(0)
-    p1k = Int32(0)
+    eqk_run, p0k, p1k = Int32(0), Int32(0), Int32(0)
     stage_klist = cutlass.const_expr(klist_staged(n2))
     work = Int32(0)  # (the rescue list) n2's tokens to write
     if cutlass.const_expr(dual):
@@ -1153,8 +1033,7 @@ def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, sca
     if gt_run < gt_end or eq_run < eq_end or work != Int32(0):
         ngt, neq, ngtk, neqk = count_kept(sl, units, share, v, vk, cnt_ok, c2_above, c2_low, dual)
         igt, ieq, _, _ = block_scan2(ngt, neq, lane, warp, warp_totals)
-        gtk_b = Int32(0)
-        eqk_b = Int32(0)
+        gtk_b, eqk_b = Int32(0), Int32(0)
         if cutlass.const_expr(dual):
             igtk, ieqk, _, _ = block_scan2(ngtk, neqk, lane, warp, warp_totals)
             gtk_b = gtk_run + igtk - ngtk
@@ -1172,65 +1051,47 @@ def compact(sl: Slice, units: Units, share: ListShare, scalars: cute.Tensor, sca
 
 @cute.jit
 def write_klist_tail(k_out: Int64, p16: Int32, cnt: Int32, n2: cutlass.Constexpr, tid):
-    """The K-list row's mask words (bit 16 of l set at positions [p16, cnt)) and its empty
-    words past the count."""
+    """The K-list row's mask words (bit 16 of l set at positions [p16, cnt)) and its empty words."""
     for i in cutlass.range(tid, layout.row_words(n2) - n2, TB, unroll=1):
         P.st_u32(k_out + Int64(n2 + i) * Int64(4), mask_bits(p16, cnt, i, n2 // 32))
     for i in cutlass.range(cnt + tid, n2, TB, unroll=1):
         P.st_u32(k_out + Int64(i) * Int64(4), Int32(0))
 
 
-# --------------------------------------------------------------------------------------------------
-# The select
-# --------------------------------------------------------------------------------------------------
-
-
+# ---- the select
 @cute.jit
 def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Constexpr,
                parts, tid, lane, warp, csize: Int32, me: Int32, clustered: cutlass.Constexpr,
                cached: cutlass.Constexpr, cache_cap: Int32, vpr: cutlass.Constexpr = U1,
                early=None, own_part: cutlass.Constexpr = False, n2: cutlass.Constexpr = 0, k_out=None):
-    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` (``end`` clamped to
-    [0, 2**17] by the caller) -> the packed row (docs/DESIGN.md §5: ascending l, empty words
-    zero) in the ``row`` buffer of the cluster's CTA 0 (``clustered``; this CTA's own otherwise),
-    complete after the closing cluster barrier.  ``csize`` / ``me``: the cluster's size and this
-    CTA's rank in it (1 / 0 when not clustered).  ``parts``: SelectSmem.parts().
+    """Top-min(n, valid) of the first ``end`` bf16 at ``row_addr`` (``end`` clamped by the caller)
+    -> the packed row (docs/DESIGN.md §5) in the ``row`` buffer of the cluster's CTA 0 (this CTA's
+    where not ``clustered``), complete after the closing cluster barrier.  ``csize`` / ``me``: the
+    cluster's size and this CTA's rank; ``parts``: SelectSmem.parts(); ``cached``: keep a slice of
+    at most ``cache_cap`` (<= CACHE_MAX) tokens on chip, else re-read it (mostly L2) in every pass;
+    ``vpr``: 16-byte vectors per thread per round of passes 1 and 2; ``early``: traced right after
+    the bulk copies are issued.
 
-    ``cached``: keep the slice on chip when it has at most ``cache_cap`` tokens (the launch's
-    shared memory holds cache_cap <= CACHE_MAX of them); a longer slice is re-read from global
-    memory (mostly L2) in every pass.  ``vpr``: 16-byte vectors per thread per round of passes 1
-    and 2.  ``early``: a callable traced right after the bulk copies are issued.
+    ``own_part`` (with ``clustered``): each CTA writes only its positions [p0, p1) of the packed row
+    into its own row buffer (bit 16 of l in its own mask words) and returns ``(p0, p1, p_end,
+    writer)``: p_end the row's kept count, ``writer`` 1 in the one CTA (whose slice holds token
+    2**16, else the last) that derives the mask words from its first set bit.  It ends after a
+    relaxed arrival at the cluster barrier: the caller must ``P.cluster_wait()`` before exit.
 
-    ``own_part`` (with ``clustered``): each CTA writes only its part of the packed row, into its
-    own row buffer at the final positions, and returns ``(p0, p1, p_end, writer)``: it holds
-    positions [p0, p1) (its slice's kept tokens; bit 16 of l in its own mask words), p_end is
-    the row's kept count, and ``writer`` (1 in exactly one CTA: the one whose slice holds token
-    2**16, else the last) can derive every mask word from the first of its own set bits.  It
-    ends with a block barrier after a relaxed arrival at the cluster barrier (once every DSMEM
-    load's value was used): the caller must ``P.cluster_wait()`` before the CTA exits.
-
-    ``n2`` > n (the rescue list): also the row's top-min(n2, valid), in the same passes, as a
-    packed row of n2 candidates written to global memory at ``k_out`` (each CTA its own
-    positions; the writer CTA also the mask words and the empty words past the count)."""
+    ``n2`` > n (the rescue list): also the top-min(n2, valid), a packed row of n2 at ``k_out`` in
+    global memory (each CTA its positions; the writer the mask words and the empty words)."""
     own = bool(clustered and own_part)
     dual = cutlass.const_expr(n2 > 0)
     if cutlass.const_expr(dual):
         assert n2 > n and n2 % 32 == 0, (n, n2)
     cache, hist1, hist2, gsum2, published, scalars, warp_totals, row, mask, mbar = parts
-    cache_a = P.smem_addr(cache)
-    h1_a = P.smem_addr(hist1)
-    h2_a = P.smem_addr(hist2)
-    g2_a = P.smem_addr(gsum2)
-    published_a = P.smem_addr(published)
-    scalars_a = P.smem_addr(scalars)
-    row_a = P.smem_addr(row)
-    mbar_a = P.smem_addr(mbar)
+    cache_a, h1_a, h2_a, g2_a, published_a, scalars_a, row_a, mbar_a = map(
+        P.smem_addr, (cache, hist1, hist2, gsum2, published, scalars, row, mbar))
     # ---- this CTA's slice: s_len <= slice_tokens tokens from s0
     slice_tokens = slice_len(end, csize)
     keep = Int32(0)  # the slice stays in shared memory
     if cutlass.const_expr(cached):
-        # (clamped: the cache holds CACHE_MAX tokens at most and a kept slice's tokens are
-        # 16-bit list entries, whatever a caller passes)
+        # (clamped: a kept slice's tokens are 16-bit list entries, whatever a caller passes)
         if slice_tokens <= cutlass.min(cache_cap, Int32(CACHE_MAX)):
             keep = Int32(1)
     aligned = Int32(0)
@@ -1251,19 +1112,15 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     zero_counters(hist1, hist2, gsum2, scalars, row, rw, dual, tid)
     # ---- pass 1, then the boundary bin over the cluster (first cluster barrier)
     xs = cute.make_rmem_tensor((4 * vpr,), Int32)
-    pass1(row_addr, s0, s_len, nvec, nfull, aligned, keep, bulk, copies, cache_a, mbar_a, h1_a, xs, tid,
-          cached, vpr)  # fmt: skip
-    boundary_bin(hist1, h1_a, published, published_a, scalars, warp_totals, csize, tid, lane, warp, n, n2,
-                 clustered)  # fmt: skip
+    pass1(row_addr, s0, s_len, nvec, nfull, aligned, keep, bulk, copies, cache_a, mbar_a, h1_a, xs, tid, cached, vpr)
+    boundary_bin(hist1, h1_a, published, published_a, scalars, warp_totals, csize, tid, lane, warp, n, n2, clustered)
     total = scalars[_TOTAL]  # valid tokens of the whole row (uniform over the cluster)
     b1 = scalars[_B1]
     b1k = scalars[_K + _B1]  # (the rescue list)
-    # ---- pass 2: the mask from the lower boundary bin (every valid token where the row has at
-    # most that count), the second histograms of the boundary bins
+    # ---- pass 2: the mask from the lower boundary bin, the second histograms of the boundary bins
     mthr, b1c, b1kc = pass2_thresholds(total, b1, b1k, n, n2)
     nvec4 = (nvec + Int32(3)) // Int32(4) * Int32(4)  # the mask's last word written whole
     mask_a = P.smem_addr(mask)
-    # (tokens as 16 bits: a kept slice has at most CACHE_MAX <= 2**16)
     listed = cutlass.const_expr(cached)
     big = Int32(0)  # a kept slice with a crowded boundary bin: see BIG_B1
     if cutlass.const_expr(listed):
@@ -1271,10 +1128,10 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             if hist1[b1] > cutlass.max(Int32(BIG_B1), Int32(BIG_RATIO) * scalars[_OWN_ABOVE1]):
                 big = Int32(1)
     if total > Int32(0):
-        pass2(row_addr, s0, s_len, nvec, nvec4, aligned, keep, big, mthr, b1c, b1kc,
-              cache_a, h2_a, mask_a, xs, tid, dual, vpr)  # fmt: skip
-    # the mask in 16-token units, thread tid taking the contiguous units [u0, u1): all TB
-    # threads share the slice, so each walk over the set bits stays short
+        pass2(row_addr, s0, s_len, nvec, nvec4, aligned, keep, big, mthr, b1c, b1kc, cache_a, h2_a, mask_a, xs,
+              tid, dual, vpr)  # fmt: skip
+    # the mask in 16-token units, thread tid taking the contiguous units [u0, u1): all TB threads
+    # share the slice, so each walk over the set bits stays short
     nu = nvec4 // Int32(2)
     upt = (nu + Int32(TB - 1)) // Int32(TB)
     u0 = cutlass.min(tid * upt, nu)
@@ -1283,8 +1140,7 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
     sl = Slice(row_addr, s0, keep, cache_a)
     units = Units(mask_a, u0, u1, upt)
     cnt_ok = Int32(0)  # this thread's compaction counts come from its hist2 walk
-    c2_above = Int32(0)
-    c2_low = Uint64(0)
+    c2_above, c2_low = Int32(0), Uint64(0)
     if total > Int32(n):
         if tid == Int32(0):
             published[0] = scalars[_OWN_ABOVE1]
@@ -1306,12 +1162,9 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         # every DSMEM load of this CTA was used above; a one-CTA cluster neither arrives nor waits
         if one_cta(csize) == Int32(0):
             P.cluster_arrive()
-    # a crowded slice: the walks take an even share of a list of its tokens at or above the
-    # (lower) boundary score, not the units (where its kept tokens lie in one run, a few threads
-    # would hold all of them)
-    use_list = Int32(0)
-    r0 = Int32(0)
-    r1 = Int32(0)
+    # a crowded slice: the walks take even shares of a list of its tokens at or above the (lower)
+    # boundary score, not the units (a few of which would hold all of them)
+    use_list, r0, r1 = Int32(0), Int32(0), Int32(0)
     if cutlass.const_expr(listed):
         if big != Int32(0):
             vlo = v  # (the rescue list: n2's boundary, the lower one, keeps both counts' tokens)
@@ -1322,9 +1175,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
             use_list, r0, r1 = make_list(mask_a, cache_a, lw, u0, u1, lane, warp, warp_totals, tid)
     share = ListShare(mask, lw, r0, r1, use_list)
     # ---- the compaction, in index order, straight to the final positions
-    p0, p1, p0k, p1k = compact(sl, units, share, scalars, scalars_a, warp_totals, row, row_a, h1_a, k_out, v,
-                               need_eq, vk, need_eqk, cnt_ok, c2_above, c2_low, csize, lane, warp, n, n2,
-                               clustered, own)  # fmt: skip
+    p0, p1, p0k, p1k = compact(sl, units, share, scalars, scalars_a, warp_totals, row, row_a, h1_a, k_out, v, need_eq,
+                               vk, need_eqk, cnt_ok, c2_above, c2_low, csize, lane, warp, n, n2, clustered, own)
     if cutlass.const_expr(own):
         cute.arch.sync_threads()  # this CTA's part of the row is complete
     else:
@@ -1335,8 +1187,8 @@ def select_row(row_addr: Int64, end: Int32, n: cutlass.Constexpr, rw: cutlass.Co
         for i in cutlass.range(tid, p1k - p0k, TB, unroll=1):
             P.st_u32(k_out + Int64(p0k + i) * Int64(4), hist1[i])
     if cutlass.const_expr(dual):
-        # positions ascend with l, so bit 16 is set at [p16, count), p16 = the writer's first
-        # position + its kept tokens below 2**16 (every earlier CTA's are below, every later's above)
+        # bit 16 is set at [p16, count): p16 = the writer's first position + its kept tokens below
+        # 2**16 (positions ascend with l)
         if me == writer:
             write_klist_tail(k_out, p0k + scalars[_K + _TOTAL], cutlass.min(total, Int32(n2)), n2, tid)
     return p0, p1, cutlass.min(total, Int32(n)), Int32(me == writer)

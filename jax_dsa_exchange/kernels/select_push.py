@@ -1,19 +1,12 @@
 """Producer kernel (docs/DESIGN.md §6.1): the local top-N of each row, pushed as NCCL-LL 16-byte
-stores into every rank's symmetric buffer.
+stores into every rank's symmetric buffer.  ABI: ``abi.SELECT_PUSH``.
 
-ABI: ``abi.SELECT_PUSH`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry`` spell it
-out and tests/test_kernels_compile.py checks them against it).
-
-Launch: grid (rows * C, 1, 1) in clusters of (C, 1, 1), C = ``layout.producer_cluster(rows,
-cols, split)`` (1 <= C <= 8; the split with the device's count of co-resident clusters, which the
-launcher measures); block (TB,).  Cluster b selects row b (kernels/select.py, or kernels/lean.py
-in the lean image: each CTA reads its slice of the row once and keeps it on chip); each CTA then
-pushes its own part of the packed row (its slice's kept tokens: one range of positions; one CTA
-the bit-16 mask words) to every rank, a one-CTA cluster or a row of more than 2048 candidates
-the whole row from CTA 0.  The producer never waits on a peer, so any grid is deadlock-free.
-
-What varies between images is a :class:`ProducerConfig`; :func:`producer_configs` is the rule
-that picks the images a configuration gets, and :class:`SelectPush` compiles one.
+Launch: grid (rows * C, 1, 1) in clusters of (C, 1, 1), C = ``layout.producer_cluster(rows, cols,
+split)``; block (TB,).  Cluster b selects row b (kernels/select.py, or kernels/lean.py in the
+lean image); each CTA then pushes its own part of the packed row (one CTA also the bit-16 mask
+words) to every rank; a one-CTA cluster or a row of more than 2048 candidates pushes the whole
+row from CTA 0.  The producer never waits on a peer, so any grid is deadlock-free.
+:class:`ProducerConfig` is what varies between images, :func:`producer_configs` picks them.
 """
 
 from __future__ import annotations
@@ -33,30 +26,27 @@ from . import ptx as P
 from . import select as S
 
 ABI = abi.SELECT_PUSH
-# ptxas -O3's default register heuristic flips between 40 registers + spills and ~50 without on
-# small code changes (the spilling state measured 0.3-3 us slower); level 8 keeps the kernel out
-# of it (ptxas 13.0: 51 registers, no spill)
+# ptxas's default register heuristic flips between 40 registers + spills (0.3-3 us slower) and ~50
+# without on small code changes; level 8 keeps the kernel out of it (ptxas 13.0: 51, no spill)
 PTXAS_OPTIONS = "--register-usage-level=8"
 
 
 def own_part_ok(n: int) -> bool:
-    """Whether each CTA pushes its own part of rows of n candidates: their mask records (with
-    the padding words) are derived by the lanes of one warp."""
+    """Whether each CTA pushes its own part of rows of n candidates (the lanes of one warp derive
+    the mask records)."""
     return (layout.row_words(n) - n) // 2 <= 32
 
 
 def lean_ok(n: int, topk: int = 0, rescue_list: bool = False) -> bool:
-    """Whether a configuration gets the lean image: rows pushed in own parts (n <= 2048) and no
-    rescue list (the lean select makes one count)."""
+    """Whether a configuration gets the lean image: own parts and no rescue list (one count)."""
     return own_part_ok(n) and S.klist_n2(n, topk, rescue_list) == 0
 
 
 @dataclasses.dataclass(frozen=True)
 class ProducerConfig:
-    """The static configuration of one producer image.  ``rescue_list``: each row's local top-K
-    also goes to its klist row of the local state (layout.StateLayout) for the merge's rescue;
-    ``lean``: the select of kernels/lean.py (the "select_push_lean" image), for launches whose
-    slices have at most lean.SLICE_MAX tokens (layout.producer_uses_lean)."""
+    """One producer image.  ``rescue_list``: each row's local top-K also goes to its klist row of
+    the local state for the merge's rescue; ``lean``: the "select_push_lean" image (kernels/lean.py,
+    for launches whose slices fit it: layout.producer_uses_lean)."""
 
     world: int
     topk: int
@@ -85,9 +75,8 @@ def producer_configs(world: int, topk: int, local_topk: int, rescue_list: bool =
 
 
 def smem_bytes(n: int, topk: int = 0, rescue_list: bool = False) -> int:
-    """Dynamic shared memory of select_push's CTA with a cache of S.CACHE_MAX tokens (the peers'
-    addresses, then SelectSmem, its cache last); a launch with cache_tokens = c needs
-    2 * (S.CACHE_MAX - c) bytes less (the launcher sizes it so)."""
+    """Dynamic shared memory of select_push's CTA with a cache of S.CACHE_MAX tokens (a launch of
+    cache_tokens = c needs 2 * (S.CACHE_MAX - c) bytes less: the cache is last)."""
     dual = S.klist_n2(n, topk, rescue_list) > 0  # (a second list: its own second histograms)
     return S.smem_bytes(layout.row_words(n), cached=True, dual=dual) + layout.MAX_WORLD * 8
 
@@ -118,8 +107,6 @@ class SelectPush:
         self.n2 = S.klist_n2(self.n, config.topk, config.rescue_list)
         self.rw = layout.row_words(self.n)
         self.ll_row_bytes = layout.ll_row_bytes(self.n)
-        # (the own-part push derives the mask records in warp 0: at most 32 of them, n <= 2048;
-        # a longer row keeps CTA 0's push)
         self.own = own_part_ok(self.n)
         if self.lean:
             self.smem = LS.smem_bytes(self.rw) + layout.MAX_WORLD * 8
@@ -128,17 +115,14 @@ class SelectPush:
         self._compiled = {}
 
     def split(self) -> dict:
-        """The image's metadata split: select_push's, or the lean image's (slice_max and its
-        slice copy's capacity lean.SLICE_MAX, its own min_slice and fill_ctas: what the
-        launcher's rules and its shared memory per launch read)."""
+        """The image's metadata split (what the launcher's rules and shared memory per launch read)."""
         if self.lean:
             return layout.producer_lean_split()  # (slice_max: lean.SLICE_MAX, asserted there)
         return split()
 
     @cute.kernel
-    def kernel(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
-               epoch: Int64, peers: Int64, rank: Int32, max_rows: Int32,
-               cache_tokens: Int32):  # fmt: skip
+    def kernel(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32, epoch: Int64, peers: Int64,
+               rank: Int32, max_rows: Int32, cache_tokens: Int32):
         tid, _, _ = cute.arch.thread_idx()
         tid = Int32(tid)
         lane = cute.arch.lane_idx()
@@ -152,17 +136,14 @@ class SelectPush:
             sm = LS.LeanSmem(smem, self.rw)  # (its slice copy last)
         else:
             sm = S.SelectSmem(smem, self.rw, True, self.n2 > 0)  # (its slice cache last: see smem_bytes)
-        # The logits and epochs come from earlier kernels (PDL-safe).  The merge may launch once
-        # every CTA of this grid has started (so it can never hold an SM a producer CTA still
-        # needs); it waits for this grid's completion before it bumps an epoch or reads logits.
+        # the merge may launch once every CTA of this grid started (it never holds an SM a producer
+        # CTA needs), and waits for this grid's completion before it bumps an epoch or reads logits
         P.pdl_wait()
         P.pdl_launch_dependents()
         t = Int32(0)
         t = cute.arch.cluster_idx()[0]  # (= block // csize: clusters of (csize, 1, 1))
-        # Everything the push needs is loaded now, beside the row's length: each is a memory round
-        # trip, and a chain of them (peer by peer) cost microseconds.  (The peers' addresses are
-        # stored by the select's ``early`` hook, after its bulk copies are issued: a store of a
-        # loaded value waits for the load; the epoch's + 1 is taken at the push for that reason.)
+        # everything the push needs loaded now, beside the row's length (a chain of round trips cost
+        # microseconds); stored only in ``early`` and the push, as a store waits for its load
         peer = Int64(0)
         if tid < Int32(self.world):
             peer = Int64(P.ld_u64(peers + Int64(tid) * Int64(8)))
@@ -178,8 +159,7 @@ class SelectPush:
             row_addr = logits + Int64(t) * Int64(cols) * Int64(2)
             p0, p1, p_end, writer = LS.select_row_lean(row_addr, end_raw, cols, rows, self.n, self.rw, sm.parts(),
                                                        tid, lane, warp, csize, me,
-                                                       layout.arch_limits(self.config.arch).sm_count,
-                                                       early=early)  # fmt: skip
+                                                       layout.arch_limits(self.config.arch).sm_count, early=early)
         else:
             k_out = None
             if cutlass.const_expr(self.n2 > 0):
@@ -188,9 +168,7 @@ class SelectPush:
             p0, p1, p_end, writer = S.select_row(row_addr, S.clamp_end(end_raw, cols), self.n, self.rw, sm.parts(),
                                                  tid, lane, warp, csize, me, True, True, cache_tokens, early=early,
                                                  own_part=self.own, n2=self.n2, k_out=k_out)  # fmt: skip
-        # (the select's barriers also published peer_addrs.)  A failed or closed exchange (status
-        # word set) pushes nothing (layout.py); every CTA ran the select, so no cluster barrier
-        # was skipped.
+        # a failed or closed exchange pushes nothing (every CTA ran the select's cluster barriers)
         if status == Uint32(layout.STATUS_OK):
             e = e0 + Int32(1)
             if csize == Int32(1) or cutlass.const_expr(not self.own):
@@ -198,21 +176,18 @@ class SelectPush:
                     self.push_row(peer_addrs, sm.row, e, rank, t, max_rows, tid)
             else:
                 if cutlass.const_expr(self.own):  # (the condition above is dynamic)
-                    # every CTA its own positions [p0, p1) (the last one up to n: the empty words),
-                    # the writer the mask words: no cluster barrier after the compaction, no DSMEM
-                    # stores, C CTAs storing at once
+                    # every CTA its positions [p0, p1) (the last up to n), the writer the mask words
                     hi = p1
                     if me == csize - Int32(1):
                         hi = Int32(self.n)
-                    self.push_part(peer_addrs, sm.row, e, rank, t, max_rows, p0, hi, p_end, writer, tid,
-                                   lane, warp)  # fmt: skip
+                    self.push_part(peer_addrs, sm.row, e, rank, t, max_rows, p0, hi, p_end, writer, tid, lane, warp)
         if cutlass.const_expr(self.own):
             if S.one_cta(csize) == Int32(0):  # (a one-CTA cluster did not arrive)
                 P.cluster_wait()  # (the select's arrival: no CTA still reads this one's DSMEM)
 
     @cute.jit
-    def push_row(self, peer_addrs: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32,
-                 max_rows: Int32, tid):  # fmt: skip
+    def push_row(self, peer_addrs: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32, max_rows: Int32,
+                 tid):
         """The whole packed row (this CTA's row buffer) to every rank, as LL records of epoch e."""
         off = C.ll_row_offset(e & Int32(1), rank, t, self.world, max_rows, self.ll_row_bytes)
         for p in cutlass.range_constexpr(self.world):
@@ -221,21 +196,17 @@ class SelectPush:
                 P.st_ll_v4(dst + Int64(i) * Int64(layout.LL_RECORD_BYTES), row[2 * i], e, row[2 * i + 1])
 
     @cute.jit
-    def push_part(self, peer_addrs: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32,
-                  max_rows: Int32, lo: Int32, hi: Int32, p_end: Int32, writes_mask: Int32, tid, lane,
-                  warp):  # fmt: skip
-        """Words [lo, hi) of the packed row (this CTA's row buffer) to every rank: whole LL
-        records, and an edge word in its record's 8-byte half (the merge reads each half with its
-        own tag, so two CTAs may write one record).  ``writes_mask``: this CTA also writes the
-        mask words, derived here: bit 16 of l is set at every position in [p_hi, p_end)
-        (positions ascend with l; p_hi, the first of this CTA's own set mask bits, or hi when it
-        has none, is the first l >= 2**16)."""
+    def push_part(self, peer_addrs: cute.Tensor, row: cute.Tensor, e: Int32, rank: Int32, t: Int32, max_rows: Int32,
+                  lo: Int32, hi: Int32, p_end: Int32, writes_mask: Int32, tid, lane, warp):
+        """Words [lo, hi) of the packed row to every rank: whole LL records, and an edge word in its
+        record's 8-byte half (each half has its own tag, so two CTAs may write one record).
+        ``writes_mask``: also the mask words, bit 16 of l set at [p_hi, p_end) (positions ascend
+        with l: p_hi is this CTA's first own set mask bit, or hi)."""
         n = self.n
         nmw = n // 32  # mask words
         mrec = (self.rw - n) // 2  # their records (with the padding words)
         assert own_part_ok(n), n
-        m0 = Int32(0)
-        m1 = Int32(0)
+        m0, m1 = Int32(0), Int32(0)
         if writes_mask != Int32(0) and warp == Int32(0):
             f = Int32(n)
             for k in cutlass.range_constexpr(0, nmw, 32):
@@ -248,14 +219,13 @@ class SelectPush:
             if lane < Int32(mrec):
                 m0 = S.mask_bits(p_hi, p_end, Int32(2) * lane, nmw)
                 m1 = S.mask_bits(p_hi, p_end, Int32(2) * lane + Int32(1), nmw)
-        # each thread's words are loaded once, then stored to every peer by predicated stores (a
-        # loop per peer over dynamic bounds measured +0.5 us at C = 1)
+        # each thread's words loaded once, then predicated stores per peer (a loop per peer over
+        # dynamic bounds measured +0.5 us at C = 1)
         wm = Int32(writes_mask != Int32(0)) & Int32(tid < Int32(mrec))
         # the edge words: thread TB - 1 the one at lo (odd lo), TB - 2 the one before hi (odd hi)
         e_lo = Int32(lo < hi) & Int32(tid == Int32(C.TB - 1)) & (lo & Int32(1))
         e_hi = Int32(lo < hi) & Int32(tid == Int32(C.TB - 2)) & (hi & Int32(1))
-        ew = Int32(0)
-        eo = Int64(0)
+        ew, eo = Int32(0), Int64(0)
         if e_lo != Int32(0):
             ew = row[lo]
             eo = Int64(lo >> Int32(1)) * Int64(layout.LL_RECORD_BYTES) + Int64(layout.LL_HALF_BYTES)
@@ -289,18 +259,14 @@ class SelectPush:
             P.st_ll_v4_if(dst + mo, m0, e, m1, wm)
 
     @cute.jit
-    def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32,
-              epoch: Int64, peers: Int64, rank: Int32, max_rows: Int32,
-              cache_tokens: Int32):  # fmt: skip
-        # Compile-time launch shape only; the real grid and cluster come from the launcher
-        # (layout.producer_cluster).
-        self.kernel(logits, row_ends, rows, cols, epoch, peers, rank, max_rows, cache_tokens).launch(
-            grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem
-        )
+    def entry(self, logits: Int64, row_ends: Int64, rows: Int32, cols: Int32, epoch: Int64, peers: Int64,
+              rank: Int32, max_rows: Int32, cache_tokens: Int32):
+        # compile-time launch shape only: the launcher gives the grid and cluster
+        self.kernel(logits, row_ends, rows, cols, epoch, peers, rank, max_rows,
+                    cache_tokens).launch(grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem )
 
     def compile(self, arch: str | None = None, dump_dir: str = "."):
-        """The compiled kernel for the configuration's target (``arch``: None or that one; cached
-        on the object; ``dump_dir``: where the DSL writes and reads back its PTX and cubin,
+        """The compiled kernel for the configuration's target (cached; ``dump_dir``:
         common.compile_options)."""
         arch = arch or self.config.arch
         if arch != self.config.arch:

@@ -1,36 +1,25 @@
-"""The exchange merge (docs/DESIGN.md §6.2-§6.7): each rank's consumer kernel waits for the
-W ranks' local top-N lists of a row, selects their exact top-K, writes the outputs, rescues
-saturated ranks, and bumps the row's epoch.
+"""The exchange merge (docs/DESIGN.md §6.2-§6.7): each rank's consumer kernel waits for the W
+ranks' local top-N lists of a row, selects their exact top-K, writes the outputs, rescues
+saturated ranks and bumps the row's epoch.  ABI: ``abi.MERGE``.
 
-ABI: ``abi.MERGE`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry`` spell it
-out, tests/test_kernels_compile.py checks them against it).
+Protocol, per row t with e = epoch[t] + 1 (CTA or cluster b walks rows b, b + G, ... in the same
+order on every rank, so a CTA only waits for CTAs that already run, §6.7):
 
-Protocol, per row t with e = epoch[t] + 1 (grid = G CTAs, or G clusters of ``clus`` CTAs;
-CTA b walks rows b, b + G, ... in the same order on every rank, so a CTA only waits for CTAs
-that already run, §6.7):
+  round 1     the W lists of parity e & 1 in this rank's buffer, each 8-byte LL half trusted
+              once its tag is e (polls under a %globaltimer timeout: status [1, row, epoch, q]);
+  select      T = the K-th largest key (ord16 score << G | 2^G - 1 - g), 0 for fewer than K
+              keys: the boundary score from score histograms, then a tie-break on g;
+  outputs     the order-preserving compaction of {key >= T}: ids, this rank's kv_rows through
+              the block table, counts, -1 padding;
+  saturation  rank q is saturated when all N of its keys were selected and T is not its own;
+  rescue      a saturated rank pushes its local top-K into its slot of every rank's rescue row
+              and releases flag seq + 1; every rank acquires the flags (timeout: status 2),
+              selects round 2 over the other lists and the K-lists, rewrites the outputs;
+  row end     griddepcontrol.wait, a failure anywhere voids the row, then epoch[t] = e.
 
-  round 1     the W lists of parity e & 1 in this rank's own buffer, each 8-byte LL half
-              trusted once its tag is e (volatile polls under a %globaltimer timeout, which
-              records status [1, row, epoch, rank]);
-  select      T = the K-th largest key (ord16 score << G | 2^G - 1 - g, g = l W + q), 0 when
-              the row has fewer than K: the boundary score from a score histogram, then a
-              tie-break on g among the keys of that score;
-  outputs     the order-preserving compaction of {key >= T} (owner-major, lists ascend in
-              l): ids, this rank's kv_rows through the block table, counts, -1 padding;
-  saturation  rank q is saturated when all N of its keys were selected and T is not its
-              own: its list may have hidden keys above T (full keys, §6.4);
-  rescue      a saturated rank pushes its local top-K into slot s of every rank's rescue
-              region and releases flag seq + 1 (system scope); every rank acquires the flags
-              (timeout: status [2, ...]), selects round 2 over the non-saturated lists and
-              the K-lists, rewrites the outputs; seq[t] += 1;
-  row end     griddepcontrol.wait (the producer grid is complete), a failure anywhere voids
-              the row (empty outputs), then epoch[t] = e.
-
-Paths by configuration (``Merge.__init__`` decides them from a ``MergeConfig``): the keys of
-a row in registers (up to KP_MAX words per thread), else re-read from memory by a radix
-select; a row of many words per thread split over a cluster of CTAs whose sums travel
-through DSMEM; round 2 in registers, in loops rolled over shared memory, or by the radix
-select.
+``Merge.__init__`` picks the paths of a ``MergeConfig``: the keys in registers (up to KP_MAX
+words per thread) or re-read by a radix select; a row of many words split over a cluster
+(sums through DSMEM); round 2 in registers, rolled over shared memory, or by the radix select.
 """
 
 from __future__ import annotations
@@ -56,42 +45,35 @@ SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
 SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
 LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
 PRE_BT_MAX = 8  # round-1 block-table entries prefetched into registers up to this many words
-# Up to this many words per thread the stats, histogram, selection and output stores have no
-# branch per word (predicated stores, a dummy bin): W = 8, N = 512: -0.4..-1.2 us; with 32
-# (W = 16, N = 1024) ptxas spilled the words (45.7 -> 71.8 us), so those keep branches.
+# Up to this many words per thread the select and stores have no branch per word (W = 8,
+# N = 512: -0.4..-1.2 us); at 32 (W = 16, N = 1024) ptxas spilled the words (45.7 -> 71.8 us).
 BRANCH_FREE_KP = 18
 # Above this many round-1 words per thread the outputs loop is rolled over a shared-memory copy
-# of the words: unrolled, W = 16, N = 1024 (32) waited on instruction fetch 53% of the time.
+# (unrolled, W = 16, N = 1024 waited on instruction fetch 53% of the time).
 ROLL_KP = 18
-# Round 2 rolled: pair groups (8 bytes) per thread held by the rescue select's hist1 and mask
-# (free once its K-list is pushed); the rest go to the merge's own stage2.
+# Round 2 rolled: pair groups per thread held by the rescue select's hist1 and mask (free once
+# its K-list is pushed); the rest go to stage2.
 R2_H = S.NB1 // (2 * C.TB)
 R2_M = S.MASK_WORDS // (2 * C.TB)
-# A merge CTA must fit on an SM beside a producer CTA (it starts under PDL while the producer
-# runs): round 2 is rolled only where both kernels' shared memory, plus the 1 KB an SM reserves
-# per CTA, fit the target's shared memory per SM (layout.ARCHS).
+# A merge CTA starts under PDL beside a producer CTA: round 2 is rolled only where both fit an
+# SM's shared memory with the 1 KB reserved per CTA.
 CTA_RESERVED_SMEM = 1024
 EQ_MAX = abi.MERGE_EQ_MAX  # most keys at the boundary score tie-broken by ranking (one per thread)
 # A row of more than CLUS_KP round-1 words per thread is split over a cluster of at most
-# CLUS_MAX CTAs of at least CLUS_KP words each (8: W = 8, N = 512's branch-free size).  W = 16,
-# N = 1024 as 2 CTAs of 16 words beat 4 of 8 at R >= 64 (H200: 20.1 against 30.7 us at
-# R = 64, 55 against 96 at R = 256; one CTA 29 / 86) and lost at R = 16 (18.2 against 13.3).
+# CLUS_MAX CTAs (W = 16, N = 1024, H200: 2 CTAs 20.1 us against 4 CTAs 30.7 us at R = 64).
 CLUS_KP = 8
 CLUS_MAX = 2
-# The merge_wide image (kernels/cache.py): clusters of up to CLUS_WIDE CTAs of at least WIDE_KP
-# words, launched when every row of a call has its own cluster at once (layout.merge_uses_wide):
-# W = 16, N = 1024, R = 1: 12.6 against 19.5 us; W = 8, N = 1024 over 4 CTAs of 4 words: 10.8 /
-# 11.5 us at R = 1 / 16 against 12.3 / 12.1 over 2 of 8.
+# The merge_wide image: clusters of up to CLUS_WIDE CTAs of at least WIDE_KP words, launched
+# when every row of a call has its own cluster (W = 16, N = 1024, R = 1: 12.6 against 19.5 us).
 CLUS_WIDE = abi.MERGE_CLUS_WIDE
 WIDE_KP = 4
-CLUS_XC = 16  # words of a clustered CTA's published row totals (MergeSmem.xc)
+CLUS_XC = 16  # words of a clustered CTA's published row totals (MergeSmem.cluster_totals)
 
 
 @dataclasses.dataclass(frozen=True)
 class MergeConfig:
     """What varies between merge images: the exchange's shape, the rescue list (a rescue pushes
-    the producer's K-list of the row instead of selecting it here), and the cluster a row of
-    many words per thread may be split over (the merge_wide image: ``wide()``)."""
+    the producer's K-list), and the cluster a row may be split over (merge_wide: ``wide()``)."""
 
     world: int
     topk: int
@@ -106,11 +88,8 @@ class MergeConfig:
         return dataclasses.replace(self, max_cluster=CLUS_WIDE, min_cluster_words=WIDE_KP)
 
 
-
-# page = (l * page_magic(B)) >> PAGE_SHIFT equals l // B for every 0 <= l < 2**17 and B >= 1:
-# with m = 2**40 // B + 1 the excess l * (m - 2**40 / B) / 2**40 is below 2**-23, less than
-# 1 / B for B <= 2**17, and for larger B l / B + 2**-23 < 1 (tests/test_kernels_compile.py
-# checks it over every l for many B)
+# page = (l * page_magic(B)) >> PAGE_SHIFT equals l // B for 0 <= l < 2**17 and B >= 1: the
+# excess of m = 2**40 // B + 1 adds less than 2**-23 (tests/test_kernels_compile.py checks it)
 PAGE_SHIFT = 40
 
 
@@ -122,15 +101,13 @@ EMPTY_BIN = SCORE_BINS  # the score histogram's extra bin: empty words count the
 
 
 class MergeSmem:
-    """The merge's shared memory, allocated in this order (Merge._smem counts it).  Inside a
-    dynamic if / loop the DSL carries tensors but not this object: stores go through a local
-    name of the tensor."""
+    """The merge's shared memory in allocation order (Merge._smem counts it).  Dynamic regions
+    carry tensors, not this object: stores go through a local name of the tensor."""
 
     def __init__(self, merge: "Merge"):
         rw, stage_words, stage2_words, r2m_words = merge.rw_k, merge.stage_words, merge.stage2_words, merge.r2m_words
         smem = cutlass.memory.SmemAllocator()
-        # the rescue's local top-K (the producer's select on one CTA); its row, buf, also holds
-        # round 1's block-table entries by list index where registers do not
+        # the rescue's local top-K; its row (buf) holds round 1's block-table entries by list index
         self.sel = S.SelectSmem(smem, rw, False)
         self.buf = self.sel.row
         # the radix select of rows read from memory
@@ -138,15 +115,13 @@ class MergeSmem:
         self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
         self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         self.rank_counts = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)  # selected keys per rank
-        # round 2's segments: seg[q] the first position of rank q's (q <= W), seg[17 + q] its
-        # rescue slot (-1: its round-1 list); seg[47]: failed()'s answer
+        # round 2's segments: seg[q] rank q's first position, seg[17 + q] its rescue slot (-1:
+        # its round-1 list); seg[47]: failed()'s answer
         self.seg = smem.allocate_tensor(Int32, cute.make_layout((48,)), 16)
-        # the register path: score histograms (+ EMPTY_BIN), the g of the keys at the boundary
-        # score, stats slots ([count, max, min, tied count] per row parity and round), selected
-        # keys per warp (own << 16 | all), selected keys before each list (list_start[W]: all),
-        # and what the select found: [0..2] bin / keys above it / its keys of the first score
-        # histogram, [3..5] of the second, [6] the ranked g, [7] the row's failure flag,
-        # [8..10] a g histogram's bin
+        # the register path: score histograms, tied keys' g, stats slots ([count, max, min,
+        # tied] per row parity and round), selected keys per warp (own << 16 | all), selected
+        # keys before each list, and found: [0..2] / [3..5] a score histogram's bin, keys above
+        # it, its keys; [6] the ranked g; [7] the row's failure flag; [8..10] a g histogram's bin
         self.score_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS + 16,)), 16)
         self.score_hist2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
         self.tied = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
@@ -154,19 +129,17 @@ class MergeSmem:
         self.warp_sel = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
         self.list_start = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
         self.found = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        # tie-break histograms of g (many keys at the boundary score)
         self.g_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
         self.g_hist2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
         self.g_hist3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        # round 1's words, [word][thread], for the rolled outputs (roll1)
+        # round 1's words [word][thread] (roll1); round 2's pair groups past hist1 and mask, and
+        # its mask words (roll2)
         self.stage = smem.allocate_tensor(Int32, cute.make_layout((max(stage_words, 4),)), 16)
-        # round 2's pair groups past those the rescue select's hist1 and mask hold, and the
-        # mask words (roll2)
         self.stage2 = smem.allocate_tensor(Int32, cute.make_layout((max(stage2_words, 4),)), 16)
         self.r2m = smem.allocate_tensor(Int32, cute.make_layout((max(r2m_words, 4),)), 16)
         if merge.clus > 1:
-            # a clustered row: the cluster's sum of a histogram and its tied keys' g, read by
-            # this CTA only; this CTA's row totals, which the others read through DSMEM
+            # a clustered row: the cluster's sums and tied keys (this CTA's reads), and this
+            # CTA's row totals, which the others read through DSMEM
             self.cluster_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
             self.cluster_tied = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
             self.cluster_totals = smem.allocate_tensor(Int32, cute.make_layout((CLUS_XC,)), 16)
@@ -174,8 +147,8 @@ class MergeSmem:
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One thread's view of a launch: its coordinates, the arguments the stages read, values
-    derived once.  (Immutable: the DSL passes it into dynamic regions as a closure.)"""
+    """One thread's view of a launch: its coordinates, the arguments, values derived once
+    (immutable: dynamic regions take it as a closure)."""
 
     tid: Int32
     lane: Int32
@@ -201,7 +174,7 @@ class Launch:
     status: Int64  # this rank's status words
     timeout_ns: Int64
     ll_stride: Int64  # bytes from one source rank's LL rows to the next's
-    nstep: Int32  # rows between two of this CTA's (its grid's CTAs or clusters)
+    nstep: Int32  # rows between two of this CTA's
     page_div: Uint64  # page_magic(block_size)
     crank: Int32 = None  # (clustered rows) this CTA's rank in its cluster
     cbase: Int32 = None  # (clustered rows) its first position of a row
@@ -234,9 +207,8 @@ class Round2Smem:
 
 @dataclasses.dataclass(frozen=True)
 class Words:
-    """A round's candidate words as the select reads them: kp per thread in registers (regs;
-    for round 2 the segment and index of each pair group in qj), or round 2's rolled copy in
-    shared memory (grp; the segments of this thread's pair groups in qb0 / qb1)."""
+    """A round's words as the select reads them: kp per thread in registers (regs; round 2: qj[i]
+    = q << 16 | j of pair group i), or round 2's rolled copy (grp; segments in qb0 / qb1)."""
 
     kp: int
     round2: bool
@@ -265,17 +237,15 @@ class Merge:
         self.rescue_row_bytes = layout.rescue_row_bytes(topk)
         self.ll_row_bytes = layout.ll_row_bytes(n)
         self.slots = layout.rescue_slots(topk, n, world)
-        # Round 1 in registers (fast1): kp1 words per thread, warp-interleaved pairs (position
-        # v = warp * 32 * kp1 + 64 i + 2 * lane + h), else the radix select from memory.
+        # Round 1 in registers (fast1): kp1 words per thread as pair groups (position
+        # v = warp * 32 kp1 + 64 i + 2 lane + h), else the radix select from memory.
         self.nk1 = world * n
         self.kp1 = 2 * -(-self.nk1 // (2 * C.TB))
         self.fast1 = self.kp1 <= KP_MAX
         self.kp1_row = self.kp1  # (the words per thread of a row on one CTA)
-        # A row of more than min_cluster_words words per thread is split over a cluster of
-        # clus CTAs of kp1 words each, CTA c holding the owner-major positions [c cp, (c + 1) cp):
-        # whole lists, each warp's inside one list.  Every sum the select takes is each CTA's
-        # own, published by a cluster barrier and read through DSMEM, every decision computed
-        # alike in every CTA (so all pass the same barriers); a rescue runs on CTA 0 alone.
+        # A clustered row: CTA c holds positions [c cp, (c + 1) cp) (whole lists, each warp's in
+        # one list); every CTA takes every decision alike from the cluster's sums, so all pass
+        # the same barriers; a rescue runs on CTA 0 alone.
         self.clus = 1
         c = min(config.max_cluster, self.kp1 // max(2, config.min_cluster_words), S.CLUSTER_MAX)
         ck = self.kp1 // c if c > 1 else 0
@@ -284,30 +254,24 @@ class Merge:
             self.clus = c
             self.kp1 = ck
         self.cp = self.nk1 // self.clus  # positions per CTA of a row
-        # Round 2 (a rescue) over the non-saturated lists and up to ``slots`` K-lists: in
-        # registers (fast2) where its words fit, else the radix select.
+        # Round 2 over the non-saturated lists and up to ``slots`` K-lists: in registers (fast2)
+        # where its words fit, else the radix select.
         self.nk2max = self.slots * topk + (world - self.slots) * n
         self.kp2 = 2 * -(-self.nk2max // (2 * C.TB))
         self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX
         self.kp = max([2] + [k for k, f in ((self.kp1, self.fast1), (self.kp2, self.fast2)) if f])
-        # Round 1's block-table entries prefetched (in flight during the select) into
-        # registers, or for more words per thread into shared memory.
+        # round 1's block-table entries prefetched into registers, or shared memory for more words
         self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX
-        # More round-1 words per thread than ROLL_KP: the outputs walk them in a rolled loop
-        # from a shared-memory copy (the unrolled code waited on instruction fetch).
         self.roll1 = self.fast1 and self.kp1 > ROLL_KP
         self.stage_words = self.kp1 * C.TB if self.roll1 else 0
-        # Clustered rows hold round 1 as contiguous runs (thread t: positions t kp1 .. + kp1 - 1
-        # of its CTA): the selected keys before a key come from one warp scan, where pair groups
-        # take four ballots each.  W = 16, N = 1024: -0.35..-1.5 us at R = 1-64; on one CTA
-        # (W = 8, N = 512) it lost 0.5 us at R = 1 and 3 us at R = 256, so one CTA keeps pairs.
+        # Clustered rows hold round 1 as contiguous runs (thread t: positions t kp1 ..), counted
+        # by one warp scan (W = 16, N = 1024: -0.35..-1.5 us at R = 1-64); on one CTA pair
+        # groups won (W = 8, N = 512: runs +0.5 us at R = 1, +3 us at R = 256).
         self.runs = (self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
                      and 32 % self.kp1 == 0)  # fmt: skip
-        # Round 2 rolled over shared memory (round2_rolled): a third of the register path's code,
-        # which a rescue fetches cold once per launch (W = 8, N = 512: forced rescue 49.2 ->
-        # 40.5 us).  Its pair groups go to the rescue select's hist1 and mask, then stage2; at
-        # most 16 groups (4-bit segment codes in two registers), and only where the merge
-        # still fits beside a producer CTA (else round 2 stays in registers).
+        # Round 2 rolled over shared memory: a third of the register path's code, fetched cold
+        # once per rescue (W = 8, N = 512: forced rescue 49.2 -> 40.5 us); at most 16 groups
+        # (4-bit segment codes in two registers), where the merge fits beside a producer CTA.
         self.roll2 = False
         self.stage2_words = self.r2m_words = 0
         if self.fast2 and self.kp2 // 2 <= 16:
@@ -318,13 +282,11 @@ class Merge:
             if not self.roll2:
                 self.stage2_words = self.r2m_words = 0
         self.smem = self._smem()
-        # The rescue select's vectors per round: the producer's, except for many words per
-        # thread, where ptxas then spilled the whole kernel (W = 16, N = 1024: 45.9 -> 72.1 us).
+        # the rescue select's vectors per round: fewer for many words per thread, where ptxas
+        # spilled the whole kernel (W = 16, N = 1024: 45.9 -> 72.1 us)
         self.rescue_u1 = 4 if self.kp1_row > BRANCH_FREE_KP else S.U1
-        # A row without a rescue ends (and the launch after such a last row) before the
-        # rescue's ~100 KB of code, which it then never fetches (W = 8, N = 512: -0.6..-0.9 us);
-        # for many words per thread one end after it (ptxas spilled more: W = 16, N = 1024
-        # +3.5 us).
+        # A row without a rescue ends before the rescue's ~100 KB of code (W = 8, N = 512:
+        # -0.6..-0.9 us); for many words per thread after it (W = 16, N = 1024: +3.5 us otherwise).
         self.end_first = self.kp1 <= BRANCH_FREE_KP
         self._compiled = {}
 
@@ -340,8 +302,7 @@ class Merge:
 
     @cute.jit
     def make_key(self, w: Uint32, m: Uint32, j: Int32, q: Int32) -> Uint64:
-        """Packed word (+ its mask word) of list index j of rank q -> 64-bit key
-        ord16 << G | (2^G - 1 - g), g = gpos(l, q); 0 for an empty word."""
+        """Word (+ mask word) of list index j of rank q -> ord16 << G | (2^G - 1 - g); 0 if empty."""
         key = Uint64(0)
         if w != Uint32(0):
             hi = (m >> Uint32(j & Int32(31))) & Uint32(1)
@@ -356,8 +317,7 @@ class Merge:
 
     @cute.jit
     def probe(self, addr: Int64, flag: cutlass.Constexpr) -> Uint64:
-        """One load of what a wait watches, tag in the high word: an LL half (word | tag << 32,
-        volatile load) or a rescue flag (acquire load at system scope; its value is its tag)."""
+        """What a wait watches, tag in the high word: an LL half or a rescue flag (acquire.sys)."""
         h = Uint64(0)
         if cutlass.const_expr(flag):
             h = Uint64(Uint32(P.ld_acquire_sys(addr))) << Uint64(32)
@@ -368,9 +328,8 @@ class Merge:
     @cute.jit
     def wait_tag(self, addr: Int64, want: Int32, flag: cutlass.Constexpr, code: cutlass.Constexpr,
                  q: Int32, ctx: Launch, row: Row) -> Uint64:
-        """probe(addr) once its tag is ``want``.  Spins under a %globaltimer timeout, which
-        records [code, row, epoch, q] (the first failure in the grid wins); once the status is
-        set every wait gives up at once."""
+        """probe(addr) once its tag is ``want``; a timeout records [code, row, epoch, q], and once
+        the status is set every wait gives up at once."""
         h = self.probe(addr, flag)
         if Int32(Uint32(h >> Uint64(32))) != want:
             start = P.globaltimer()
@@ -424,8 +383,7 @@ class Merge:
 
     @cute.jit
     def key_r2(self, v: Int32, seg: cute.Tensor, ctx: Launch, row: Row) -> Uint64:
-        """Round-2 key at owner-major position v: segment q is rank q's K-list (rescue slot
-        seg[17 + q] >= 0) or its round-1 list."""
+        """Round-2 key at position v: of rank q's K-list (rescue slot seg[17 + q] >= 0) or its list."""
         key = Uint64(0)
         if v < seg[self.world]:
             q, j = self.owner(v, True, seg)
@@ -440,8 +398,7 @@ class Merge:
         return key
 
     # ------------------------------------------------------------------ rows read from memory
-    # Where the words do not fit in registers (more than KP_MAX per thread): a radix select over
-    # the 64-bit keys, re-read from the LL buffer (and the rescue rows) on every pass.
+    # More than KP_MAX words per thread: a radix select over the keys, re-read on every pass.
 
     @cute.jit
     def hist_add(self, key: Uint64, hi: Int32, lo: Int32, prefix: Uint64, hist: cute.Tensor):
@@ -465,9 +422,8 @@ class Merge:
 
     @cute.jit
     def radix_select(self, round2: cutlass.Constexpr, sm: MergeSmem, ctx: Launch, row: Row) -> Uint64:
-        """The K-th largest nonzero key (0 if fewer than K), exact: 9-bit digits from the top,
-        the bin holding the K-th key the prefix of the next pass; a bin of one key ends the
-        search with one more read pass.  Uniform control flow (every value from smem)."""
+        """The K-th largest nonzero key (0 if fewer than K): digits from the top, the K-th key's
+        bin the next prefix; a bin of one key ends with one more read pass.  CTA-uniform."""
         tid = ctx.tid
         hist, scalars, seg, warp_totals = sm.hist, sm.scalars, sm.seg, sm.warp_totals
         hi = Int32(self.keybits)
@@ -514,8 +470,7 @@ class Merge:
     @cute.jit
     def emit_chunk(self, key: Uint64, kth: Uint64, count_ranks: cutlass.Constexpr, sm: MergeSmem,
                    all_run: Int32, own_run: Int32, ctx: Launch, row: Row):
-        """One TB-chunk of the owner-major compaction of {key >= kth}; returns the updated
-        (all_run, own_run)."""
+        """One TB-chunk of the compaction of {key >= kth}; returns the new (all_run, own_run)."""
         rank_counts = sm.rank_counts
         sel = key != Uint64(0) and key >= kth
         g = Int32(0)
@@ -543,9 +498,7 @@ class Merge:
 
     @cute.jit
     def emit(self, round2: cutlass.Constexpr, kth: Uint64, sm: MergeSmem, ctx: Launch, row: Row):
-        """Outputs of the row from the selection {key >= kth}: kv_rows (own tokens, ascending
-        l), ids (owner-major), counts; -1 padding.  Round 1 also counts every rank's selected
-        keys (rank_counts)."""
+        """The row's outputs of {key >= kth}, -1 padded; round 1 also counts each rank's (rank_counts)."""
         tid, t = ctx.tid, row.t
         rank_counts, seg = sm.rank_counts, sm.seg
         if tid < Int32(16):
@@ -565,7 +518,7 @@ class Merge:
             else:
                 key = self.key_r1(v, False, ctx, row)
             all_run, own_run = self.emit_chunk(key, kth, not round2, sm, all_run, own_run, ctx, row)
-        # -1 padding (all_run, own_run are uniform: they come from block totals)
+        # (all_run, own_run are CTA-uniform block totals)
         for i in cutlass.range(own_run + tid, self.topk, C.TB, unroll=1):
             P.st_u32(ctx.kv_rows + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
         if ctx.ids != Int64(0):
@@ -579,8 +532,7 @@ class Merge:
 
     @cute.jit
     def page_of(self, lidx: Int32, ctx: Launch) -> Int32:
-        """lidx // block_size for 0 <= lidx < 2**17 by a multiply (page_magic): no division per
-        key, and no branch (a uniform branch per key split the loops into a block per key)."""
+        """lidx // block_size by a multiply (page_magic): no division, no branch per key."""
         return Int32((Uint64(lidx) * ctx.page_div) >> Uint64(PAGE_SHIFT))
 
     @cute.jit
@@ -590,8 +542,7 @@ class Merge:
 
     @cute.jit
     def kv_slot(self, lidx: Int32, ctx: Launch, row: Row) -> Int32:
-        """block_table[req, l // B] * B + l % B; -1 if the request or the page is out of range
-        (never reads out of bounds)."""
+        """block_table[req, l // B] * B + l % B; -1 (no load) if the request or page is out of range."""
         slot = Int32(-1)
         if row.req_ok != Int32(0):
             page = self.page_of(lidx, ctx)
@@ -602,8 +553,7 @@ class Merge:
 
     @cute.jit
     def kv_slot_of(self, entry: Int32, lidx: Int32, ctx: Launch, row: Row) -> Int32:
-        """kv_slot from the block-table entry of l's page, loaded before (any value where the
-        request or the page is out of range)."""
+        """kv_slot from the entry of l's page loaded before (any value where out of range)."""
         page = self.page_of(lidx, ctx)
         slot = entry * ctx.block_size + (lidx - page * ctx.block_size)
         if row.req_ok == Int32(0) or page >= ctx.bt_cols:
@@ -611,10 +561,9 @@ class Merge:
         return slot
 
     # ------------------------------------------------------------------ rows in registers
-    # Candidate words (ord16 << 16 | 0xFFFF - (l & 0xFFFF)) in registers, kp per thread, bit i of
-    # hbits bit 16 of word i's l.  Pair groups: thread (warp, lane) holds positions
-    # v = warp * 32 kp + 64 i + 2 lane + h (i < kp / 2, h < 2), so a warp's pair group is one
-    # 512-byte stretch of LL records; runs (clustered round 1): positions t kp .. t kp + kp - 1.
+    # Words ord16 << 16 | 0xFFFF - (l & 0xFFFF), kp per thread (bit i of hbits: bit 16 of word i's
+    # l).  Pair groups: positions v = warp * 32 kp + 64 i + 2 lane + h, a warp's group one 512-byte
+    # stretch of LL records; runs (clustered round 1): positions t kp .. t kp + kp - 1.
 
     @cute.jit
     def pair_pos(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, ctx: Launch) -> Int32:
@@ -625,7 +574,7 @@ class Merge:
 
     @cute.jit
     def pos1(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, ctx: Launch) -> Int32:
-        """Round 1's position of pair group i of this thread (pair groups or runs)."""
+        """Round 1's position of this thread's pair group i."""
         v = Int32(0)
         if cutlass.const_expr(self.runs):
             v = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp) + Int32(2 * i)
@@ -652,8 +601,7 @@ class Merge:
 
     @cute.jit
     def owner_p(self, ip: cutlass.Constexpr, src: Words, seg: cute.Tensor, ctx: Launch):
-        """owner() of pair group ip of this thread; in round 2 from qj[ip] (q << 16 | j, computed
-        once by load_r2), not W - 1 shared loads per call."""
+        """owner() of this thread's pair group ip (round 2: from qj, not W - 1 shared loads)."""
         q = Int32(0)
         j = Int32(0)
         if cutlass.const_expr(src.round2):
@@ -666,8 +614,7 @@ class Merge:
 
     @cute.jit
     def tied_owner(self, ip: cutlass.Constexpr, src: Words, vth: Int32, seg: cute.Tensor, ctx: Launch) -> Int32:
-        """The segment of pair group ip where one of its words has score vth (else 0): the
-        owner is needed only there."""
+        """The segment of pair group ip where one of its words has score vth (else 0)."""
         q = Int32(0)
         j = Int32(0)
         if Int32(src.regs[2 * ip] >> Uint32(16)) == vth or Int32(src.regs[2 * ip + 1] >> Uint32(16)) == vth:
@@ -679,9 +626,7 @@ class Merge:
         """The global position of word i of segment q."""
         return self.gpos(self.lidx_of(w, hbits, i), q)
 
-    # Global positions (docs/DESIGN.md §4, layout.global_position): with I = 1 g = l W + q; a
-    # KV cache interleaved in chunks of I tokens puts chunk c of rank q at positions
-    # (c W + q) I ..  Power-of-two sizes take shifts and masks, others a division by a constant.
+    # Global positions (layout.global_position): chunk c of I tokens of rank q at (c W + q) I ..
 
     @cute.jit
     def gpos(self, lidx: Int32, q: Int32) -> Int32:
@@ -726,9 +671,8 @@ class Merge:
 
     @cute.jit
     def pair_addr(self, i: cutlass.Constexpr, v: Int32, ctx: Launch, row: Row) -> Int64:
-        """Address of the LL record of round-1 pair group i of this thread (position v).  Where
-        a warp's (or with runs a thread's) positions lie in one list it is a base plus a
-        constant offset: no address registers per pair."""
+        """Address of the LL record of this thread's round-1 pair group i (position v): a base and
+        a constant offset where a warp's (runs: a thread's) positions lie in one list."""
         kp = self.kp1
         a = Int64(0)
         if cutlass.const_expr(self.runs):
@@ -752,7 +696,7 @@ class Merge:
 
     @cute.jit
     def mask_addr(self, v: Int32, ctx: Launch, row: Row) -> Int64:
-        """Address of the LL half of the mask word that holds bit 16 of l for position v."""
+        """Address of the LL half of the mask word of position v."""
         q, j = self.owner(v, False, None)
         return C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, Int32(self.n) + (j >> Int32(5)))
 
@@ -763,12 +707,9 @@ class Merge:
 
     @cute.jit
     def load_r1(self, words: cute.Tensor, hb: cute.Tensor, ctx: Launch, row: Row):
-        """Round 1's words into registers.  Every 16-byte LL record (a pair of words) of a batch,
-        and the mask halves, are loaded before any tag is checked (loads in flight together);
-        stale halves are then polled together (poll_batch).  Mask words: the 32 positions of a
-        half-warp in a pair group share one, so lane k < kp loads the one of (group k >> 1,
-        half k & 1) and the warp shuffles it to the lanes that need it (with runs each thread
-        loads its own)."""
+        """Round 1's words into registers: a batch's LL records and mask halves all loaded before
+        any tag is checked.  A half-warp's group shares a mask word: lane k < kp loads that of
+        (group k >> 1, half k & 1) and shuffles it (runs: each thread loads its own)."""
         kp = self.kp1
         npairs = kp // 2
         batch = min(npairs, LOAD_BATCH)
@@ -818,11 +759,8 @@ class Merge:
     @cute.jit
     def settle_batch(self, half0: cute.Tensor, half1: cute.Tensor, mhalf: Uint64, mpos: Int32,
                      b0: cutlass.Constexpr, batch: cutlass.Constexpr, ctx: Launch, row: Row) -> Uint64:
-        """Every half of a loaded batch (and in batch 0 the mask half) with the row's tag;
-        returns the mask half.  One test of every tag, and the polls behind one rarely taken
-        branch, keep the hot path short and straight (cold instruction fetch was a measured
-        stall).  After a timeout or a failure elsewhere each remaining half is waited for in
-        turn, each wait giving up at once."""
+        """Every half of a loaded batch (batch 0: and the mask half) with the row's tag; returns
+        the mask half.  The polls sit behind one rarely taken branch (cold fetch stalled)."""
         ep = row.ep
         npairs = self.kp1 // 2
         bad = Int32(0)
@@ -851,12 +789,9 @@ class Merge:
     @cute.jit
     def poll_batch(self, half0: cute.Tensor, half1: cute.Tensor, mhalf: Uint64, mpos: Int32,
                    b0: cutlass.Constexpr, batch: cutlass.Constexpr, ctx: Launch, row: Row):
-        """Re-load every stale half of a round-1 batch (and in batch 0 the mask half) together,
-        predicated, until none is stale; returns (mhalf, bad).  A merge that starts under PDL
-        while its producer runs finds all of its own list stale: waiting for the halves one at
-        a time cost a round trip per half once the data had landed.  The timeout (from the first
-        poll) is recorded here for the owner of a half still stale; once the status is set it
-        returns with bad != 0."""
+        """Re-load every stale half of a batch together, predicated, until none is stale (a merge
+        under PDL finds its own list stale: one wait per half cost a round trip each); returns
+        (mhalf, bad), bad != 0 after a timeout (recorded here) or a failure elsewhere."""
         ep = row.ep
         kp = self.kp1
         npairs = kp // 2
@@ -904,10 +839,8 @@ class Merge:
 
     @cute.jit
     def load_r2(self, words: cute.Tensor, hb: cute.Tensor, seg: cute.Tensor, qj: cute.Tensor, ctx: Launch, row: Row):
-        """Round 2's words into registers: segment q is rank q's K-list (rescue slot
-        seg[17 + q] >= 0, plain words) or its round-1 LL list (tags checked in round 1);
-        qj[i] = q << 16 | j of pair group i (owner_p).  No branch per pair: both sources'
-        loads predicated, so every pair's loads are in flight together."""
+        """Round 2's words into registers from each segment's K-list or LL list (tags checked in
+        round 1); qj[i] = q << 16 | j.  Both sources' loads predicated: all in flight together."""
         kp = self.kp2
         nk = seg[self.world]
         hbits = Uint32(0)
@@ -939,8 +872,7 @@ class Merge:
 
     @cute.jit
     def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, ctx: Launch, row: Row):
-        """Block-table entries of this rank's round-1 keys (their l is known once the words are
-        in), loaded now, in flight during the select, by predicated loads (no branch)."""
+        """Block-table entries of this rank's round-1 keys, in flight during the select."""
         kp = self.kp1
         hbits = hb[0]
         for ip in cutlass.range_constexpr(kp // 2):
@@ -953,8 +885,7 @@ class Merge:
 
     @cute.jit
     def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, ctx: Launch, row: Row):
-        """prefetch_bt for many words per thread: the entries go to buf[j] (j: index in this
-        rank's list; buf is free until a rescue), loads first, then the stores."""
+        """prefetch_bt into buf[j] (j: list index; buf is free until a rescue), loads first."""
         kp = self.kp1
         hbits = hb[0]
         entries = cute.make_rmem_tensor((kp,), Int32)
@@ -975,19 +906,14 @@ class Merge:
                 buf[j + Int32(1)] = entries[2 * ip + 1]
 
     # ------------------------------------------------------------------ the score select
-    # The boundary score from a histogram of (s - lo) >> shift (lo, the range and the count from
-    # warp reductions), a second one over the low shift bits where the range is wide, then the
-    # tie-break on g among the keys of that score only.  Every sum is the CTA's, or for a
-    # clustered round 1 the cluster's (each CTA's read through DSMEM after a cluster barrier).
-    # The words are in registers or, for a rolled round 2, in shared memory (Words).
+    # The boundary score from a histogram of (s - lo) >> shift, a second over the low shift bits,
+    # then a tie-break on g among that score's keys; sums are the CTA's or the cluster's.
 
     @cute.jit
     def warp_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
                       found: cute.Tensor, slot: cutlass.Constexpr):
-        """One warp: the bin holding the need-th element from the top (need <= total) ->
-        found[slot] = bin, found[slot + 1] = elements above it, found[slot + 2] = its count.
-        Lane k sums the nb / 32 bins ranked k * per .. from the top; a warp scan finds the lane,
-        whose bins the warp then scans (one per lane)."""
+        """One warp: the bin of the need-th element from the top -> found[slot ..] = bin, elements
+        above it, its count (a scan of per-lane sums finds the lane, then one of its bins)."""
         per = nb // 32
         assert per * 32 == nb and per & (per - 1) == 0, nb
         s = Int32(0)
@@ -1012,8 +938,7 @@ class Merge:
     @cute.jit
     def cta_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, found: cute.Tensor,
                      slot: cutlass.Constexpr, ctx: Launch):
-        """warp_find_bin by warp 0 between two block barriers (the histogram complete before,
-        found[slot ..] visible to every thread after)."""
+        """warp_find_bin by warp 0 between two block barriers."""
         cute.arch.sync_threads()
         if ctx.warp == Int32(0):
             self.warp_find_bin(hist, nb, need, ctx.lane, found, slot)
@@ -1022,9 +947,8 @@ class Merge:
     @cute.jit
     def find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, slot: cutlass.Constexpr,
                  cl: cutlass.Constexpr, sm: MergeSmem, ctx: Launch):
-        """cta_find_bin into sm.found; ``cl``: over the cluster's sum of ``hist`` (a cluster
-        barrier publishes every CTA's, thread k < nb / 4 sums bins 4k .. 4k + 3 over the CTAs by
-        16-byte DSMEM loads, all in flight, into cluster_hist, where warp 0 finds the bin)."""
+        """cta_find_bin into sm.found; ``cl``: over the cluster's sum of ``hist`` (after a cluster
+        barrier, thread k sums bins 4k .. 4k + 3 of every CTA by 16-byte DSMEM loads)."""
         tid = ctx.tid
         if cutlass.const_expr(cl):
             summed = sm.cluster_hist
@@ -1054,9 +978,7 @@ class Merge:
 
     @cute.jit
     def word_stats(self, words: cute.Tensor, kp: cutlass.Constexpr):
-        """(count, max, min) of this thread's nonzero word scores.  Branch-free up to
-        BRANCH_FREE_KP words (a per-word `if` is a branch and a convergence barrier): an empty
-        word leaves the max alone and counts as 0xFFFF for the min."""
+        """(count, max, min) of this thread's nonzero scores; branch-free up to BRANCH_FREE_KP."""
         cnt = Int32(0)
         mx = Int32(0)
         mn = Int32(0xFFFF)
@@ -1077,9 +999,8 @@ class Merge:
     @cute.jit
     def publish_stats(self, cnt: Int32, mx: Int32, mn: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
                       cl: cutlass.Constexpr = False):
-        """This thread's count / max / min -> the CTA's (warp reductions, one atomic each per
-        warp into stats slot ``slot``), the histograms cleared, one barrier; returns (count,
-        min, max - min).  ``cl``: a cluster barrier, and the cluster's stats."""
+        """This thread's count / max / min -> the CTA's (``cl``: the cluster's) in stats slot
+        ``slot``, the histograms cleared; returns (count, min, max - min)."""
         tid = ctx.tid
         stats, score_hist, score_hist2 = sm.stats, sm.score_hist, sm.score_hist2
         g_hist, g_hist2, g_hist3 = sm.g_hist, sm.g_hist2, sm.g_hist3
@@ -1184,10 +1105,8 @@ class Merge:
     @cute.jit
     def tie_break(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
                   cl: cutlass.Constexpr = False) -> Int32:
-        """The need-th smallest g among the m keys of score vth (the selection takes smaller g
-        first).  In a rolled round 2, where every key at vth is selected (a rescued K-list's
-        lowest score is often the boundary), none is needed (W = 8, N = 512: forced rescue
-        40.8 -> 34.0 us)."""
+        """The need-th smallest g among the m keys of score vth; a rolled round 2 skips it where
+        all of them are selected (W = 8, N = 512: forced rescue 40.8 -> 34.0 us)."""
         g_last = Int32(-1)
         if cutlass.const_expr(src.grp is None):
             g_last = self.tie_search(src, vth, m, need, slot, sm, ctx, cl)
@@ -1202,12 +1121,10 @@ class Merge:
     @cute.jit
     def tie_search(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
                    cl: cutlass.Constexpr) -> Int32:
-        """tie_break: up to EQ_MAX keys ranked one per thread, more by three histograms of g.
-        ``cl``: m and need are the cluster's, and so are the tied keys (or their histograms)."""
+        """tie_break: up to EQ_MAX keys ranked one per thread, more by histograms of g."""
         g_last = Int32(-1)
         if m <= Int32(EQ_MAX):
-            # the g of every key at score vth into sm.tied, at places taken from the stats
-            # slot's tied count, then each one's rank
+            # the g of every key at score vth into sm.tied (places from the slot's tied count)
             c = self.count_tied(src, vth)
             if c != Int32(0):
                 pos = cute.arch.atomic_add(sm.stats.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
@@ -1258,8 +1175,7 @@ class Merge:
 
     @cute.jit
     def rank_tied(self, tied: cute.Tensor, m: Int32, need: Int32, found: cute.Tensor, ctx: Launch) -> Int32:
-        """The need-th smallest of the m distinct values tied[0..m) (stored, barrier passed):
-        thread tid < m ranks tied[tid], the winner writes found[6], one barrier."""
+        """The need-th smallest of the m distinct values tied[0..m): thread tid ranks tied[tid]."""
         if ctx.tid < m:
             my = tied[ctx.tid]
             r = Int32(0)
@@ -1274,8 +1190,7 @@ class Merge:
     @cute.jit
     def tie_by_histograms(self, src: Words, vth: Int32, need: Int32, sm: MergeSmem, ctx: Launch,
                           cl: cutlass.Constexpr) -> Int32:
-        """tie_break of many keys: three histograms of u = 2^G - 1 - g (a larger u is a smaller
-        g) over its top 10 bits, the next 6 and the last G - 16 (G >= 17)."""
+        """tie_break of many keys: histograms of u = 2^G - 1 - g, top 10 bits, next 6, the rest."""
         G = self.gbits
         gmax = Int32((1 << G) - 1)
         u_last = Int32(0)
@@ -1321,9 +1236,7 @@ class Merge:
 
     @cute.jit
     def gather_cluster_tied(self, m: Int32, slot: Int32, sm: MergeSmem, ctx: Launch) -> cute.Tensor:
-        """The cluster's m keys at the boundary score (each CTA's in its tied, counted in its
-        stats slot word 3) into this CTA's cluster_tied after a cluster barrier (which replaces
-        the block barrier after the local gather); returns cluster_tied."""
+        """The cluster's m tied keys (each CTA's tied, counted in stats word 3) -> cluster_tied."""
         tid = ctx.tid
         gathered = sm.cluster_tied
         P.cluster_sync_local()
@@ -1343,11 +1256,8 @@ class Merge:
 
     @cute.jit
     def cluster_counts(self, tot: Int32, failed_here: Int32, sm: MergeSmem, ctx: Launch):
-        """A clustered row's selected counts: this CTA's total, its ranks' counts (their warps'
-        totals: a warp's positions lie in one list) and its failure flag into cluster_totals, a
-        cluster barrier, then from every CTA's (DSMEM): the selected keys (own << 16 | all) of
-        the CTAs before this one, of the row, of this rank; rank_counts[q] (the saturation test);
-        found[7] = 1 when any CTA saw a failure recorded after its waits."""
+        """A clustered row's selected keys (published, then read through DSMEM): of the CTAs
+        before this one, of the row, of this rank; rank_counts; found[7]: any CTA's failure."""
         tid = ctx.tid
         totals, rank_counts, found, warp_sel = sm.cluster_totals, sm.rank_counts, sm.found, sm.warp_sel
         npc = self.world // self.clus  # ranks per CTA
@@ -1386,16 +1296,11 @@ class Merge:
                    sm: MergeSmem, ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr,
                    qj: cute.Tensor) -> Uint64:
         """Exact top-K of the words in registers and the row's outputs; returns the K-th key (0
-        if fewer than K).  Round 1 also leaves list_start[q] = the selected keys before rank
-        q's list.  ``pre_bt``: 1: btp[i] holds the block-table entry of own key i
-        (prefetch_bt), 2: sm.buf[j] that of own list index j (prefetch_bt_smem), 0: loaded
-        here.  Stats slot ``slot`` was reset before."""
+        if fewer).  ``pre_bt``: the block-table entries in btp (1), in sm.buf (2), or loaded here."""
         cl = self.clus > 1 and not round2  # a clustered round 1 (a round 2 runs on CTA 0 alone)
         src = Words(self.kp2 if round2 else self.kp1, round2, hb[0], regs=words, qj=qj)
         vth, g_last, kth, failed_here = self.fast_select(src, slot, sm, ctx)
-        # Round 1: the status word, read once every wait of the row is over (barriers above), in
-        # flight during the outputs: found[7] = 1 when a timeout was recorded (the row is then
-        # voided, row_epilogue).
+        # round 1: the status word after the row's last wait, in flight during the outputs
         status_word = Uint32(0)
         if cutlass.const_expr(not round2 and not cl):
             if ctx.tid == Int32(0):
@@ -1425,8 +1330,7 @@ class Merge:
 
     @cute.jit
     def fast_select(self, src: Words, slot: Int32, sm: MergeSmem, ctx: Launch):
-        """(boundary score vth, the largest selected g at vth, the K-th key, this CTA's failure
-        flag): the selection is s > vth, or s == vth and g <= that g."""
+        """(boundary score vth, the largest selected g at vth, the K-th key, the failure flag)."""
         cl = self.clus > 1 and not src.round2
         K = self.topk
         G = self.gbits
@@ -1438,8 +1342,7 @@ class Merge:
         cnt, mx, mn = self.word_stats(src.regs, src.kp)
         total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx, cl)
         if cutlass.const_expr(cl):
-            # every wait of this CTA is over (the barrier above): its status word, in flight
-            # during the select, published with the counts (cluster_counts)
+            # the status word after this CTA's waits, published with the counts (cluster_counts)
             if ctx.tid == Int32(0):
                 sw0 = P.ld_volatile_u32(ctx.status)
                 if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
@@ -1475,8 +1378,7 @@ class Merge:
 
     @cute.jit
     def ballot_counts(self, s0, s1, own, lt: Uint32):
-        """(selected keys of the lanes below this one, of the whole warp), own << 16 | all, of a
-        pair group whose two keys' selection bits are s0, s1 (own: this rank's), by four ballots."""
+        """(selected keys of the lanes below, of the warp), own << 16 | all, of a pair group."""
         b0 = Uint32(cute.arch.vote_ballot_sync(s0))
         b1 = Uint32(cute.arch.vote_ballot_sync(s1))
         o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
@@ -1507,8 +1409,7 @@ class Merge:
 
     @cute.jit
     def warp_prefix(self, warp_sel: cute.Tensor, warp):
-        """(the selected keys of the warps before this one, of all), own << 16 | all, from the
-        warp totals (stored, barrier passed)."""
+        """(selected keys of the warps before this one, of all), own << 16 | all."""
         before = Int32(0)
         tot = Int32(0)
         for w in cutlass.range_constexpr(C.NWARPS):
@@ -1521,9 +1422,7 @@ class Merge:
     @cute.jit
     def fast_outputs(self, src: Words, sel_bits: Uint32, failed_here: Int32, sm: MergeSmem, ctx: Launch, row: Row,
                      btp: cute.Tensor, pre_bt: cutlass.Constexpr):
-        """The selected keys' output places (an order-preserving compaction: each warp's total,
-        then each key's place in its warp) and the stores; returns the row's (all, own)
-        selected counts."""
+        """The order-preserving compaction's places and stores; returns the row's (all, own)."""
         tid, lane, warp, kp = ctx.tid, ctx.lane, ctx.warp, src.kp
         roll = cutlass.const_expr(not src.round2 and self.roll1)
         warp_sel = sm.warp_sel
@@ -1538,8 +1437,7 @@ class Merge:
                 _, c2 = self.pair_counts_dyn(sel_bits, ip, kp, lt, ctx)
                 run = run + c2
         elif cutlass.const_expr(self.runs and not src.round2):
-            # this thread's selected keys, the lanes' before it by one warp scan, the warp's
-            # total in every lane
+            # this thread's selected keys, the lanes' before it and the warp's by one warp scan
             q0, _ = self.owner_p(0, src, sm.seg, ctx)
             xa = Int32(cute.arch.popc(sel_bits))
             xr = xa + ((xa * Int32(q0 == ctx.rank)) << Int32(16))
@@ -1557,8 +1455,7 @@ class Merge:
         all_run = tot & Int32(0xFFFF)
         own_run = tot >> Int32(16)
         if cutlass.const_expr(self.clus > 1 and not src.round2):
-            # the row's places of this CTA's selected keys start after the CTAs' before it (its
-            # own rank's, if any, are all here: their kv_rows prefix is local)
+            # places after the CTAs' before this one (this rank's keys are all in one CTA)
             cb, all_run, own_run = self.cluster_counts(tot, failed_here, sm, ctx)
             before = before + cb
         if cutlass.const_expr(roll):
@@ -1570,9 +1467,7 @@ class Merge:
     @cute.jit
     def store_rolled(self, hbits: Uint32, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem,
                      ctx: Launch, row: Row):
-        """The stores of a row of more than ROLL_KP words per thread: one pair group per
-        iteration over the words' shared-memory copy, stores predicated; the block-table entry
-        of list index j was prefetched into buf[j]."""
+        """The stores of more than ROLL_KP words per thread: a pair group per iteration."""
         tid, kp = ctx.tid, self.kp1
         trow = Int64(row.t) * Int64(self.topk)
         ids_on = Int32(ctx.ids != Int64(0))
@@ -1607,8 +1502,7 @@ class Merge:
     @cute.jit
     def bt_entries(self, entries: cute.Tensor, b0: cutlass.Constexpr, src: Words, sel_bits: Uint32, sm: MergeSmem,
                    ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr):
-        """The block-table entries of pair groups b0 .. b0 + 3 (fast_round's pre_bt), before
-        their stores (loads in flight together)."""
+        """The block-table entries of pair groups b0 .. b0 + 3, loads in flight together."""
         kp = src.kp
         for k in cutlass.range_constexpr(8):
             i = b0 * 2 + k
@@ -1635,8 +1529,7 @@ class Merge:
     @cute.jit
     def store_unrolled(self, src: Words, sel_bits: Uint32, before: Int32, run_before: Int32, lt: Uint32,
                        sm: MergeSmem, ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr):
-        """The stores, four pair groups at a time: ids at the key's place among all selected,
-        kv_rows (this rank's keys) at its place among this rank's; round 1 also list_start."""
+        """The stores, four pair groups at a time; round 1 also list_start."""
         kp = src.kp
         runs = cutlass.const_expr(self.runs and not src.round2)
         trow = Int64(row.t) * Int64(self.topk)
@@ -1695,8 +1588,7 @@ class Merge:
     @cute.jit
     def store_key_branchy(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32, sel_bits: Uint32,
                           pos: Int32, kpos: Int32, entry: Int32, trow: Int64, ctx: Launch, row: Row):
-        """store_key behind a branch per key (many words per thread, where branch-free code
-        made ptxas spill the words)."""
+        """store_key behind a branch (many words per thread: branch-free code spilled)."""
         if ((sel_bits >> Uint32(i)) & Uint32(1)) != Uint32(0):
             lidx = self.lidx_of(w, hbits, i)
             g = self.gpos(lidx, q)
@@ -1723,9 +1615,8 @@ class Merge:
                 P.st_u32(ctx.ids + (trow + Int64(i)) * Int64(4), Int32(-1))
 
     # ------------------------------------------------------------------ round 2 rolled
-    # fast_round's selection and outputs, bit for bit, in loops rolled over a shared-memory copy
-    # of the words (roll2): the register path unrolls every pass over its words (W = 8, N = 512:
-    # 18 a thread, ~66 KB of SASS fetched cold once per rescue); here each pass is one loop body.
+    # fast_round's selection and outputs, bit for bit, in loops over a shared-memory copy: the
+    # unrolled passes (W = 8, N = 512: ~66 KB of SASS) were fetched cold once per rescue.
 
     @cute.jit
     def r2_addr(self, p: Int32, grp: Round2Smem) -> Int32:
@@ -1735,8 +1626,7 @@ class Merge:
 
     @cute.jit
     def r2_q(self, p: Int32, qb0: Uint32, qb1: Uint32) -> Int32:
-        """Segment (source rank) of this thread's round-2 pair group p: 4 bits per group,
-        groups 0-7 in qb0, 8-15 in qb1."""
+        """Segment of this thread's round-2 pair group p (4 bits each, groups 8-15 in qb1)."""
         qw = qb0 ^ ((qb0 ^ qb1) & (Uint32(0) - Uint32(p >= Int32(8))))
         return Int32((qw >> (Uint32(p & Int32(7)) * Uint32(4))) & Uint32(15))
 
@@ -1754,14 +1644,9 @@ class Merge:
 
     @cute.jit
     def round2_rolled(self, slot: Int32, sm: MergeSmem, ctx: Launch, row: Row):
-        """Round 2 of a rescue over shared memory.  The words come in by cp.async (no register
-        waits, so a rolled loop keeps every copy in flight): pair group p of this thread
-        (positions v, v + 1, v = warp * 32 kp + 64 p + 2 lane, as fast_round) to its 8-byte
-        slot, groups [0, R2_H) in the rescue select's hist1, [R2_H, R2_H + R2_M) in its mask
-        (both free once the K-list is pushed), the rest in stage2, each [group][thread]; the
-        mask words of every segment (word u: positions 32 u .. 32 u + 31, segments start at
-        multiples of 32) to r2m; the block-table entries of this rank's keys to buf[j] (as
-        prefetch_bt_smem), in flight during the select."""
+        """Round 2 over shared memory: pair groups copied by cp.async (a rolled loop keeps every
+        copy in flight) into hist1, mask, then stage2, the mask words into r2m, this rank's
+        block-table entries into buf[j], in flight during the select."""
         tid, TB = ctx.tid, C.TB
         W = self.world
         K = self.topk
@@ -1803,8 +1688,7 @@ class Merge:
 
     @cute.jit
     def r2_copy(self, nk: Int32, segr: cute.Tensor, grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
-        """The mask words, then the words, copied in (cp.async, waited for); returns the
-        segments of this thread's pair groups, 4 bits each (r2_q)."""
+        """The mask words and words copied in; returns the segments of the pair groups (r2_q)."""
         seg = sm.seg
         for u in cutlass.range(ctx.tid, (nk + Int32(31)) >> Int32(5), C.TB, unroll=1):
             q = self.r2_owner(u << Int32(5), segr)
@@ -1843,8 +1727,7 @@ class Merge:
 
     @cute.jit
     def r2_stats(self, nk: Int32, qb0: Uint32, qb1: Uint32, grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
-        """(hbits, count, max, min) of this thread's words (word_stats), and the copies of this
-        rank's block-table entries started."""
+        """(hbits, count, max, min) of this thread's words; the block-table copies started."""
         seg = sm.seg
         hbits = Uint32(0)
         cnt = Int32(0)
@@ -1896,8 +1779,7 @@ class Merge:
 
     @cute.jit
     def r2_store(self, src: Words, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem, ctx: Launch, row: Row):
-        """The outputs, an order-preserving compaction (places ascend with warp, group, lane,
-        h), stores predicated."""
+        """The outputs (places ascend with warp, group, lane, h), stores predicated."""
         seg, grp, hbits = sm.seg, src.grp, src.hbits
         trow = Int64(row.t) * Int64(self.topk)
         ids_on = Int32(ctx.ids != Int64(0))
@@ -1930,10 +1812,8 @@ class Merge:
 
     @cute.jit
     def saturated_ranks(self, kth: Uint64, sm: MergeSmem, ctx: Launch) -> Int32:
-        """The mask of the ranks all of whose N keys were selected and whose key is not the
-        K-th: their lists may hide keys above it (CTA-uniform: from shared counts).  Lane q < W
-        of every warp tests rank q, one ballot gives the mask (a loop over the ranks in every
-        thread was ~2.5% of the normal path's instructions at W = 8)."""
+        """The mask of ranks whose N keys were all selected and whose key is not the K-th (lane q
+        tests rank q, one ballot: a loop over the ranks was ~2.5% of the instructions at W = 8)."""
         W = self.world
         lane = ctx.lane
         t_owner = Int32(-1)
@@ -1954,9 +1834,8 @@ class Merge:
 
     @cute.jit
     def rescue(self, mask: Int32, words: cute.Tensor, hb: cute.Tensor, sm: MergeSmem, ctx: Launch, row: Row):
-        """A rescue of the row: the saturated ranks push their K-lists, every rank waits for
-        their flags and selects round 2 over (the other lists) + (the K-lists), rewriting the
-        outputs; the row's rescue count goes up (the next rescue's flags carry seq + 2)."""
+        """The saturated ranks push their K-lists, every rank waits for their flags and rewrites
+        the outputs from round 2; the row's rescue count goes up."""
         tid = ctx.tid
         flag_val = row.seq + Int32(1)
         if ((mask >> ctx.rank) & Int32(1)) != Int32(0):
@@ -1996,8 +1875,7 @@ class Merge:
 
     @cute.jit
     def push_klist(self, mask: Int32, flag_val: Int32, sm: MergeSmem, ctx: Launch, row: Row):
-        """This saturated rank's local top-K (the producer's K-list, or selected here from its
-        logits, which the kernel before the producer wrote: the grid chain is waited for) into
+        """This rank's local top-K (the producer's K-list, or selected here from its logits) into
         its slot of every rank's rescue row, then its flag released to every rank."""
         tid, t, W = ctx.tid, row.t, self.world
         P.pdl_wait()
@@ -2026,9 +1904,8 @@ class Merge:
                     P.st_v4(dst + Int64(i) * Int64(16), buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3])
         cute.arch.sync_threads()
         foff = ctx.flags_off + C.flag_offset(ctx.rank, t, ctx.max_rows)
-        # Lane p of warp 0: fence.acq_rel.sys then a relaxed.sys store of rank p's flag, a
-        # release pattern (PTX memory model); the barrier above orders the CTA's stores before
-        # each lane's fence (cumulativity).  One MEMBAR for the warp, the W stores at once.
+        # lane p: fence.acq_rel.sys, relaxed.sys store of rank p's flag (a release; the barrier
+        # orders the CTA's stores before each fence by cumulativity)
         if tid < Int32(W):
             pa = P.ld_u64(ctx.peers + Int64(tid) * Int64(8))
             P.fence_sys()
@@ -2049,8 +1926,7 @@ class Merge:
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         sm = MergeSmem(self)
-        # CTA b does rows b, b + G, ...; a clustered row t runs on cluster t, its CTAs in the
-        # order of their rank crank in it
+        # CTA b does rows b, b + G, ...; a clustered row t runs on cluster t
         nstep = nblk
         t = Int32(bid)
         crank = None
@@ -2078,25 +1954,20 @@ class Merge:
         last_f = Int32(0)
         finished = Int32(0)  # the launch's end done (after a last row without a rescue)
         refused = Int32(0)
-        # The first row's epoch, loaded with the status word (a plain load of this rank's own
-        # state: harmless even when the call is refused); later rows' are loaded a row ahead.
-        # Only this CTA touches its rows' epochs.
+        # the first row's epoch, loaded with the status word; later rows' a row ahead
         epn = Int32(0)
         if t < rows:
             epn = P.ld_u32(C.state_epoch(state, max_rows, t))
-        # A failed or closed exchange (status set before this launch) does no exchange work:
-        # empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
+        # a failed or closed exchange does no exchange work: empty outputs, no epoch bump
         stw0 = P.ld_volatile_u32(status)
         if cutlass.const_expr(self.clus > 1):
-            # CTA 0's word for the whole cluster (its CTAs must pass the same cluster barriers);
-            # this barrier also has every CTA of the cluster running before any DSMEM access
+            # CTA 0's word for the cluster (all pass the same barriers); every CTA runs before DSMEM
             totals = sm.cluster_totals
             if tid == Int32(0):
                 totals[14] = Int32(stw0)
             P.cluster_sync_local()
             stw0 = Uint32(P.ld_dsmem_u32(P.mapa(P.smem_addr(totals) + Int32(56), Int32(0))))
-        # page_of's multiplier: one 64-bit division per launch, while the loads above are in
-        # flight (block_size < 1 never reaches a lookup: req_ok is 0 then)
+        # page_of's multiplier, while the loads above are in flight (block_size < 1: req_ok is 0)
         page_div = (Uint64(1) << Uint64(PAGE_SHIFT)) // Uint64(cutlass.max(block_size, Int32(1))) + Uint64(1)
         ctx = Launch(tid, lane, warp, peers, local, state, logits, row_ends, kv_rows, counts, ids, saturated,
                      rows, cols, bt_cols, block_size, rank, max_rows, rescue_off, flags_off, host_status,
@@ -2147,8 +2018,7 @@ class Merge:
         if req >= Int32(0) and req < bt_rows and ctx.block_size > Int32(0):
             req_ok = Int32(1)
             bt_row = block_table + Int64(req) * Int64(ctx.bt_cols) * Int64(4)
-        # stats slots of this row: 2 * (rowi & 1) + round; the other row parity's reset (last
-        # read before the previous row's final barrier)
+        # stats slots 2 * (rowi & 1) + round; the other parity's reset (read before the last barrier)
         slot = Int32(2) * (rowi & Int32(1))
         if ctx.tid < Int32(8):
             stats = sm.stats
@@ -2181,14 +2051,11 @@ class Merge:
     @cute.jit
     def end_row(self, mask: Int32, epn: Int32, last_f: Int32, finished: Int32, refused: Int32, rowi: Int32,
                 words: cute.Tensor, hb: cute.Tensor, sm: MergeSmem, ctx: Launch, row: Row):
-        """The row's rescue, if any, and its end; returns (the next row's epoch, the failure
-        flag, whether the launch's end is done)."""
+        """The row's rescue, if any, and its end; returns (next epoch, failure flag, finished)."""
         t, nstep = row.t, ctx.nstep
         if cutlass.const_expr(self.clus > 1):
-            # A clustered row ends on CTA 0 (mask and found[7] are the cluster's).  Where CTA 0
-            # then rewrites the outputs (a rescue's round 2, or the empty row of a failed call),
-            # a cluster barrier that releases global memory first orders the other CTAs'
-            # round-1 stores before its stores; the others go on to their next row.
+            # a clustered row ends on CTA 0; where it rewrites the outputs, a cluster barrier
+            # first orders the other CTAs' round-1 stores before its own
             if mask != Int32(0) or sm.found[7] != Int32(0):
                 P.cluster_sync()
             if ctx.crank == Int32(0):
@@ -2204,9 +2071,7 @@ class Merge:
                 self.rescue(mask, words, hb, sm, ctx, row)
             epn, last_f = self.row_epilogue(mask, None, epn, sm, ctx, row)
         else:
-            # The end of a row without a rescue sits before the rescue's code (a one-CTA select
-            # and a second round, ~100 KB of SASS): after it, the normal path fetched its end
-            # cold on every launch (most of its extra no-instruction stalls, ncu).
+            # a row without a rescue ends before the rescue's ~100 KB of code (else fetched cold)
             if mask == Int32(0):
                 epn, last_f, finished = self.end_plain_row(mask, epn, finished, refused, rowi, sm, ctx, row)
             else:
@@ -2228,11 +2093,9 @@ class Merge:
 
     @cute.jit
     def row_epilogue(self, mask: Int32, plain: cutlass.Constexpr, epn: Int32, sm: MergeSmem, ctx: Launch, row: Row):
-        """The row's end: its saturated mask, the next row's epoch loaded, the producer grid
-        waited for, the row voided on a failure, the epoch bumped.  ``plain``: True for a row
-        without a rescue, False for one with, None: decided by ``mask`` (a register-path row
-        without a rescue reuses the status word read after its last wait: found[7], published by
-        the outputs' final barrier).  Returns (the next row's epoch, the failure flag)."""
+        """The row's end: the next epoch loaded, the producer grid waited for, the row voided on a
+        failure, the epoch bumped.  ``plain`` (None: by ``mask``): no rescue, so found[7] holds
+        the status read after the row's last wait.  Returns (next epoch, failure flag)."""
         tid, t, nstep = ctx.tid, row.t, ctx.nstep
         if ctx.saturated != Int64(0):
             if tid == Int32(0):
@@ -2241,9 +2104,7 @@ class Merge:
             epn = P.ld_u32(C.state_epoch(ctx.state, ctx.max_rows, t + Int32(nstep)))
         # every word of the row was read; the producer grid is done
         P.pdl_wait()
-        # A failure anywhere in the grid (status set) voids this row: waits that gave up read
-        # stale words, so the row gets empty outputs, never a guess.  (failed() starts with a
-        # barrier: every thread is done reading the row.)
+        # a failure anywhere voids the row: waits that gave up read stale words
         f = Int32(0)
         if cutlass.const_expr(self.fast1 and plain is None):
             if mask == Int32(0):
@@ -2265,11 +2126,8 @@ class Merge:
         """The launch's end for this CTA: withdraw on a failure, the host's status copy."""
         report = refused
         if refused == Int32(0):
-            # This call failed here or elsewhere in the grid: withdraw this rank's pushed rows
-            # from every peer (both parities), so that a peer arriving late times out too
-            # instead of pairing its call with this one's words (the producer grid is complete).
-            # A CTA that merged rows reuses its last row's check: a status never clears within
-            # a launch, and the CTA whose wait failed sees it (withdraw is idempotent).
+            # a failed call withdraws this rank's rows, so that a late peer times out too instead
+            # of pairing with this call's words (a CTA that merged rows reuses its last check)
             P.pdl_wait()
             fe = last_f
             if cutlass.const_expr(self.clus > 1):
@@ -2281,10 +2139,7 @@ class Merge:
             if fe != Int32(0):
                 self.withdraw(ctx)
             report = fe
-        # The host's copy of a set status (pinned words that op.jit's poll and the launcher's
-        # handlers read without a sync): written by a refused launch or a CTA that saw this
-        # launch fail; a healthy launch writes nothing (the copy starts at 0, a status never
-        # clears).
+        # the host's pinned copy of a set status; a healthy launch writes nothing
         if ctx.host_status != Int64(0):
             if report != Int32(0):
                 if ctx.tid == Int32(0):
@@ -2292,8 +2147,7 @@ class Merge:
 
     @cute.jit
     def report(self, ctx: Launch):
-        """Copy the status words [code, row, epoch, rank] to the host, the code last (a reader
-        that sees the code sees the rest)."""
+        """Copy the status words to the host, the code last (whoever sees it sees the rest)."""
         for i in cutlass.range_constexpr(layout.STATUS_REPORT_WORDS):
             if cutlass.const_expr(i != layout.STATUS_CODE):
                 P.st_volatile_u32(ctx.host_status + Int64(4 * i), Int32(P.ld_volatile_u32(C.status_word(ctx.status, i))))
@@ -2316,9 +2170,8 @@ class Merge:
 
     @cute.jit
     def withdraw(self, ctx: Launch):
-        """Overwrite the first LL record of each of this rank's rows, both parities, in every
-        rank's buffer, with a tag 2^31 away from the row's epoch: no reader within 2^31 calls
-        accepts it (idempotent: every failed CTA may do it)."""
+        """Tag the first LL record of this rank's rows (both parities) on every rank 2^31 away
+        from the row's epoch: no reader accepts it (idempotent)."""
         max_rows = ctx.max_rows
         for p in cutlass.range(self.world, unroll=1):
             base = P.ld_u64(ctx.peers + Int64(p) * Int64(8))
@@ -2356,8 +2209,7 @@ class Merge:
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)
 
     def compile(self, arch: str | None = None, dump_dir: str = "."):
-        """The compiled kernel for the configuration's target (``arch``: None or that one; cached
-        on this object; the DSL writes its PTX and cubin into ``dump_dir``)."""
+        """The compiled kernel for the configuration's target (cached; PTX, cubin in dump_dir)."""
         arch = arch or self.config.arch
         if arch != self.config.arch:
             raise ValueError(f"a merge configured for {self.config.arch} cannot compile for {arch}")

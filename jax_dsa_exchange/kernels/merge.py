@@ -299,6 +299,7 @@ class Merge:
                 + (4 * (SCORE_BINS + EQ_MAX + CLUS_XC) + 32 if self.clus > 1 else 0))  # fmt: skip
 
     # ------------------------------------------------------------------ keys and waits
+    # Helpers without dynamic control flow are plain methods: the trace runs them inline.
 
     @cute.jit
     def make_key(self, w: Uint32, m: Uint32, j: Int32, q: Int32) -> Uint64:
@@ -315,15 +316,11 @@ class Merge:
             key = (Uint64(w >> Uint32(16)) << Uint64(self.gbits)) | (Uint64((1 << self.gbits) - 1) - g)
         return key
 
-    @cute.jit
-    def probe(self, addr: Int64, flag: cutlass.Constexpr) -> Uint64:
+    def probe(self, addr: Int64, flag: bool) -> Uint64:
         """What a wait watches, tag in the high word: an LL half or a rescue flag (acquire.sys)."""
-        h = Uint64(0)
-        if cutlass.const_expr(flag):
-            h = Uint64(Uint32(P.ld_acquire_sys(addr))) << Uint64(32)
-        else:
-            h = P.ld_volatile_u64(addr)
-        return h
+        if flag:
+            return Uint64(Uint32(P.ld_acquire_sys(addr))) << Uint64(32)
+        return P.ld_volatile_u64(addr)
 
     @cute.jit
     def wait_tag(self, addr: Int64, want: Int32, flag: cutlass.Constexpr, code: cutlass.Constexpr,
@@ -345,11 +342,9 @@ class Merge:
                     go = Int32(0)
         return h
 
-    @cute.jit
-    def ll_half(self, addr: Int64, wait: cutlass.Constexpr, q: Int32, ctx: Launch, row: Row) -> Uint32:
+    def ll_half(self, addr: Int64, wait: bool, q: Int32, ctx: Launch, row: Row) -> Uint32:
         """Word of the LL half at addr; with ``wait``, once its tag is the row's epoch."""
-        h = Uint64(0)
-        if cutlass.const_expr(wait):
+        if wait:
             h = self.wait_tag(addr, row.ep, False, layout.STATUS_TIMEOUT_ROUND1, q, ctx, row)
         else:
             h = P.ld_volatile_u64(addr)
@@ -364,12 +359,10 @@ class Merge:
             P.st_volatile_u32(C.status_word(ctx.status, layout.STATUS_EPOCH), row.ep)
             P.st_volatile_u32(C.status_word(ctx.status, layout.STATUS_RANK), q)
 
-    @cute.jit
-    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, wait: cutlass.Constexpr, ctx: Launch, row: Row) -> Uint64:
+    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, wait: bool, ctx: Launch, row: Row) -> Uint64:
         """Key j of rank q's round-1 list, whose LL row is at ll_base."""
         w = self.ll_half(C.ll_word_addr(ll_base, j), wait, q, ctx, row)
-        mj = Int32(self.n) + (j >> Int32(5))
-        m = self.ll_half(C.ll_word_addr(ll_base, mj), wait, q, ctx, row)
+        m = self.ll_half(C.ll_word_addr(ll_base, Int32(self.n) + (j >> Int32(5))), wait, q, ctx, row)
         return self.make_key(w, m, j, q)
 
     @cute.jit
@@ -411,14 +404,8 @@ class Merge:
             scalars[8] = Int32(Uint32(key & Uint64(0xFFFFFFFF)))
             scalars[9] = Int32(Uint32(key >> Uint64(32)))
 
-    @cute.jit
-    def key_at(self, v: Int32, round2: cutlass.Constexpr, seg: cute.Tensor, ctx: Launch, row: Row) -> Uint64:
-        key = Uint64(0)
-        if cutlass.const_expr(round2):
-            key = self.key_r2(v, seg, ctx, row)
-        else:
-            key = self.key_r1(v, False, ctx, row)
-        return key
+    def key_at(self, v: Int32, round2: bool, seg: cute.Tensor, ctx: Launch, row: Row) -> Uint64:
+        return self.key_r2(v, seg, ctx, row) if round2 else self.key_r1(v, False, ctx, row)
 
     @cute.jit
     def radix_select(self, round2: cutlass.Constexpr, sm: MergeSmem, ctx: Launch, row: Row) -> Uint64:
@@ -426,15 +413,9 @@ class Merge:
         bin the next prefix; a bin of one key ends with one more read pass.  CTA-uniform."""
         tid = ctx.tid
         hist, scalars, seg, warp_totals = sm.hist, sm.scalars, sm.seg, sm.warp_totals
-        hi = Int32(self.keybits)
-        prefix = Uint64(0)
-        need = Int32(self.topk)
-        kth = Uint64(0)
-        done = Int32(0)
-        first = Int32(1)
-        nk = Int32(self.nk1)
-        if cutlass.const_expr(round2):
-            nk = seg[self.world]
+        hi, prefix, need, kth = Int32(self.keybits), Uint64(0), Int32(self.topk), Uint64(0)
+        done, first = Int32(0), Int32(1)
+        nk = self.nk_of(round2, seg)
         while done == Int32(0):
             lo = hi - Int32(C.DIGIT)
             if lo < Int32(0):
@@ -449,8 +430,7 @@ class Merge:
             if first == Int32(1) and total < Int32(self.topk):
                 done = Int32(1)  # fewer than K keys: all are selected
             else:
-                b = scalars[0]
-                cnt = scalars[2]
+                b, cnt = scalars[0], scalars[2]
                 prefix = (prefix << Uint64(hi - lo)) | Uint64(b)
                 need = need - scalars[1]
                 hi = lo
@@ -467,15 +447,17 @@ class Merge:
             cute.arch.sync_threads()
         return kth
 
+    def nk_of(self, round2: bool, seg: cute.Tensor):
+        """The keys of a round: round 2's from its segments."""
+        return seg[self.world] if round2 else Int32(self.nk1)
+
     @cute.jit
     def emit_chunk(self, key: Uint64, kth: Uint64, count_ranks: cutlass.Constexpr, sm: MergeSmem,
                    all_run: Int32, own_run: Int32, ctx: Launch, row: Row):
         """One TB-chunk of the compaction of {key >= kth}; returns the new (all_run, own_run)."""
         rank_counts = sm.rank_counts
         sel = key != Uint64(0) and key >= kth
-        g = Int32(0)
-        q = Int32(0)
-        flag = Int32(0)
+        g, q, flag = Int32(0), Int32(0), Int32(0)
         if sel:
             g = Int32(Uint64((1 << self.gbits) - 1) - (key & Uint64((1 << self.gbits) - 1)))
             q = self.owner_of(g)
@@ -504,11 +486,8 @@ class Merge:
         if tid < Int32(16):
             rank_counts[tid] = Int32(0)
         cute.arch.sync_threads()
-        all_run = Int32(0)
-        own_run = Int32(0)
-        nk = Int32(self.nk1)
-        if cutlass.const_expr(round2):
-            nk = seg[self.world]
+        all_run, own_run = Int32(0), Int32(0)
+        nk = self.nk_of(round2, seg)
         for base in cutlass.range(0, nk, C.TB, unroll=1):
             v = base + tid
             key = Uint64(0)
@@ -530,13 +509,11 @@ class Merge:
 
     # ------------------------------------------------------------------ the block table
 
-    @cute.jit
     def page_of(self, lidx: Int32, ctx: Launch) -> Int32:
         """lidx // block_size by a multiply (page_magic): no division, no branch per key."""
         return Int32((Uint64(lidx) * ctx.page_div) >> Uint64(PAGE_SHIFT))
 
-    @cute.jit
-    def lidx_of(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr) -> Int32:
+    def lidx_of(self, w: Uint32, hbits: Uint32, i) -> Int32:
         """Local index l of word i (bit 16 from hbits)."""
         return Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
 
@@ -565,30 +542,21 @@ class Merge:
     # l).  Pair groups: positions v = warp * 32 kp + 64 i + 2 lane + h, a warp's group one 512-byte
     # stretch of LL records; runs (clustered round 1): positions t kp .. t kp + kp - 1.
 
-    @cute.jit
-    def pair_pos(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, ctx: Launch) -> Int32:
+    def pair_pos(self, i: int, kp: int, ctx: Launch) -> Int32:
         v = ctx.warp * Int32(32 * kp) + Int32(i * 64) + Int32(2) * ctx.lane
-        if cutlass.const_expr(self.clus > 1):
-            v = v + ctx.cbase  # (0 in CTA 0, the only one that runs a round 2)
-        return v
+        return v + ctx.cbase if self.clus > 1 else v  # (cbase is 0 in CTA 0, which runs round 2)
 
-    @cute.jit
-    def pos1(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, ctx: Launch) -> Int32:
+    def pos1(self, i: int, kp: int, ctx: Launch) -> Int32:
         """Round 1's position of this thread's pair group i."""
-        v = Int32(0)
-        if cutlass.const_expr(self.runs):
-            v = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp) + Int32(2 * i)
-            if cutlass.const_expr(self.clus > 1):
-                v = v + ctx.cbase
-        else:
-            v = self.pair_pos(i, kp, ctx)
-        return v
+        if not self.runs:
+            return self.pair_pos(i, kp, ctx)
+        v = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp) + Int32(2 * i)
+        return v + ctx.cbase if self.clus > 1 else v
 
     @cute.jit
     def owner(self, v: Int32, round2: cutlass.Constexpr, seg: cute.Tensor):
         """(segment q, index j in it) of position v."""
-        q = Int32(0)
-        j = Int32(0)
+        q, j = Int32(0), Int32(0)
         if cutlass.const_expr(round2):
             for r in cutlass.range_constexpr(1, self.world):
                 if seg[r] <= v:
@@ -599,111 +567,87 @@ class Merge:
             j = v - q * Int32(self.n)
         return q, j
 
-    @cute.jit
-    def owner_p(self, ip: cutlass.Constexpr, src: Words, seg: cute.Tensor, ctx: Launch):
+    def owner_p(self, ip: int, src: Words, seg: cute.Tensor, ctx: Launch):
         """owner() of this thread's pair group ip (round 2: from qj, not W - 1 shared loads)."""
-        q = Int32(0)
-        j = Int32(0)
-        if cutlass.const_expr(src.round2):
-            x = src.qj[ip]
-            q = x >> Int32(16)
-            j = x & Int32(0xFFFF)
-        else:
-            q, j = self.owner(self.pos1(ip, src.kp, ctx), False, seg)
-        return q, j
+        if not src.round2:
+            return self.owner(self.pos1(ip, src.kp, ctx), False, seg)
+        x = src.qj[ip]
+        return x >> Int32(16), x & Int32(0xFFFF)
 
     @cute.jit
     def tied_owner(self, ip: cutlass.Constexpr, src: Words, vth: Int32, seg: cute.Tensor, ctx: Launch) -> Int32:
         """The segment of pair group ip where one of its words has score vth (else 0)."""
-        q = Int32(0)
-        j = Int32(0)
+        q, j = Int32(0), Int32(0)
         if Int32(src.regs[2 * ip] >> Uint32(16)) == vth or Int32(src.regs[2 * ip + 1] >> Uint32(16)) == vth:
             q, j = self.owner_p(ip, src, seg, ctx)
         return q
 
-    @cute.jit
-    def gid(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32) -> Int32:
+    def gid(self, w: Uint32, hbits: Uint32, i, q: Int32) -> Int32:
         """The global position of word i of segment q."""
         return self.gpos(self.lidx_of(w, hbits, i), q)
 
-    # Global positions (layout.global_position): chunk c of I tokens of rank q at (c W + q) I ..
+    # Global positions (layout.global_position): chunk c of I tokens of rank q at (c W + q) I ..;
+    # a power-of-two I takes shifts and masks.
 
-    @cute.jit
     def gpos(self, lidx: Int32, q: Int32) -> Int32:
         """The global position of local index lidx of rank q."""
         W, I = self.world, self.interleave
-        g = Int32(0)
-        if cutlass.const_expr(I == 1):
-            g = lidx * Int32(W) + q
-        elif cutlass.const_expr(I & (I - 1) == 0):
+        if I == 1:
+            return lidx * Int32(W) + q
+        if I & (I - 1) == 0:
             s = I.bit_length() - 1
-            g = ((lidx >> Int32(s)) * Int32(W) + q) * Int32(I) + (lidx & Int32(I - 1))
-        else:
-            g = ((lidx // Int32(I)) * Int32(W) + q) * Int32(I) + lidx % Int32(I)
-        return g
+            return ((lidx >> Int32(s)) * Int32(W) + q) * Int32(I) + (lidx & Int32(I - 1))
+        return ((lidx // Int32(I)) * Int32(W) + q) * Int32(I) + lidx % Int32(I)
 
-    @cute.jit
     def owner_of(self, g: Int32) -> Int32:
         """The rank that holds global position g."""
         W, I = self.world, self.interleave
-        q = Int32(0)
-        if cutlass.const_expr(I == 1):
-            q = g % Int32(W)
-        elif cutlass.const_expr(I & (I - 1) == 0):
-            q = (g >> Int32(I.bit_length() - 1)) % Int32(W)
-        else:
-            q = (g // Int32(I)) % Int32(W)
-        return q
+        if I == 1:
+            return g % Int32(W)
+        if I & (I - 1) == 0:
+            return (g >> Int32(I.bit_length() - 1)) % Int32(W)
+        return (g // Int32(I)) % Int32(W)
 
-    @cute.jit
     def local_of(self, g: Int32) -> Int32:
         """Its local index on that rank."""
         W, I = self.world, self.interleave
-        lidx = Int32(0)
-        if cutlass.const_expr(I == 1):
-            lidx = g // Int32(W)
-        elif cutlass.const_expr(I & (I - 1) == 0):
+        if I == 1:
+            return g // Int32(W)
+        if I & (I - 1) == 0:
             s = I.bit_length() - 1
-            lidx = ((g >> Int32(s)) // Int32(W) << Int32(s)) + (g & Int32(I - 1))
-        else:
-            lidx = (g // Int32(I * W)) * Int32(I) + g % Int32(I)
-        return lidx
+            return ((g >> Int32(s)) // Int32(W) << Int32(s)) + (g & Int32(I - 1))
+        return (g // Int32(I * W)) * Int32(I) + g % Int32(I)
 
-    @cute.jit
-    def pair_addr(self, i: cutlass.Constexpr, v: Int32, ctx: Launch, row: Row) -> Int64:
+    def pair_addr(self, i: int, v: Int32, ctx: Launch, row: Row) -> Int64:
         """Address of the LL record of this thread's round-1 pair group i (position v): a base and
         a constant offset where a warp's (runs: a thread's) positions lie in one list."""
         kp = self.kp1
-        a = Int64(0)
-        if cutlass.const_expr(self.runs):
-            v0 = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp)
-            if cutlass.const_expr(self.clus > 1):
-                v0 = v0 + ctx.cbase
-            q0 = v0 // Int32(self.n)
-            j0 = v0 - q0 * Int32(self.n)
-            a = row.ll0 + Int64(q0) * ctx.ll_stride + Int64(j0 >> Int32(1)) * Int64(16) + Int64(i * 16)
-        elif cutlass.const_expr(self.n % (32 * kp) == 0):
-            v0 = ctx.warp * Int32(32 * kp)
-            if cutlass.const_expr(self.clus > 1):
-                v0 = v0 + ctx.cbase
-            q0 = v0 // Int32(self.n)
-            j0 = v0 - q0 * Int32(self.n)
-            a = row.ll0 + Int64(q0) * ctx.ll_stride + Int64((j0 >> Int32(1)) + ctx.lane) * Int64(16) + Int64(i * 512)
-        else:
+        if not self.runs and self.n % (32 * kp) != 0:
             q, j = self.owner(v, False, None)
-            a = C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, j)
-        return a
+            return C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, j)
+        v0 = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp) if self.runs else ctx.warp * Int32(32 * kp)
+        if self.clus > 1:
+            v0 = v0 + ctx.cbase
+        q0 = v0 // Int32(self.n)
+        j0 = v0 - q0 * Int32(self.n)
+        if self.runs:
+            return row.ll0 + Int64(q0) * ctx.ll_stride + Int64(j0 >> Int32(1)) * Int64(16) + Int64(i * 16)
+        return row.ll0 + Int64(q0) * ctx.ll_stride + Int64((j0 >> Int32(1)) + ctx.lane) * Int64(16) + Int64(i * 512)
 
-    @cute.jit
     def mask_addr(self, v: Int32, ctx: Launch, row: Row) -> Int64:
         """Address of the LL half of the mask word of position v."""
         q, j = self.owner(v, False, None)
         return C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, Int32(self.n) + (j >> Int32(5)))
 
-    @cute.jit
     def stale(self, half: Uint64, ep: Int32):
         """Whether an LL half (word | tag << 32) is not yet the row's (tag ep)."""
         return Int32(Uint32(half >> Uint64(32))) != ep
+
+    def add_hbits(self, hbits: Uint32, m: Uint32, j: Int32, i: int) -> Uint32:
+        """hbits with bits 2i, 2i + 1 from the mask word m's bits of list indices j, j + 1."""
+        sh = Uint32(j & Int32(31))
+        return hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
+            ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
 
     @cute.jit
     def load_r1(self, words: cute.Tensor, hb: cute.Tensor, ctx: Launch, row: Row):
@@ -727,17 +671,13 @@ class Merge:
                 mhalf = P.ld_volatile_u64(self.mask_addr(mpos, ctx, row))
         elif ctx.lane < Int32(kp) and mpos < Int32(self.nk1):
             mhalf = P.ld_volatile_u64(self.mask_addr(mpos, ctx, row))
-        hbits = Uint32(0)
-        mword = Uint32(0)
+        hbits, mword = Uint32(0), Uint32(0)
         for b0 in cutlass.range_constexpr(0, npairs, batch):
             for k in cutlass.range_constexpr(min(batch, npairs - b0)):
                 v = self.pos1(b0 + k, kp, ctx)
-                half0[k] = good
-                half1[k] = good
+                half0[k] = half1[k] = good
                 if v < Int32(self.nk1):
-                    a, c = P.ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ctx, row))
-                    half0[k] = a
-                    half1[k] = c
+                    half0[k], half1[k] = P.ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ctx, row))
             mhalf = self.settle_batch(half0, half1, mhalf, mpos, b0, batch, ctx, row)
             if cutlass.const_expr(b0 == 0):
                 mword = Uint32(mhalf & Uint64(0xFFFFFFFF))
@@ -749,11 +689,8 @@ class Merge:
                 m = mword
                 if cutlass.const_expr(not self.runs):
                     m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (ctx.lane >> Int32(4)))
-                words[2 * i] = w0
-                words[2 * i + 1] = w1
-                sh = Uint32(j & Int32(31))
-                hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
-                    ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
+                words[2 * i], words[2 * i + 1] = w0, w1
+                hbits = self.add_hbits(hbits, m, j, i)
         hb[0] = hbits
 
     @cute.jit
@@ -782,8 +719,8 @@ class Merge:
                 if self.stale(half0[k], ep):
                     half0[k] = Uint64(self.ll_half(self.pair_addr(i, v, ctx, row), True, q, ctx, row))
                 if self.stale(half1[k], ep):
-                    half1[k] = Uint64(self.ll_half(self.pair_addr(i, v, ctx, row) + Int64(layout.LL_HALF_BYTES),
-                                                   True, q, ctx, row))  # fmt: skip
+                    a1 = self.pair_addr(i, v, ctx, row) + Int64(layout.LL_HALF_BYTES)
+                    half1[k] = Uint64(self.ll_half(a1, True, q, ctx, row))
         return mhalf
 
     @cute.jit
@@ -792,12 +729,10 @@ class Merge:
         """Re-load every stale half of a batch together, predicated, until none is stale (a merge
         under PDL finds its own list stale: one wait per half cost a round trip each); returns
         (mhalf, bad), bad != 0 after a timeout (recorded here) or a failure elsewhere."""
-        ep = row.ep
-        kp = self.kp1
+        ep, kp = row.ep, self.kp1
         npairs = kp // 2
         start = P.globaltimer()
-        bad = Int32(1)
-        go = Int32(1)
+        bad, go = Int32(1), Int32(1)
         while go != Int32(0):
             status_word = P.ld_volatile_u32(ctx.status)
             qbad = Int32(-1)
@@ -809,8 +744,7 @@ class Merge:
             for k in cutlass.range_constexpr(min(batch, npairs - b0)):
                 v = self.pos1(b0 + k, kp, ctx)
                 a0 = self.pair_addr(b0 + k, v, ctx, row)
-                s0 = Int32(self.stale(half0[k], ep))
-                s1 = Int32(self.stale(half1[k], ep))
+                s0, s1 = Int32(self.stale(half0[k], ep)), Int32(self.stale(half1[k], ep))
                 n0 = P.ld_volatile_u64_if(a0, s0)
                 n1 = P.ld_volatile_u64_if(a0 + Int64(layout.LL_HALF_BYTES), s1)
                 if s0 != Int32(0):
@@ -850,8 +784,7 @@ class Merge:
             q, j = self.owner(v, True, seg)
             qj[i] = ((q << Int32(16)) | j) & (Int32(0) - inr)
             s = seg[17 + q]
-            pr = inr & Int32(s >= Int32(0))
-            pl = inr & Int32(s < Int32(0))
+            pr, pl = inr & Int32(s >= Int32(0)), inr & Int32(s < Int32(0))
             rbase = row.resc0 + Int64(cutlass.max(s, Int32(0))) * Int64(self.rescue_row_bytes)
             lbase = row.ll0 + Int64(q) * ctx.ll_stride
             d = P.ld_volatile_u64_if(rbase + Int64(j) * Int64(4), pr)
@@ -862,12 +795,8 @@ class Merge:
             # (a predicated-off load leaves 0, so the two sources can be or-ed)
             w0 = Uint32(d & Uint64(0xFFFFFFFF)) | Uint32(a & Uint64(0xFFFFFFFF))
             w1 = Uint32(d >> Uint64(32)) | Uint32(c & Uint64(0xFFFFFFFF))
-            m = mr | ml
-            sh = Uint32(j & Int32(31))
-            hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
-                ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
-            words[2 * i] = w0
-            words[2 * i + 1] = w1
+            hbits = self.add_hbits(hbits, mr | ml, j, i)
+            words[2 * i], words[2 * i + 1] = w0, w1
         hb[0] = hbits
 
     @cute.jit

@@ -101,48 +101,40 @@ EMPTY_BIN = SCORE_BINS  # the score histogram's extra bin: empty words count the
 
 
 class MergeSmem:
-    """The merge's shared memory in allocation order (Merge._smem counts it).  Dynamic regions
-    carry tensors, not this object: stores go through a local name of the tensor."""
+    """The merge's shared memory: the rescue select's, then the Int32 arrays of ``parts`` in order.
+    Dynamic regions carry tensors, not this object: stores go through a local name of the tensor."""
 
     def __init__(self, merge: "Merge"):
-        rw, stage_words, stage2_words, r2m_words = merge.rw_k, merge.stage_words, merge.stage2_words, merge.r2m_words
         smem = cutlass.memory.SmemAllocator()
         # the rescue's local top-K; its row (buf) holds round 1's block-table entries by list index
-        self.sel = S.SelectSmem(smem, rw, False)
+        self.sel = S.SelectSmem(smem, merge.rw_k, False)
         self.buf = self.sel.row
-        # the radix select of rows read from memory
-        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
-        self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
-        self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.rank_counts = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)  # selected keys per rank
-        # round 2's segments: seg[q] rank q's first position, seg[17 + q] its rescue slot (-1:
-        # its round-1 list); seg[47]: failed()'s answer
-        self.seg = smem.allocate_tensor(Int32, cute.make_layout((48,)), 16)
-        # the register path: score histograms, tied keys' g, stats slots ([count, max, min,
-        # tied] per row parity and round), selected keys per warp (own << 16 | all), selected
-        # keys before each list, and found: [0..2] / [3..5] a score histogram's bin, keys above
-        # it, its keys; [6] the ranked g; [7] the row's failure flag; [8..10] a g histogram's bin
-        self.score_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS + 16,)), 16)
-        self.score_hist2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        self.tied = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
-        self.stats = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.warp_sel = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.list_start = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
-        self.found = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.g_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
-        self.g_hist2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        self.g_hist3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        # round 1's words [word][thread] (roll1); round 2's pair groups past hist1 and mask, and
-        # its mask words (roll2)
-        self.stage = smem.allocate_tensor(Int32, cute.make_layout((max(stage_words, 4),)), 16)
-        self.stage2 = smem.allocate_tensor(Int32, cute.make_layout((max(stage2_words, 4),)), 16)
-        self.r2m = smem.allocate_tensor(Int32, cute.make_layout((max(r2m_words, 4),)), 16)
-        if merge.clus > 1:
-            # a clustered row: the cluster's sums and tied keys (this CTA's reads), and this
-            # CTA's row totals, which the others read through DSMEM
-            self.cluster_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
-            self.cluster_tied = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
-            self.cluster_totals = smem.allocate_tensor(Int32, cute.make_layout((CLUS_XC,)), 16)
+        for name, words in self.parts(merge):
+            setattr(self, name, smem.allocate_tensor(Int32, cute.make_layout((words,)), 16))
+
+    @staticmethod
+    def parts(merge: "Merge") -> tuple:
+        """(name, words) of each array, in allocation order."""
+        return (
+            # the radix select of rows read from memory; selected keys per rank
+            ("hist", C.TB), ("warp_totals", C.NWARPS), ("scalars", 16), ("rank_counts", 16),
+            # round 2's segments: seg[q] rank q's first position, seg[17 + q] its rescue slot (-1: its
+            # round-1 list); seg[47]: failed()'s answer
+            ("seg", 48),
+            # the register path: score histograms, tied keys' g, stats slots ([count, max, min, tied]
+            # per row parity and round), selected keys per warp (own << 16 | all) and before each list,
+            # found: [0..2] / [3..5] a score histogram's bin, keys above it, its keys; [6] the ranked g;
+            # [7] the row's failure flag; [8..10] a g histogram's bin
+            ("score_hist", SCORE_BINS + 16), ("score_hist2", SCORE_BINS2), ("tied", EQ_MAX), ("stats", 16),
+            ("warp_sel", 16), ("list_start", 32), ("found", 16),
+            ("g_hist", SCORE_BINS), ("g_hist2", SCORE_BINS2), ("g_hist3", SCORE_BINS2),
+            # round 1's words [word][thread] (roll1); round 2's pair groups past hist1 and mask, and its
+            # mask words (roll2)
+            ("stage", max(merge.stage_words, 4)), ("stage2", max(merge.stage2_words, 4)),
+            ("r2m", max(merge.r2m_words, 4)),
+        ) + ((  # a clustered row: the cluster's sums and tied keys, this CTA's totals (read through DSMEM)
+            ("cluster_hist", SCORE_BINS), ("cluster_tied", EQ_MAX), ("cluster_totals", CLUS_XC),
+        ) if merge.clus > 1 else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,12 +283,9 @@ class Merge:
         self._compiled = {}
 
     def _smem(self) -> int:
-        """Launch shared memory (bytes): MergeSmem's parts in its order, 16-byte aligned, + slack."""
-        fast = 2 * SCORE_BINS + 16 + 3 * SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # score_hist .. g_hist3
-        return (S.smem_bytes(self.rw_k, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + fast * 4
-                + 7 * 16 + 128 + 4 * max(self.stage_words, 4) + 16 + 4 * max(self.stage2_words, 4) + 16
-                + 4 * max(self.r2m_words, 4) + 16
-                + (4 * (SCORE_BINS + EQ_MAX + CLUS_XC) + 32 if self.clus > 1 else 0))  # fmt: skip
+        """Launch shared memory (bytes): MergeSmem's parts, with slack for their 16-byte alignment."""
+        words = sum(w for _, w in MergeSmem.parts(self))
+        return S.smem_bytes(self.rw_k, cached=False) + 4 * words + 288 + (32 if self.clus > 1 else 0)
 
     # ------------------------------------------------------------------ keys and waits
     # Helpers without dynamic control flow are plain methods: the trace runs them inline.
@@ -865,52 +854,33 @@ class Merge:
             found[slot + 2] = x
 
     @cute.jit
-    def cta_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, found: cute.Tensor,
-                     slot: cutlass.Constexpr, ctx: Launch):
-        """warp_find_bin by warp 0 between two block barriers."""
-        cute.arch.sync_threads()
-        if ctx.warp == Int32(0):
-            self.warp_find_bin(hist, nb, need, ctx.lane, found, slot)
-        cute.arch.sync_threads()
-
-    @cute.jit
     def find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, slot: cutlass.Constexpr,
                  cl: cutlass.Constexpr, sm: MergeSmem, ctx: Launch):
-        """cta_find_bin into sm.found; ``cl``: over the cluster's sum of ``hist`` (after a cluster
-        barrier, thread k sums bins 4k .. 4k + 3 of every CTA by 16-byte DSMEM loads)."""
+        """warp_find_bin by warp 0 between two block barriers, into sm.found; ``cl``: over the
+        cluster's sum of ``hist`` (thread k sums bins 4k .. 4k + 3 of every CTA through DSMEM)."""
         tid = ctx.tid
         if cutlass.const_expr(cl):
             summed = sm.cluster_hist
             P.cluster_sync_local()
             h_a = P.smem_addr(hist) + tid * Int32(16)
             if tid < Int32(nb // 4):
-                g0 = Int32(0)
-                g1 = Int32(0)
-                g2 = Int32(0)
-                g3 = Int32(0)
+                sums = [Int32(0)] * 4
                 for r in cutlass.range_constexpr(self.clus):
-                    a, b, c, d = P.ld_dsmem_v4(P.mapa(h_a, Int32(r)))
-                    g0 = g0 + a
-                    g1 = g1 + b
-                    g2 = g2 + c
-                    g3 = g3 + d
-                summed[Int32(4) * tid] = g0
-                summed[Int32(4) * tid + Int32(1)] = g1
-                summed[Int32(4) * tid + Int32(2)] = g2
-                summed[Int32(4) * tid + Int32(3)] = g3
-            cute.arch.sync_threads()
-            if ctx.warp == Int32(0):
-                self.warp_find_bin(summed, nb, need, ctx.lane, sm.found, slot)
-            cute.arch.sync_threads()
-        else:
-            self.cta_find_bin(hist, nb, need, sm.found, slot, ctx)
+                    part = P.ld_dsmem_v4(P.mapa(h_a, Int32(r)))
+                    sums = [sums[u] + part[u] for u in range(4)]
+                summed[Int32(4) * tid] = sums[0]
+                for u in cutlass.range_constexpr(1, 4):
+                    summed[Int32(4) * tid + Int32(u)] = sums[u]
+            hist = summed
+        cute.arch.sync_threads()
+        if ctx.warp == Int32(0):
+            self.warp_find_bin(hist, nb, need, ctx.lane, sm.found, slot)
+        cute.arch.sync_threads()
 
     @cute.jit
     def word_stats(self, words: cute.Tensor, kp: cutlass.Constexpr):
         """(count, max, min) of this thread's nonzero scores; branch-free up to BRANCH_FREE_KP."""
-        cnt = Int32(0)
-        mx = Int32(0)
-        mn = Int32(0xFFFF)
+        cnt, mx, mn = Int32(0), Int32(0), Int32(0xFFFF)
         for i in cutlass.range_constexpr(kp):
             sv = Int32(words[i] >> Uint32(16))
             if cutlass.const_expr(kp > BRANCH_FREE_KP):
@@ -948,13 +918,10 @@ class Merge:
             score_hist2[tid] = Int32(0)
             g_hist2[tid] = Int32(0)
             g_hist3[tid] = Int32(0)
-        tot = Int32(0)
-        lo = Int32(0)
-        hi = Int32(0)
         if cutlass.const_expr(cl):
             P.cluster_sync_local()
             stats_a = P.smem_addr(stats) + slot * Int32(16)
-            lo = Int32(0xFFFF)
+            tot, hi, lo = Int32(0), Int32(0), Int32(0xFFFF)
             for r in cutlass.range_constexpr(self.clus):
                 a, b, c, _ = P.ld_dsmem_v4(P.mapa(stats_a, Int32(r)))
                 tot = tot + a
@@ -978,9 +945,7 @@ class Merge:
             shift = shift + Int32(1)
         self.fill_score_hist(src, lo, shift, P.smem_addr(sm.score_hist))
         self.find_bin(sm.score_hist, SCORE_BINS, Int32(K), 0, cl, sm, ctx)
-        b = found[0]
-        above = found[1]
-        m = found[2]
+        b, above, m = found[0], found[1], found[2]
         vth = lo + (b << shift)
         if shift > Int32(0):
             self.fill_score_hist2(src, lo, shift, b, (Int32(1) << shift) - Int32(1), sm.score_hist2)
@@ -1122,11 +1087,9 @@ class Merge:
         """tie_break of many keys: histograms of u = 2^G - 1 - g, top 10 bits, next 6, the rest."""
         G = self.gbits
         gmax = Int32((1 << G) - 1)
-        u_last = Int32(0)
-        nd = need
+        u_last, nd = Int32(0), need
         for d in cutlass.range_constexpr(3):
-            hi_ = (G, G - 10, G - 16)[d]
-            lo_ = (G - 10, G - 16, 0)[d]
+            hi_, lo_ = (G, G - 10, G - 16)[d], (G - 10, G - 16, 0)[d]
             hist = (sm.g_hist, sm.g_hist2, sm.g_hist3)[d]
             self.fill_g_hist(src, vth, gmax, u_last, hi_, lo_, hist, sm, ctx)
             self.find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, 8, cl, sm, ctx)
@@ -1172,8 +1135,7 @@ class Merge:
         stats_a = P.smem_addr(sm.stats) + slot * Int32(16) + Int32(12)
         tied_a = P.smem_addr(sm.tied)
         if tid < m:
-            off = Int32(0)
-            val = Int32(0)
+            off, val = Int32(0), Int32(0)
             for r in cutlass.range_constexpr(self.clus):
                 c = P.ld_dsmem_u32(P.mapa(stats_a, Int32(r)))
                 if tid >= off and tid < off + c:
@@ -1201,8 +1163,7 @@ class Merge:
             totals[15] = failed_here
         P.cluster_sync_local()
         xa = P.smem_addr(totals)
-        base = Int32(0)
-        allr = Int32(0)
+        base, allr = Int32(0), Int32(0)
         for r in cutlass.range_constexpr(self.clus):
             x = P.ld_dsmem_u32(P.mapa(xa, Int32(r)))
             allr = allr + x
@@ -1228,7 +1189,7 @@ class Merge:
         if fewer).  ``pre_bt``: the block-table entries in btp (1), in sm.buf (2), or loaded here."""
         cl = self.clus > 1 and not round2  # a clustered round 1 (a round 2 runs on CTA 0 alone)
         src = Words(self.kp2 if round2 else self.kp1, round2, hb[0], regs=words, qj=qj)
-        vth, g_last, kth, failed_here = self.fast_select(src, slot, sm, ctx)
+        vth, g_last, kth, failed_here = self.select(src, self.word_stats(src.regs, src.kp), slot, sm, ctx)
         # round 1: the status word after the row's last wait, in flight during the outputs
         status_word = Uint32(0)
         if cutlass.const_expr(not round2 and not cl):
@@ -1258,17 +1219,15 @@ class Merge:
         return kth
 
     @cute.jit
-    def fast_select(self, src: Words, slot: Int32, sm: MergeSmem, ctx: Launch):
-        """(boundary score vth, the largest selected g at vth, the K-th key, the failure flag)."""
+    def select(self, src: Words, stats, slot: Int32, sm: MergeSmem, ctx: Launch):
+        """(boundary score vth, the largest selected g at vth, the K-th key, the failure flag) from
+        this thread's (count, max, min) ``stats``; vth = 0 selects every key of fewer than K."""
         cl = self.clus > 1 and not src.round2
-        K = self.topk
-        G = self.gbits
+        K, G = self.topk, self.gbits
         gmax = Int32((1 << G) - 1)
         failed_here = Int32(0)  # (cl) a failure recorded once this CTA's waits were over
-        vth = Int32(0)
-        g_last = Int32(-1)
-        kth = Uint64(0)
-        cnt, mx, mn = self.word_stats(src.regs, src.kp)
+        vth, g_last, kth = Int32(0), Int32(-1), Uint64(0)
+        cnt, mx, mn = stats
         total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx, cl)
         if cutlass.const_expr(cl):
             # the status word after this CTA's waits, published with the counts (cluster_counts)
@@ -1339,8 +1298,7 @@ class Merge:
     @cute.jit
     def warp_prefix(self, warp_sel: cute.Tensor, warp):
         """(selected keys of the warps before this one, of all), own << 16 | all."""
-        before = Int32(0)
-        tot = Int32(0)
+        before, tot = Int32(0), Int32(0)
         for w in cutlass.range_constexpr(C.NWARPS):
             x = warp_sel[w]
             if Int32(w) < warp:
@@ -1356,8 +1314,8 @@ class Merge:
         roll = cutlass.const_expr(not src.round2 and self.roll1)
         warp_sel = sm.warp_sel
         lt = cute.arch.lanemask_lt()
-        run = Int32(0)  # warp-uniform: own << 16 | all (the ballots are recomputed by the stores)
-        run_before = Int32(0)  # (runs) the lanes' before this one
+        # warp-uniform own << 16 | all (the stores recompute the ballots); (runs) the lanes' before this one
+        run, run_before = Int32(0), Int32(0)
         if cutlass.const_expr(roll):
             stage = sm.stage
             for i in cutlass.range_constexpr(kp):  # read back by this thread only
@@ -1381,8 +1339,7 @@ class Merge:
             warp_sel[warp] = run
         cute.arch.sync_threads()
         before, tot = self.warp_prefix(warp_sel, warp)
-        all_run = tot & Int32(0xFFFF)
-        own_run = tot >> Int32(16)
+        all_run, own_run = tot & Int32(0xFFFF), tot >> Int32(16)
         if cutlass.const_expr(self.clus > 1 and not src.round2):
             # places after the CTAs' before this one (this rank's keys are all in one CTA)
             cb, all_run, own_run = self.cluster_counts(tot, failed_here, sm, ctx)
@@ -1408,8 +1365,7 @@ class Merge:
             c1, c2 = self.pair_counts_dyn(sel_bits, ip, kp, lt, ctx)
             e = before + c1
             before = before + c2
-            pos = e & Int32(0xFFFF)
-            kpos = e >> Int32(16)
+            pos, kpos = e & Int32(0xFFFF), e >> Int32(16)
             if j == Int32(0) and v < Int32(self.nk1):
                 list_start[q] = pos
             for h in cutlass.range_constexpr(2):
@@ -1467,24 +1423,20 @@ class Merge:
         ids_on = Int32(ctx.ids != Int64(0))
         list_start = sm.list_start
         entries = cute.make_rmem_tensor((8,), Int32)
-        tpos = Int32(0)  # (runs) the next output places of this thread's run
-        tkpos = Int32(0)
+        tpos, tkpos = Int32(0), Int32(0)  # (runs) the next output places of this thread's run
         if cutlass.const_expr(runs):
-            tpos = (before + run_before) & Int32(0xFFFF)
-            tkpos = (before + run_before) >> Int32(16)
+            tpos, tkpos = (before + run_before) & Int32(0xFFFF), (before + run_before) >> Int32(16)
         for b0 in cutlass.range_constexpr(0, kp // 2, 4):
             self.bt_entries(entries, b0, src, sel_bits, sm, ctx, row, btp, pre_bt)
             for ip in cutlass.range_constexpr(b0, min(b0 + 4, kp // 2)):
                 v = self.pos1(ip, kp, ctx)
                 q, j = self.owner_p(ip, src, sm.seg, ctx)
-                pos = tpos
-                kpos = tkpos
+                pos, kpos = tpos, tkpos
                 if cutlass.const_expr(not runs):
                     c1, c2 = self.pair_counts(sel_bits, ip, src, lt, sm.seg, ctx)
                     e = before + c1
                     before = before + c2
-                    pos = e & Int32(0xFFFF)
-                    kpos = e >> Int32(16)
+                    pos, kpos = e & Int32(0xFFFF), e >> Int32(16)
                 if cutlass.const_expr(not src.round2):
                     if j == Int32(0) and v < Int32(self.nk1):
                         list_start[q] = pos
@@ -1497,8 +1449,7 @@ class Merge:
                         pos, kpos = self.store_key(src.regs[i], src.hbits, i, q, sel_bits, pos, kpos, entry, ids_row,
                                                    kv_row, ids_on, ctx, row)  # fmt: skip
                 if cutlass.const_expr(runs):
-                    tpos = pos
-                    tkpos = kpos
+                    tpos, tkpos = pos, kpos
 
     @cute.jit
     def store_key(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32, sel_bits: Uint32, pos: Int32,
@@ -1547,27 +1498,23 @@ class Merge:
     # fast_round's selection and outputs, bit for bit, in loops over a shared-memory copy: the
     # unrolled passes (W = 8, N = 512: ~66 KB of SASS) were fetched cold once per rescue.
 
-    @cute.jit
     def r2_addr(self, p: Int32, grp: Round2Smem) -> Int32:
         """Shared address of this thread's round-2 pair group p (8 bytes: its two words)."""
         return (p * Int32(8 * C.TB) + grp.base + (grp.to_mask & (Int32(0) - Int32(p < Int32(R2_H + R2_M))))
                 + (grp.to_hist & (Int32(0) - Int32(p < Int32(R2_H)))))  # fmt: skip
 
-    @cute.jit
     def r2_q(self, p: Int32, qb0: Uint32, qb1: Uint32) -> Int32:
         """Segment of this thread's round-2 pair group p (4 bits each, groups 8-15 in qb1)."""
         qw = qb0 ^ ((qb0 ^ qb1) & (Uint32(0) - Uint32(p >= Int32(8))))
         return Int32((qw >> (Uint32(p & Int32(7)) * Uint32(4))) & Uint32(15))
 
-    @cute.jit
     def r2_owner(self, v: Int32, segr: cute.Tensor) -> Int32:
         """Segment of position v (< nk) from the segment starts in registers."""
         q = Int32(0)
-        for r in cutlass.range_constexpr(1, self.world):
+        for r in range(1, self.world):
             q = q + Int32(segr[r] <= v)
         return q
 
-    @cute.jit
     def r2_pos(self, p: Int32, ctx: Launch) -> Int32:
         return ctx.warp * Int32(32 * self.kp2) + p * Int32(64) + Int32(2) * ctx.lane
 
@@ -1576,9 +1523,7 @@ class Merge:
         """Round 2 over shared memory: pair groups copied by cp.async (a rolled loop keeps every
         copy in flight) into hist1, mask, then stage2, the mask words into r2m, this rank's
         block-table entries into buf[j], in flight during the select."""
-        tid, TB = ctx.tid, C.TB
-        W = self.world
-        K = self.topk
+        tid, TB, W = ctx.tid, C.TB, self.world
         seg = sm.seg
         nk = seg[W]
         ah = P.smem_addr(sm.sel.hist1) + tid * Int32(8)
@@ -1591,25 +1536,19 @@ class Merge:
         qb0, qb1 = self.r2_copy(nk, segr, grp, sm, ctx, row)
         hbits, cnt, mx, mn = self.r2_stats(nk, qb0, qb1, grp, sm, ctx, row)
         src = Words(self.kp2, True, hbits, grp=grp, qb0=qb0, qb1=qb1)
-        total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx)
-        vth = Int32(0)  # boundary score (0: fewer than K keys, every one selected)
-        g_last = Int32(-1)  # largest selected g at score vth
-        if total >= Int32(K):
-            vth, above, m = self.score_boundary(src, lo, rng, sm, ctx)
-            g_last = self.tie_break(src, vth, m, Int32(K) - above, slot, sm, ctx)
+        vth, g_last, _, _ = self.select(src, (cnt, mx, mn), slot, sm, ctx)
         lt = cute.arch.lanemask_lt()
         sel_bits, run = self.r2_selection(src, vth, g_last, lt, ctx)
+        warp_sel = sm.warp_sel
         if ctx.lane == Int32(0):
-            warp_sel = sm.warp_sel
             warp_sel[ctx.warp] = run
         P.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
         cute.arch.sync_threads()
-        before, tot = self.warp_prefix(sm.warp_sel, ctx.warp)
-        all_run = tot & Int32(0xFFFF)
-        own_run = tot >> Int32(16)
+        before, tot = self.warp_prefix(warp_sel, ctx.warp)
+        all_run, own_run = tot & Int32(0xFFFF), tot >> Int32(16)
         self.r2_store(src, sel_bits, before, lt, sm, ctx, row)
+        list_start = sm.list_start
         if tid == Int32(0):
-            list_start = sm.list_start
             list_start[W] = all_run
             P.st_u32(ctx.counts + Int64(row.t) * Int64(4), own_run)
         self.pad_row(all_run, own_run, tid, C.TB, ctx, row)
@@ -1627,8 +1566,7 @@ class Merge:
             if s >= Int32(0):
                 src = row.resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(Int32(self.topk) + jm) * Int64(4)
             P.cp_async(grp.masks + u * Int32(4), src, 4)
-        qb0 = Uint32(0)
-        qb1 = Uint32(0)
+        qb0, qb1 = Uint32(0), Uint32(0)
         for p in cutlass.range(self.kp2 // 2, unroll=1):
             v = self.r2_pos(p, ctx)
             dst = self.r2_addr(p, grp)
@@ -1658,10 +1596,7 @@ class Merge:
     def r2_stats(self, nk: Int32, qb0: Uint32, qb1: Uint32, grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
         """(hbits, count, max, min) of this thread's words; the block-table copies started."""
         seg = sm.seg
-        hbits = Uint32(0)
-        cnt = Int32(0)
-        mx = Int32(0)
-        mn = Int32(0xFFFF)
+        hbits, cnt, mx, mn = Uint32(0), Int32(0), Int32(0), Int32(0xFFFF)
         nmw = (nk + Int32(31)) >> Int32(5)
         for p in cutlass.range(self.kp2 // 2, unroll=1):
             v = self.r2_pos(p, ctx)
@@ -1722,8 +1657,7 @@ class Merge:
             c1, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == ctx.rank, lt)
             e = before + c1
             before = before + c2
-            pos = e & Int32(0xFFFF)
-            kpos = e >> Int32(16)
+            pos, kpos = e & Int32(0xFFFF), e >> Int32(16)
             w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
             bt0, bt1 = P.ld_smem_v2(grp.buf + j * Int32(4))
             for h in cutlass.range_constexpr(2):
@@ -1743,13 +1677,11 @@ class Merge:
     def saturated_ranks(self, kth: Uint64, sm: MergeSmem, ctx: Launch) -> Int32:
         """The mask of ranks whose N keys were all selected and whose key is not the K-th (lane q
         tests rank q, one ballot: a loop over the ranks was ~2.5% of the instructions at W = 8)."""
-        W = self.world
-        lane = ctx.lane
+        W, lane = self.world, ctx.lane
         t_owner = Int32(-1)
         if kth != Uint64(0):
             t_owner = self.owner_of(Int32(Uint64((1 << self.gbits) - 1) - (kth & Uint64((1 << self.gbits) - 1))))
         q = cutlass.min(lane, Int32(W - 1))
-        selected = Int32(0)
         if cutlass.const_expr(self.fast1 and self.clus == 1):
             selected = sm.list_start[q + Int32(1)] - sm.list_start[q]
         else:
@@ -1776,8 +1708,7 @@ class Merge:
                 self.wait_tag(addr, flag_val, True, layout.STATUS_TIMEOUT_RESCUE, tid, ctx, row)
         if tid == Int32(0):
             seg = sm.seg
-            off = Int32(0)
-            s = Int32(0)
+            off, s = Int32(0), Int32(0)
             for q in cutlass.range_constexpr(self.world):
                 seg[q] = off
                 if ((mask >> Int32(q)) & Int32(1)) != Int32(0):
@@ -1808,7 +1739,6 @@ class Merge:
         its slot of every rank's rescue row, then its flag released to every rank."""
         tid, t, W = ctx.tid, row.t, self.world
         P.pdl_wait()
-        klist = Int64(0)
         if cutlass.const_expr(self.klist):
             klist = C.state_klist(ctx.state, ctx.max_rows, t, self.rw_k)
         else:
@@ -1856,10 +1786,7 @@ class Merge:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         sm = MergeSmem(self)
         # CTA b does rows b, b + G, ...; a clustered row t runs on cluster t
-        nstep = nblk
-        t = Int32(bid)
-        crank = None
-        cbase = None
+        nstep, t, crank, cbase = nblk, Int32(bid), None, None
         if cutlass.const_expr(self.clus > 1):
             if cute.arch.cluster_size() != Int32(self.clus):
                 P.trap()  # launched without its cluster: DSMEM would address CTAs that do not exist
@@ -1879,10 +1806,8 @@ class Merge:
             if (tid & Int32(3)) == Int32(2):
                 stats[tid] = Int32(0xFFFF)
         cute.arch.sync_threads()
-        rowi = Int32(0)
-        last_f = Int32(0)
-        finished = Int32(0)  # the launch's end done (after a last row without a rescue)
-        refused = Int32(0)
+        # (finished: the launch's end done, after a last row without a rescue)
+        rowi, last_f, finished, refused = Int32(0), Int32(0), Int32(0), Int32(0)
         # the first row's epoch, loaded with the status word; later rows' a row ahead
         epn = Int32(0)
         if t < rows:
@@ -1942,8 +1867,7 @@ class Merge:
         # rescue row [t, 0] (layout.rescue_row_offset with slot 0)
         resc0 = ctx.local + ctx.rescue_off + Int64(t) * Int64(self.slots * self.rescue_row_bytes)
         req = P.ld_u32(req_id + Int64(t) * Int64(4))
-        req_ok = Int32(0)
-        bt_row = block_table
+        req_ok, bt_row = Int32(0), block_table
         if req >= Int32(0) and req < bt_rows and ctx.block_size > Int32(0):
             req_ok = Int32(1)
             bt_row = block_table + Int64(req) * Int64(ctx.bt_cols) * Int64(4)
@@ -1961,7 +1885,6 @@ class Merge:
     def round1(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, sm: MergeSmem, ctx: Launch,
                row: Row) -> Uint64:
         """Round 1: wait for the W lists, select, write the outputs; returns the K-th key."""
-        kth = Uint64(0)
         if cutlass.const_expr(self.fast1):
             self.load_r1(words, hb, ctx, row)
             if cutlass.const_expr(self.pre_bt):

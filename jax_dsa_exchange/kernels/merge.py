@@ -948,7 +948,7 @@ class Merge:
         b, above, m = found[0], found[1], found[2]
         vth = lo + (b << shift)
         if shift > Int32(0):
-            self.fill_score_hist2(src, lo, shift, b, (Int32(1) << shift) - Int32(1), sm.score_hist2)
+            self.fill_score_hist(src, lo, shift, sm.score_hist2, b, (Int32(1) << shift) - Int32(1))
             self.find_bin(sm.score_hist2, SCORE_BINS2, Int32(K) - above, 3, cl, sm, ctx)
             vth = vth + found[3]
             above = above + found[4]
@@ -956,45 +956,32 @@ class Merge:
         return vth, above, m
 
     @cute.jit
-    def add_score(self, sv: Int32, lo: Int32, shift: Int32, hist_a: Int32):
-        """Count score sv in the score histogram (an empty word in EMPTY_BIN: no branch)."""
-        b_ = Int32(EMPTY_BIN)
-        if sv != Int32(0):
-            b_ = (sv - lo) >> shift
-        P.red_smem_add(hist_a + b_ * Int32(4), Int32(1))
-
-    @cute.jit
-    def add_score2(self, sv: Int32, lo: Int32, shift: Int32, b: Int32, low: Int32, hist2: cute.Tensor):
-        """Count score sv in the second histogram if it lies in bin b of the first."""
-        if sv != Int32(0) and ((sv - lo) >> shift) == b:
-            cute.arch.atomic_add(hist2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed", scope="cta")
-
-    @cute.jit
-    def fill_score_hist(self, src: Words, lo: Int32, shift: Int32, hist_a: Int32):
+    def fill_score_hist(self, src: Words, lo: Int32, shift: Int32, hist, b: Int32 = None, low: Int32 = None):
+        """Count the words' scores in the first histogram (hist: its shared address) or, given the
+        first's bin b, those in b in the second (hist: the tensor; low: the mask of the low bits)."""
         if cutlass.const_expr(src.grp is None):
             for i in cutlass.range_constexpr(src.kp):
-                sv = Int32(src.regs[i] >> Uint32(16))
-                if cutlass.const_expr(src.kp > BRANCH_FREE_KP):
-                    if sv != Int32(0):
-                        P.red_smem_add(hist_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
-                else:
-                    self.add_score(sv, lo, shift, hist_a)
+                self.add_score(Int32(src.regs[i] >> Uint32(16)), lo, shift, hist, b, low, src.kp > BRANCH_FREE_KP)
         else:
             for p in cutlass.range(src.kp // 2, unroll=1):
                 w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
                 for h in cutlass.range_constexpr(2):
-                    self.add_score(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, hist_a)
+                    self.add_score(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, hist, b, low, False)
 
     @cute.jit
-    def fill_score_hist2(self, src: Words, lo: Int32, shift: Int32, b: Int32, low: Int32, hist2: cute.Tensor):
-        if cutlass.const_expr(src.grp is None):
-            for i in cutlass.range_constexpr(src.kp):
-                self.add_score2(Int32(src.regs[i] >> Uint32(16)), lo, shift, b, low, hist2)
+    def add_score(self, sv: Int32, lo: Int32, shift: Int32, hist, b: Int32, low: Int32, branchy: cutlass.Constexpr):
+        """fill_score_hist of score sv (the first histogram: an empty word in EMPTY_BIN, no branch)."""
+        if cutlass.const_expr(b is not None):
+            if sv != Int32(0) and ((sv - lo) >> shift) == b:
+                cute.arch.atomic_add(hist.iterator + ((sv - lo) & low), Int32(1), sem="relaxed", scope="cta")
+        elif cutlass.const_expr(branchy):
+            if sv != Int32(0):
+                P.red_smem_add(hist + ((sv - lo) >> shift) * Int32(4), Int32(1))
         else:
-            for p in cutlass.range(src.kp // 2, unroll=1):
-                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
-                for h in cutlass.range_constexpr(2):
-                    self.add_score2(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, b, low, hist2)
+            b_ = Int32(EMPTY_BIN)
+            if sv != Int32(0):
+                b_ = (sv - lo) >> shift
+            P.red_smem_add(hist + b_ * Int32(4), Int32(1))
 
     @cute.jit
     def tie_break(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,

@@ -218,16 +218,13 @@ class Merge:
     def __init__(self, config: MergeConfig):
         world, topk, n = config.world, config.topk, config.local_topk
         layout.check_config(world, topk, n)
-        self.config = config
         layout.check_kernel_interleave(config.interleave, world)
-        self.world, self.topk, self.n = world, topk, n
-        self.interleave = config.interleave
+        self.config, self.world, self.topk, self.n, self.interleave = config, world, topk, n, config.interleave
         self.gbits = layout.gid_bits(world, config.interleave)
         self.keybits = 16 + self.gbits
         self.rw_k = layout.row_words(topk)
         self.klist = S.klist_n2(n, topk, config.rescue_list) > 0  # a rescue pushes the producer's K-list
-        self.rescue_row_bytes = layout.rescue_row_bytes(topk)
-        self.ll_row_bytes = layout.ll_row_bytes(n)
+        self.rescue_row_bytes, self.ll_row_bytes = layout.rescue_row_bytes(topk), layout.ll_row_bytes(n)
         self.slots = layout.rescue_slots(topk, n, world)
         # Round 1 in registers (fast1): kp1 words per thread as pair groups (position
         # v = warp * 32 kp1 + 64 i + 2 lane + h), else the radix select from memory.
@@ -243,8 +240,7 @@ class Merge:
         ck = self.kp1 // c if c > 1 else 0
         if (c > 1 and self.fast1 and ck % 2 == 0 and self.nk1 == c * C.TB * ck
                 and world % c == 0 and n % (32 * ck) == 0):
-            self.clus = c
-            self.kp1 = ck
+            self.clus, self.kp1 = c, ck
         self.cp = self.nk1 // self.clus  # positions per CTA of a row
         # Round 2 over the non-saturated lists and up to ``slots`` K-lists: in registers (fast2)
         # where its words fit, else the radix select.
@@ -1611,8 +1607,7 @@ class Merge:
     def r2_selection(self, src: Words, vth: Int32, g_last: Int32, lt: Uint32, ctx: Launch):
         """(selection bits, the warp's selected keys own << 16 | all), as fast_round's."""
         grp, hbits = src.grp, src.hbits
-        sel_bits = Uint32(0)
-        run = Int32(0)
+        sel_bits, run = Uint32(0), Int32(0)
         for p in cutlass.range(self.kp2 // 2, unroll=1):
             w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
             q = self.r2_q(p, src.qb0, src.qb1)

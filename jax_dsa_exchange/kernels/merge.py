@@ -279,7 +279,8 @@ class Merge:
         self._compiled = {}
 
     def _smem(self) -> int:
-        """Launch shared memory (bytes): MergeSmem's parts, with slack for their 16-byte alignment."""
+        """Launch shared memory (bytes): MergeSmem's parts and slack for their 16-byte alignment (288
+        bytes, 320 with a cluster's parts: the sizes roll2 was decided and measured with)."""
         words = sum(w for _, w in MergeSmem.parts(self))
         return S.smem_bytes(self.rw_k, cached=False) + 4 * words + 288 + (32 if self.clus > 1 else 0)
 

@@ -1,36 +1,25 @@
-"""The exchange merge (docs/DESIGN.md §6.2-§6.7): each rank's consumer kernel waits for the
-W ranks' local top-N lists of a row, selects their exact top-K, writes the outputs, rescues
-saturated ranks, and bumps the row's epoch.
+"""The exchange merge (docs/DESIGN.md §6.2-§6.7): each rank's consumer kernel waits for the W
+ranks' local top-N lists of a row, selects their exact top-K, writes the outputs, rescues
+saturated ranks and bumps the row's epoch.  ABI: ``abi.MERGE``.
 
-ABI: ``abi.MERGE`` (kernels/abi.py, the one declaration; ``kernel`` and ``entry`` spell it
-out, tests/test_kernels_compile.py checks them against it).
+Protocol, per row t with e = epoch[t] + 1 (CTA or cluster b walks rows b, b + G, ... in the same
+order on every rank, so a CTA only waits for CTAs that already run, §6.7):
 
-Protocol, per row t with e = epoch[t] + 1 (grid = G CTAs, or G clusters of ``clus`` CTAs;
-CTA b walks rows b, b + G, ... in the same order on every rank, so a CTA only waits for CTAs
-that already run, §6.7):
+  round 1     the W lists of parity e & 1 in this rank's buffer, each 8-byte LL half trusted
+              once its tag is e (polls under a %globaltimer timeout: status [1, row, epoch, q]);
+  select      T = the K-th largest key (ord16 score << G | 2^G - 1 - g), 0 for fewer than K
+              keys: the boundary score from score histograms, then a tie-break on g;
+  outputs     the order-preserving compaction of {key >= T}: ids, this rank's kv_rows through
+              the block table, counts, -1 padding;
+  saturation  rank q is saturated when all N of its keys were selected and T is not its own;
+  rescue      a saturated rank pushes its local top-K into its slot of every rank's rescue row
+              and releases flag seq + 1; every rank acquires the flags (timeout: status 2),
+              selects round 2 over the other lists and the K-lists, rewrites the outputs;
+  row end     griddepcontrol.wait, a failure anywhere voids the row, then epoch[t] = e.
 
-  round 1     the W lists of parity e & 1 in this rank's own buffer, each 8-byte LL half
-              trusted once its tag is e (volatile polls under a %globaltimer timeout, which
-              records status [1, row, epoch, rank]);
-  select      T = the K-th largest key (ord16 score << G | 2^G - 1 - g, g = l W + q), 0 when
-              the row has fewer than K: the boundary score from a score histogram, then a
-              tie-break on g among the keys of that score;
-  outputs     the order-preserving compaction of {key >= T} (owner-major, lists ascend in
-              l): ids, this rank's kv_rows through the block table, counts, -1 padding;
-  saturation  rank q is saturated when all N of its keys were selected and T is not its
-              own: its list may have hidden keys above T (full keys, §6.4);
-  rescue      a saturated rank pushes its local top-K into slot s of every rank's rescue
-              region and releases flag seq + 1 (system scope); every rank acquires the flags
-              (timeout: status [2, ...]), selects round 2 over the non-saturated lists and
-              the K-lists, rewrites the outputs; seq[t] += 1;
-  row end     griddepcontrol.wait (the producer grid is complete), a failure anywhere voids
-              the row (empty outputs), then epoch[t] = e.
-
-Paths by configuration (``Merge.__init__`` decides them from a ``MergeConfig``): the keys of
-a row in registers (up to KP_MAX words per thread), else re-read from memory by a radix
-select; a row of many words per thread split over a cluster of CTAs whose sums travel
-through DSMEM; round 2 in registers, in loops rolled over shared memory, or by the radix
-select.
+``Merge.__init__`` picks the paths of a ``MergeConfig``: the keys in registers (up to KP_MAX
+words per thread) or re-read by a radix select; a row of many words split over a cluster
+(sums through DSMEM); round 2 in registers, rolled over shared memory, or by the radix select.
 """
 
 from __future__ import annotations
@@ -56,42 +45,35 @@ SCORE_BINS = 1024  # bins of the first score histogram ((s - lo) >> shift)
 SCORE_BINS2 = 64  # bins of the second one (the low `shift` bits, shift <= 6)
 LOAD_BATCH = 16  # LL records (pairs) per thread in flight at once in round 1
 PRE_BT_MAX = 8  # round-1 block-table entries prefetched into registers up to this many words
-# Up to this many words per thread the stats, histogram, selection and output stores have no
-# branch per word (predicated stores, a dummy bin): W = 8, N = 512: -0.4..-1.2 us; with 32
-# (W = 16, N = 1024) ptxas spilled the words (45.7 -> 71.8 us), so those keep branches.
+# Up to this many words per thread the select and stores have no branch per word (W = 8,
+# N = 512: -0.4..-1.2 us); at 32 (W = 16, N = 1024) ptxas spilled the words (45.7 -> 71.8 us).
 BRANCH_FREE_KP = 18
 # Above this many round-1 words per thread the outputs loop is rolled over a shared-memory copy
-# of the words: unrolled, W = 16, N = 1024 (32) waited on instruction fetch 53% of the time.
+# (unrolled, W = 16, N = 1024 waited on instruction fetch 53% of the time).
 ROLL_KP = 18
-# Round 2 rolled: pair groups (8 bytes) per thread held by the rescue select's hist1 and mask
-# (free once its K-list is pushed); the rest go to the merge's own stage2.
+# Round 2 rolled: pair groups per thread held by the rescue select's hist1 and mask (free once
+# its K-list is pushed); the rest go to stage2.
 R2_H = S.NB1 // (2 * C.TB)
 R2_M = S.MASK_WORDS // (2 * C.TB)
-# A merge CTA must fit on an SM beside a producer CTA (it starts under PDL while the producer
-# runs): round 2 is rolled only where both kernels' shared memory, plus the 1 KB an SM reserves
-# per CTA, fit the target's shared memory per SM (layout.ARCHS).
+# A merge CTA starts under PDL beside a producer CTA: round 2 is rolled only where both fit an
+# SM's shared memory with the 1 KB reserved per CTA.
 CTA_RESERVED_SMEM = 1024
 EQ_MAX = abi.MERGE_EQ_MAX  # most keys at the boundary score tie-broken by ranking (one per thread)
 # A row of more than CLUS_KP round-1 words per thread is split over a cluster of at most
-# CLUS_MAX CTAs of at least CLUS_KP words each (8: W = 8, N = 512's branch-free size).  W = 16,
-# N = 1024 as 2 CTAs of 16 words beat 4 of 8 at R >= 64 (H200: 20.1 against 30.7 us at
-# R = 64, 55 against 96 at R = 256; one CTA 29 / 86) and lost at R = 16 (18.2 against 13.3).
+# CLUS_MAX CTAs (W = 16, N = 1024, H200: 2 CTAs 20.1 us against 4 CTAs 30.7 us at R = 64).
 CLUS_KP = 8
 CLUS_MAX = 2
-# The merge_wide image (kernels/cache.py): clusters of up to CLUS_WIDE CTAs of at least WIDE_KP
-# words, launched when every row of a call has its own cluster at once (layout.merge_uses_wide):
-# W = 16, N = 1024, R = 1: 12.6 against 19.5 us; W = 8, N = 1024 over 4 CTAs of 4 words: 10.8 /
-# 11.5 us at R = 1 / 16 against 12.3 / 12.1 over 2 of 8.
+# The merge_wide image: clusters of up to CLUS_WIDE CTAs of at least WIDE_KP words, launched
+# when every row of a call has its own cluster (W = 16, N = 1024, R = 1: 12.6 against 19.5 us).
 CLUS_WIDE = abi.MERGE_CLUS_WIDE
 WIDE_KP = 4
-CLUS_XC = 16  # words of a clustered CTA's published row totals (MergeSmem.xc)
+CLUS_XC = 16  # words of a clustered CTA's published row totals (MergeSmem.cluster_totals)
 
 
 @dataclasses.dataclass(frozen=True)
 class MergeConfig:
     """What varies between merge images: the exchange's shape, the rescue list (a rescue pushes
-    the producer's K-list of the row instead of selecting it here), and the cluster a row of
-    many words per thread may be split over (the merge_wide image: ``wide()``)."""
+    the producer's K-list), and the cluster a row may be split over (merge_wide: ``wide()``)."""
 
     world: int
     topk: int
@@ -106,11 +88,8 @@ class MergeConfig:
         return dataclasses.replace(self, max_cluster=CLUS_WIDE, min_cluster_words=WIDE_KP)
 
 
-
-# page = (l * page_magic(B)) >> PAGE_SHIFT equals l // B for every 0 <= l < 2**17 and B >= 1:
-# with m = 2**40 // B + 1 the excess l * (m - 2**40 / B) / 2**40 is below 2**-23, less than
-# 1 / B for B <= 2**17, and for larger B l / B + 2**-23 < 1 (tests/test_kernels_compile.py
-# checks it over every l for many B)
+# page = (l * page_magic(B)) >> PAGE_SHIFT equals l // B for 0 <= l < 2**17 and B >= 1: the
+# excess of m = 2**40 // B + 1 adds less than 2**-23 (tests/test_kernels_compile.py checks it)
 PAGE_SHIFT = 40
 
 
@@ -122,60 +101,46 @@ EMPTY_BIN = SCORE_BINS  # the score histogram's extra bin: empty words count the
 
 
 class MergeSmem:
-    """The merge's shared memory, allocated in this order (Merge._smem counts it).  Inside a
-    dynamic if / loop the DSL carries tensors but not this object: stores go through a local
-    name of the tensor."""
+    """The merge's shared memory: the rescue select's, then the Int32 arrays of ``parts`` in order.
+    Dynamic regions carry tensors, not this object: stores go through a local name of the tensor."""
 
     def __init__(self, merge: "Merge"):
-        rw, stage_words, stage2_words, r2m_words = merge.rw_k, merge.stage_words, merge.stage2_words, merge.r2m_words
         smem = cutlass.memory.SmemAllocator()
-        # the rescue's local top-K (the producer's select on one CTA); its row, buf, also holds
-        # round 1's block-table entries by list index where registers do not
-        self.sel = S.SelectSmem(smem, rw, False)
+        # the rescue's local top-K; its row (buf) holds round 1's block-table entries by list index
+        self.sel = S.SelectSmem(smem, merge.rw_k, False)
         self.buf = self.sel.row
-        # the radix select of rows read from memory
-        self.hist = smem.allocate_tensor(Int32, cute.make_layout((C.TB,)), 16)
-        self.warp_totals = smem.allocate_tensor(Int32, cute.make_layout((C.NWARPS,)), 16)
-        self.scalars = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.rank_counts = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)  # selected keys per rank
-        # round 2's segments: seg[q] the first position of rank q's (q <= W), seg[17 + q] its
-        # rescue slot (-1: its round-1 list); seg[47]: failed()'s answer
-        self.seg = smem.allocate_tensor(Int32, cute.make_layout((48,)), 16)
-        # the register path: score histograms (+ EMPTY_BIN), the g of the keys at the boundary
-        # score, stats slots ([count, max, min, tied count] per row parity and round), selected
-        # keys per warp (own << 16 | all), selected keys before each list (list_start[W]: all),
-        # and what the select found: [0..2] bin / keys above it / its keys of the first score
-        # histogram, [3..5] of the second, [6] the ranked g, [7] the row's failure flag,
-        # [8..10] a g histogram's bin
-        self.score_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS + 16,)), 16)
-        self.score_hist2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        self.tied = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
-        self.stats = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.warp_sel = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        self.list_start = smem.allocate_tensor(Int32, cute.make_layout((32,)), 16)
-        self.found = smem.allocate_tensor(Int32, cute.make_layout((16,)), 16)
-        # tie-break histograms of g (many keys at the boundary score)
-        self.g_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
-        self.g_hist2 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        self.g_hist3 = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS2,)), 16)
-        # round 1's words, [word][thread], for the rolled outputs (roll1)
-        self.stage = smem.allocate_tensor(Int32, cute.make_layout((max(stage_words, 4),)), 16)
-        # round 2's pair groups past those the rescue select's hist1 and mask hold, and the
-        # mask words (roll2)
-        self.stage2 = smem.allocate_tensor(Int32, cute.make_layout((max(stage2_words, 4),)), 16)
-        self.r2m = smem.allocate_tensor(Int32, cute.make_layout((max(r2m_words, 4),)), 16)
-        if merge.clus > 1:
-            # a clustered row: the cluster's sum of a histogram and its tied keys' g, read by
-            # this CTA only; this CTA's row totals, which the others read through DSMEM
-            self.cluster_hist = smem.allocate_tensor(Int32, cute.make_layout((SCORE_BINS,)), 16)
-            self.cluster_tied = smem.allocate_tensor(Int32, cute.make_layout((EQ_MAX,)), 16)
-            self.cluster_totals = smem.allocate_tensor(Int32, cute.make_layout((CLUS_XC,)), 16)
+        for name, words in self.parts(merge):
+            setattr(self, name, smem.allocate_tensor(Int32, cute.make_layout((words,)), 16))
+
+    @staticmethod
+    def parts(merge: "Merge") -> tuple:
+        """(name, words) of each array, in allocation order."""
+        return (
+            # the radix select of rows read from memory; selected keys per rank
+            ("hist", C.TB), ("warp_totals", C.NWARPS), ("scalars", 16), ("rank_counts", 16),
+            # round 2's segments: seg[q] rank q's first position, seg[17 + q] its rescue slot (-1: its
+            # round-1 list); seg[47]: failed()'s answer
+            ("seg", 48),
+            # the register path: score histograms, tied keys' g, stats slots ([count, max, min, tied]
+            # per row parity and round), selected keys per warp (own << 16 | all) and before each list,
+            # found: [0..2] / [3..5] a score histogram's bin, keys above it, its keys; [6] the ranked g;
+            # [7] the row's failure flag; [8..10] a g histogram's bin
+            ("score_hist", SCORE_BINS + 16), ("score_hist2", SCORE_BINS2), ("tied", EQ_MAX), ("stats", 16),
+            ("warp_sel", 16), ("list_start", 32), ("found", 16),
+            ("g_hist", SCORE_BINS), ("g_hist2", SCORE_BINS2), ("g_hist3", SCORE_BINS2),
+            # round 1's words [word][thread] (roll1); round 2's pair groups past hist1 and mask, and its
+            # mask words (roll2)
+            ("stage", max(merge.stage_words, 4)), ("stage2", max(merge.stage2_words, 4)),
+            ("r2m", max(merge.r2m_words, 4)),
+        ) + ((  # a clustered row: the cluster's sums and tied keys, this CTA's totals (read through DSMEM)
+            ("cluster_hist", SCORE_BINS), ("cluster_tied", EQ_MAX), ("cluster_totals", CLUS_XC),
+        ) if merge.clus > 1 else ())
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One thread's view of a launch: its coordinates, the arguments the stages read, values
-    derived once.  (Immutable: the DSL passes it into dynamic regions as a closure.)"""
+    """One thread's view of a launch: its coordinates, the arguments, values derived once
+    (immutable: dynamic regions take it as a closure)."""
 
     tid: Int32
     lane: Int32
@@ -201,7 +166,7 @@ class Launch:
     status: Int64  # this rank's status words
     timeout_ns: Int64
     ll_stride: Int64  # bytes from one source rank's LL rows to the next's
-    nstep: Int32  # rows between two of this CTA's (its grid's CTAs or clusters)
+    nstep: Int32  # rows between two of this CTA's
     page_div: Uint64  # page_magic(block_size)
     crank: Int32 = None  # (clustered rows) this CTA's rank in its cluster
     cbase: Int32 = None  # (clustered rows) its first position of a row
@@ -234,9 +199,8 @@ class Round2Smem:
 
 @dataclasses.dataclass(frozen=True)
 class Words:
-    """A round's candidate words as the select reads them: kp per thread in registers (regs;
-    for round 2 the segment and index of each pair group in qj), or round 2's rolled copy in
-    shared memory (grp; the segments of this thread's pair groups in qb0 / qb1)."""
+    """A round's words as the select reads them: kp per thread in registers (regs; round 2: qj[i]
+    = q << 16 | j of pair group i), or round 2's rolled copy (grp; segments in qb0 / qb1)."""
 
     kp: int
     round2: bool
@@ -254,60 +218,48 @@ class Merge:
     def __init__(self, config: MergeConfig):
         world, topk, n = config.world, config.topk, config.local_topk
         layout.check_config(world, topk, n)
-        self.config = config
         layout.check_kernel_interleave(config.interleave, world)
-        self.world, self.topk, self.n = world, topk, n
-        self.interleave = config.interleave
+        self.config, self.world, self.topk, self.n, self.interleave = config, world, topk, n, config.interleave
         self.gbits = layout.gid_bits(world, config.interleave)
         self.keybits = 16 + self.gbits
         self.rw_k = layout.row_words(topk)
         self.klist = S.klist_n2(n, topk, config.rescue_list) > 0  # a rescue pushes the producer's K-list
-        self.rescue_row_bytes = layout.rescue_row_bytes(topk)
-        self.ll_row_bytes = layout.ll_row_bytes(n)
+        self.rescue_row_bytes, self.ll_row_bytes = layout.rescue_row_bytes(topk), layout.ll_row_bytes(n)
         self.slots = layout.rescue_slots(topk, n, world)
-        # Round 1 in registers (fast1): kp1 words per thread, warp-interleaved pairs (position
-        # v = warp * 32 * kp1 + 64 i + 2 * lane + h), else the radix select from memory.
+        # Round 1 in registers (fast1): kp1 words per thread as pair groups (position
+        # v = warp * 32 kp1 + 64 i + 2 lane + h), else the radix select from memory.
         self.nk1 = world * n
         self.kp1 = 2 * -(-self.nk1 // (2 * C.TB))
         self.fast1 = self.kp1 <= KP_MAX
         self.kp1_row = self.kp1  # (the words per thread of a row on one CTA)
-        # A row of more than min_cluster_words words per thread is split over a cluster of
-        # clus CTAs of kp1 words each, CTA c holding the owner-major positions [c cp, (c + 1) cp):
-        # whole lists, each warp's inside one list.  Every sum the select takes is each CTA's
-        # own, published by a cluster barrier and read through DSMEM, every decision computed
-        # alike in every CTA (so all pass the same barriers); a rescue runs on CTA 0 alone.
+        # A clustered row: CTA c holds positions [c cp, (c + 1) cp) (whole lists, each warp's in
+        # one list); every CTA takes every decision alike from the cluster's sums, so all pass
+        # the same barriers; a rescue runs on CTA 0 alone.
         self.clus = 1
         c = min(config.max_cluster, self.kp1 // max(2, config.min_cluster_words), S.CLUSTER_MAX)
         ck = self.kp1 // c if c > 1 else 0
         if (c > 1 and self.fast1 and ck % 2 == 0 and self.nk1 == c * C.TB * ck
                 and world % c == 0 and n % (32 * ck) == 0):
-            self.clus = c
-            self.kp1 = ck
+            self.clus, self.kp1 = c, ck
         self.cp = self.nk1 // self.clus  # positions per CTA of a row
-        # Round 2 (a rescue) over the non-saturated lists and up to ``slots`` K-lists: in
-        # registers (fast2) where its words fit, else the radix select.
+        # Round 2 over the non-saturated lists and up to ``slots`` K-lists: in registers (fast2)
+        # where its words fit, else the radix select.
         self.nk2max = self.slots * topk + (world - self.slots) * n
         self.kp2 = 2 * -(-self.nk2max // (2 * C.TB))
         self.fast2 = self.slots > 0 and self.kp2 <= KP_MAX
         self.kp = max([2] + [k for k, f in ((self.kp1, self.fast1), (self.kp2, self.fast2)) if f])
-        # Round 1's block-table entries prefetched (in flight during the select) into
-        # registers, or for more words per thread into shared memory.
+        # round 1's block-table entries prefetched into registers, or shared memory for more words
         self.pre_bt = self.fast1 and self.kp1 <= PRE_BT_MAX
-        # More round-1 words per thread than ROLL_KP: the outputs walk them in a rolled loop
-        # from a shared-memory copy (the unrolled code waited on instruction fetch).
         self.roll1 = self.fast1 and self.kp1 > ROLL_KP
         self.stage_words = self.kp1 * C.TB if self.roll1 else 0
-        # Clustered rows hold round 1 as contiguous runs (thread t: positions t kp1 .. + kp1 - 1
-        # of its CTA): the selected keys before a key come from one warp scan, where pair groups
-        # take four ballots each.  W = 16, N = 1024: -0.35..-1.5 us at R = 1-64; on one CTA
-        # (W = 8, N = 512) it lost 0.5 us at R = 1 and 3 us at R = 256, so one CTA keeps pairs.
+        # Clustered rows hold round 1 as contiguous runs (thread t: positions t kp1 ..), counted
+        # by one warp scan (W = 16, N = 1024: -0.35..-1.5 us at R = 1-64); on one CTA pair
+        # groups won (W = 8, N = 512: runs +0.5 us at R = 1, +3 us at R = 256).
         self.runs = (self.clus > 1 and self.fast1 and not self.roll1 and n % self.kp1 == 0
                      and 32 % self.kp1 == 0)  # fmt: skip
-        # Round 2 rolled over shared memory (round2_rolled): a third of the register path's code,
-        # which a rescue fetches cold once per launch (W = 8, N = 512: forced rescue 49.2 ->
-        # 40.5 us).  Its pair groups go to the rescue select's hist1 and mask, then stage2; at
-        # most 16 groups (4-bit segment codes in two registers), and only where the merge
-        # still fits beside a producer CTA (else round 2 stays in registers).
+        # Round 2 rolled over shared memory: a third of the register path's code, fetched cold
+        # once per rescue (W = 8, N = 512: forced rescue 49.2 -> 40.5 us); at most 16 groups
+        # (4-bit segment codes in two registers), where the merge fits beside a producer CTA.
         self.roll2 = False
         self.stage2_words = self.r2m_words = 0
         if self.fast2 and self.kp2 // 2 <= 16:
@@ -318,30 +270,26 @@ class Merge:
             if not self.roll2:
                 self.stage2_words = self.r2m_words = 0
         self.smem = self._smem()
-        # The rescue select's vectors per round: the producer's, except for many words per
-        # thread, where ptxas then spilled the whole kernel (W = 16, N = 1024: 45.9 -> 72.1 us).
+        # the rescue select's vectors per round: fewer for many words per thread, where ptxas
+        # spilled the whole kernel (W = 16, N = 1024: 45.9 -> 72.1 us)
         self.rescue_u1 = 4 if self.kp1_row > BRANCH_FREE_KP else S.U1
-        # A row without a rescue ends (and the launch after such a last row) before the
-        # rescue's ~100 KB of code, which it then never fetches (W = 8, N = 512: -0.6..-0.9 us);
-        # for many words per thread one end after it (ptxas spilled more: W = 16, N = 1024
-        # +3.5 us).
+        # A row without a rescue ends before the rescue's ~100 KB of code (W = 8, N = 512:
+        # -0.6..-0.9 us); for many words per thread after it (W = 16, N = 1024: +3.5 us otherwise).
         self.end_first = self.kp1 <= BRANCH_FREE_KP
         self._compiled = {}
 
     def _smem(self) -> int:
-        """Launch shared memory (bytes): MergeSmem's parts in its order, 16-byte aligned, + slack."""
-        fast = 2 * SCORE_BINS + 16 + 3 * SCORE_BINS2 + EQ_MAX + 16 + 16 + 32 + 16  # score_hist .. g_hist3
-        return (S.smem_bytes(self.rw_k, cached=False) + C.TB * 4 + (C.NWARPS + 16 + 16 + 48) * 4 + fast * 4
-                + 7 * 16 + 128 + 4 * max(self.stage_words, 4) + 16 + 4 * max(self.stage2_words, 4) + 16
-                + 4 * max(self.r2m_words, 4) + 16
-                + (4 * (SCORE_BINS + EQ_MAX + CLUS_XC) + 32 if self.clus > 1 else 0))  # fmt: skip
+        """Launch shared memory (bytes): MergeSmem's parts and slack for their 16-byte alignment (288
+        bytes, 320 with a cluster's parts: the sizes roll2 was decided and measured with)."""
+        words = sum(w for _, w in MergeSmem.parts(self))
+        return S.smem_bytes(self.rw_k, cached=False) + 4 * words + 288 + (32 if self.clus > 1 else 0)
 
     # ------------------------------------------------------------------ keys and waits
+    # Helpers without dynamic control flow are plain methods: the trace runs them inline.
 
     @cute.jit
     def make_key(self, w: Uint32, m: Uint32, j: Int32, q: Int32) -> Uint64:
-        """Packed word (+ its mask word) of list index j of rank q -> 64-bit key
-        ord16 << G | (2^G - 1 - g), g = gpos(l, q); 0 for an empty word."""
+        """Word (+ mask word) of list index j of rank q -> ord16 << G | (2^G - 1 - g); 0 if empty."""
         key = Uint64(0)
         if w != Uint32(0):
             hi = (m >> Uint32(j & Int32(31))) & Uint32(1)
@@ -354,23 +302,17 @@ class Merge:
             key = (Uint64(w >> Uint32(16)) << Uint64(self.gbits)) | (Uint64((1 << self.gbits) - 1) - g)
         return key
 
-    @cute.jit
-    def probe(self, addr: Int64, flag: cutlass.Constexpr) -> Uint64:
-        """One load of what a wait watches, tag in the high word: an LL half (word | tag << 32,
-        volatile load) or a rescue flag (acquire load at system scope; its value is its tag)."""
-        h = Uint64(0)
-        if cutlass.const_expr(flag):
-            h = Uint64(Uint32(P.ld_acquire_sys(addr))) << Uint64(32)
-        else:
-            h = P.ld_volatile_u64(addr)
-        return h
+    def probe(self, addr: Int64, flag: bool) -> Uint64:
+        """What a wait watches, tag in the high word: an LL half or a rescue flag (acquire.sys)."""
+        if flag:
+            return Uint64(Uint32(P.ld_acquire_sys(addr))) << Uint64(32)
+        return P.ld_volatile_u64(addr)
 
     @cute.jit
     def wait_tag(self, addr: Int64, want: Int32, flag: cutlass.Constexpr, code: cutlass.Constexpr,
                  q: Int32, ctx: Launch, row: Row) -> Uint64:
-        """probe(addr) once its tag is ``want``.  Spins under a %globaltimer timeout, which
-        records [code, row, epoch, q] (the first failure in the grid wins); once the status is
-        set every wait gives up at once."""
+        """probe(addr) once its tag is ``want``; a timeout records [code, row, epoch, q], and once
+        the status is set every wait gives up at once."""
         h = self.probe(addr, flag)
         if Int32(Uint32(h >> Uint64(32))) != want:
             start = P.globaltimer()
@@ -386,11 +328,9 @@ class Merge:
                     go = Int32(0)
         return h
 
-    @cute.jit
-    def ll_half(self, addr: Int64, wait: cutlass.Constexpr, q: Int32, ctx: Launch, row: Row) -> Uint32:
+    def ll_half(self, addr: Int64, wait: bool, q: Int32, ctx: Launch, row: Row) -> Uint32:
         """Word of the LL half at addr; with ``wait``, once its tag is the row's epoch."""
-        h = Uint64(0)
-        if cutlass.const_expr(wait):
+        if wait:
             h = self.wait_tag(addr, row.ep, False, layout.STATUS_TIMEOUT_ROUND1, q, ctx, row)
         else:
             h = P.ld_volatile_u64(addr)
@@ -405,12 +345,10 @@ class Merge:
             P.st_volatile_u32(C.status_word(ctx.status, layout.STATUS_EPOCH), row.ep)
             P.st_volatile_u32(C.status_word(ctx.status, layout.STATUS_RANK), q)
 
-    @cute.jit
-    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, wait: cutlass.Constexpr, ctx: Launch, row: Row) -> Uint64:
+    def ll_key(self, ll_base: Int64, q: Int32, j: Int32, wait: bool, ctx: Launch, row: Row) -> Uint64:
         """Key j of rank q's round-1 list, whose LL row is at ll_base."""
         w = self.ll_half(C.ll_word_addr(ll_base, j), wait, q, ctx, row)
-        mj = Int32(self.n) + (j >> Int32(5))
-        m = self.ll_half(C.ll_word_addr(ll_base, mj), wait, q, ctx, row)
+        m = self.ll_half(C.ll_word_addr(ll_base, Int32(self.n) + (j >> Int32(5))), wait, q, ctx, row)
         return self.make_key(w, m, j, q)
 
     @cute.jit
@@ -424,8 +362,7 @@ class Merge:
 
     @cute.jit
     def key_r2(self, v: Int32, seg: cute.Tensor, ctx: Launch, row: Row) -> Uint64:
-        """Round-2 key at owner-major position v: segment q is rank q's K-list (rescue slot
-        seg[17 + q] >= 0) or its round-1 list."""
+        """Round-2 key at position v: of rank q's K-list (rescue slot seg[17 + q] >= 0) or its list."""
         key = Uint64(0)
         if v < seg[self.world]:
             q, j = self.owner(v, True, seg)
@@ -440,8 +377,7 @@ class Merge:
         return key
 
     # ------------------------------------------------------------------ rows read from memory
-    # Where the words do not fit in registers (more than KP_MAX per thread): a radix select over
-    # the 64-bit keys, re-read from the LL buffer (and the rescue rows) on every pass.
+    # More than KP_MAX words per thread: a radix select over the keys, re-read on every pass.
 
     @cute.jit
     def hist_add(self, key: Uint64, hi: Int32, lo: Int32, prefix: Uint64, hist: cute.Tensor):
@@ -454,31 +390,18 @@ class Merge:
             scalars[8] = Int32(Uint32(key & Uint64(0xFFFFFFFF)))
             scalars[9] = Int32(Uint32(key >> Uint64(32)))
 
-    @cute.jit
-    def key_at(self, v: Int32, round2: cutlass.Constexpr, seg: cute.Tensor, ctx: Launch, row: Row) -> Uint64:
-        key = Uint64(0)
-        if cutlass.const_expr(round2):
-            key = self.key_r2(v, seg, ctx, row)
-        else:
-            key = self.key_r1(v, False, ctx, row)
-        return key
+    def key_at(self, v: Int32, round2: bool, seg: cute.Tensor, ctx: Launch, row: Row) -> Uint64:
+        return self.key_r2(v, seg, ctx, row) if round2 else self.key_r1(v, False, ctx, row)
 
     @cute.jit
     def radix_select(self, round2: cutlass.Constexpr, sm: MergeSmem, ctx: Launch, row: Row) -> Uint64:
-        """The K-th largest nonzero key (0 if fewer than K), exact: 9-bit digits from the top,
-        the bin holding the K-th key the prefix of the next pass; a bin of one key ends the
-        search with one more read pass.  Uniform control flow (every value from smem)."""
+        """The K-th largest nonzero key (0 if fewer than K): digits from the top, the K-th key's
+        bin the next prefix; a bin of one key ends with one more read pass.  CTA-uniform."""
         tid = ctx.tid
         hist, scalars, seg, warp_totals = sm.hist, sm.scalars, sm.seg, sm.warp_totals
-        hi = Int32(self.keybits)
-        prefix = Uint64(0)
-        need = Int32(self.topk)
-        kth = Uint64(0)
-        done = Int32(0)
-        first = Int32(1)
-        nk = Int32(self.nk1)
-        if cutlass.const_expr(round2):
-            nk = seg[self.world]
+        hi, prefix, need, kth = Int32(self.keybits), Uint64(0), Int32(self.topk), Uint64(0)
+        done, first = Int32(0), Int32(1)
+        nk = self.nk_of(round2, seg)
         while done == Int32(0):
             lo = hi - Int32(C.DIGIT)
             if lo < Int32(0):
@@ -493,8 +416,7 @@ class Merge:
             if first == Int32(1) and total < Int32(self.topk):
                 done = Int32(1)  # fewer than K keys: all are selected
             else:
-                b = scalars[0]
-                cnt = scalars[2]
+                b, cnt = scalars[0], scalars[2]
                 prefix = (prefix << Uint64(hi - lo)) | Uint64(b)
                 need = need - scalars[1]
                 hi = lo
@@ -511,16 +433,17 @@ class Merge:
             cute.arch.sync_threads()
         return kth
 
+    def nk_of(self, round2: bool, seg: cute.Tensor):
+        """The keys of a round: round 2's from its segments."""
+        return seg[self.world] if round2 else Int32(self.nk1)
+
     @cute.jit
     def emit_chunk(self, key: Uint64, kth: Uint64, count_ranks: cutlass.Constexpr, sm: MergeSmem,
                    all_run: Int32, own_run: Int32, ctx: Launch, row: Row):
-        """One TB-chunk of the owner-major compaction of {key >= kth}; returns the updated
-        (all_run, own_run)."""
+        """One TB-chunk of the compaction of {key >= kth}; returns the new (all_run, own_run)."""
         rank_counts = sm.rank_counts
         sel = key != Uint64(0) and key >= kth
-        g = Int32(0)
-        q = Int32(0)
-        flag = Int32(0)
+        g, q, flag = Int32(0), Int32(0), Int32(0)
         if sel:
             g = Int32(Uint64((1 << self.gbits) - 1) - (key & Uint64((1 << self.gbits) - 1)))
             q = self.owner_of(g)
@@ -543,19 +466,14 @@ class Merge:
 
     @cute.jit
     def emit(self, round2: cutlass.Constexpr, kth: Uint64, sm: MergeSmem, ctx: Launch, row: Row):
-        """Outputs of the row from the selection {key >= kth}: kv_rows (own tokens, ascending
-        l), ids (owner-major), counts; -1 padding.  Round 1 also counts every rank's selected
-        keys (rank_counts)."""
+        """The row's outputs of {key >= kth}, -1 padded; round 1 also counts each rank's (rank_counts)."""
         tid, t = ctx.tid, row.t
         rank_counts, seg = sm.rank_counts, sm.seg
         if tid < Int32(16):
             rank_counts[tid] = Int32(0)
         cute.arch.sync_threads()
-        all_run = Int32(0)
-        own_run = Int32(0)
-        nk = Int32(self.nk1)
-        if cutlass.const_expr(round2):
-            nk = seg[self.world]
+        all_run, own_run = Int32(0), Int32(0)
+        nk = self.nk_of(round2, seg)
         for base in cutlass.range(0, nk, C.TB, unroll=1):
             v = base + tid
             key = Uint64(0)
@@ -565,7 +483,7 @@ class Merge:
             else:
                 key = self.key_r1(v, False, ctx, row)
             all_run, own_run = self.emit_chunk(key, kth, not round2, sm, all_run, own_run, ctx, row)
-        # -1 padding (all_run, own_run are uniform: they come from block totals)
+        # (all_run, own_run are CTA-uniform block totals)
         for i in cutlass.range(own_run + tid, self.topk, C.TB, unroll=1):
             P.st_u32(ctx.kv_rows + (Int64(t) * Int64(self.topk) + Int64(i)) * Int64(4), Int32(-1))
         if ctx.ids != Int64(0):
@@ -577,21 +495,17 @@ class Merge:
 
     # ------------------------------------------------------------------ the block table
 
-    @cute.jit
     def page_of(self, lidx: Int32, ctx: Launch) -> Int32:
-        """lidx // block_size for 0 <= lidx < 2**17 by a multiply (page_magic): no division per
-        key, and no branch (a uniform branch per key split the loops into a block per key)."""
+        """lidx // block_size by a multiply (page_magic): no division, no branch per key."""
         return Int32((Uint64(lidx) * ctx.page_div) >> Uint64(PAGE_SHIFT))
 
-    @cute.jit
-    def lidx_of(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr) -> Int32:
+    def lidx_of(self, w: Uint32, hbits: Uint32, i) -> Int32:
         """Local index l of word i (bit 16 from hbits)."""
         return Int32(Uint32(0xFFFF) - (w & Uint32(0xFFFF))) | (Int32((hbits >> Uint32(i)) & Uint32(1)) << Int32(16))
 
     @cute.jit
     def kv_slot(self, lidx: Int32, ctx: Launch, row: Row) -> Int32:
-        """block_table[req, l // B] * B + l % B; -1 if the request or the page is out of range
-        (never reads out of bounds)."""
+        """block_table[req, l // B] * B + l % B; -1 (no load) if the request or page is out of range."""
         slot = Int32(-1)
         if row.req_ok != Int32(0):
             page = self.page_of(lidx, ctx)
@@ -602,8 +516,7 @@ class Merge:
 
     @cute.jit
     def kv_slot_of(self, entry: Int32, lidx: Int32, ctx: Launch, row: Row) -> Int32:
-        """kv_slot from the block-table entry of l's page, loaded before (any value where the
-        request or the page is out of range)."""
+        """kv_slot from the entry of l's page loaded before (any value where out of range)."""
         page = self.page_of(lidx, ctx)
         slot = entry * ctx.block_size + (lidx - page * ctx.block_size)
         if row.req_ok == Int32(0) or page >= ctx.bt_cols:
@@ -611,35 +524,25 @@ class Merge:
         return slot
 
     # ------------------------------------------------------------------ rows in registers
-    # Candidate words (ord16 << 16 | 0xFFFF - (l & 0xFFFF)) in registers, kp per thread, bit i of
-    # hbits bit 16 of word i's l.  Pair groups: thread (warp, lane) holds positions
-    # v = warp * 32 kp + 64 i + 2 lane + h (i < kp / 2, h < 2), so a warp's pair group is one
-    # 512-byte stretch of LL records; runs (clustered round 1): positions t kp .. t kp + kp - 1.
+    # Words ord16 << 16 | 0xFFFF - (l & 0xFFFF), kp per thread (bit i of hbits: bit 16 of word i's
+    # l).  Pair groups: positions v = warp * 32 kp + 64 i + 2 lane + h, a warp's group one 512-byte
+    # stretch of LL records; runs (clustered round 1): positions t kp .. t kp + kp - 1.
 
-    @cute.jit
-    def pair_pos(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, ctx: Launch) -> Int32:
+    def pair_pos(self, i: int, kp: int, ctx: Launch) -> Int32:
         v = ctx.warp * Int32(32 * kp) + Int32(i * 64) + Int32(2) * ctx.lane
-        if cutlass.const_expr(self.clus > 1):
-            v = v + ctx.cbase  # (0 in CTA 0, the only one that runs a round 2)
-        return v
+        return v + ctx.cbase if self.clus > 1 else v  # (cbase is 0 in CTA 0, which runs round 2)
 
-    @cute.jit
-    def pos1(self, i: cutlass.Constexpr, kp: cutlass.Constexpr, ctx: Launch) -> Int32:
-        """Round 1's position of pair group i of this thread (pair groups or runs)."""
-        v = Int32(0)
-        if cutlass.const_expr(self.runs):
-            v = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp) + Int32(2 * i)
-            if cutlass.const_expr(self.clus > 1):
-                v = v + ctx.cbase
-        else:
-            v = self.pair_pos(i, kp, ctx)
-        return v
+    def pos1(self, i: int, kp: int, ctx: Launch) -> Int32:
+        """Round 1's position of this thread's pair group i."""
+        if not self.runs:
+            return self.pair_pos(i, kp, ctx)
+        v = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp) + Int32(2 * i)
+        return v + ctx.cbase if self.clus > 1 else v
 
     @cute.jit
     def owner(self, v: Int32, round2: cutlass.Constexpr, seg: cute.Tensor):
         """(segment q, index j in it) of position v."""
-        q = Int32(0)
-        j = Int32(0)
+        q, j = Int32(0), Int32(0)
         if cutlass.const_expr(round2):
             for r in cutlass.range_constexpr(1, self.world):
                 if seg[r] <= v:
@@ -650,125 +553,93 @@ class Merge:
             j = v - q * Int32(self.n)
         return q, j
 
-    @cute.jit
-    def owner_p(self, ip: cutlass.Constexpr, src: Words, seg: cute.Tensor, ctx: Launch):
-        """owner() of pair group ip of this thread; in round 2 from qj[ip] (q << 16 | j, computed
-        once by load_r2), not W - 1 shared loads per call."""
-        q = Int32(0)
-        j = Int32(0)
-        if cutlass.const_expr(src.round2):
-            x = src.qj[ip]
-            q = x >> Int32(16)
-            j = x & Int32(0xFFFF)
-        else:
-            q, j = self.owner(self.pos1(ip, src.kp, ctx), False, seg)
-        return q, j
+    def owner_p(self, ip: int, src: Words, seg: cute.Tensor, ctx: Launch):
+        """owner() of this thread's pair group ip (round 2: from qj, not W - 1 shared loads)."""
+        if not src.round2:
+            return self.owner(self.pos1(ip, src.kp, ctx), False, seg)
+        x = src.qj[ip]
+        return x >> Int32(16), x & Int32(0xFFFF)
 
     @cute.jit
     def tied_owner(self, ip: cutlass.Constexpr, src: Words, vth: Int32, seg: cute.Tensor, ctx: Launch) -> Int32:
-        """The segment of pair group ip where one of its words has score vth (else 0): the
-        owner is needed only there."""
-        q = Int32(0)
-        j = Int32(0)
+        """The segment of pair group ip where one of its words has score vth (else 0)."""
+        q, j = Int32(0), Int32(0)
         if Int32(src.regs[2 * ip] >> Uint32(16)) == vth or Int32(src.regs[2 * ip + 1] >> Uint32(16)) == vth:
             q, j = self.owner_p(ip, src, seg, ctx)
         return q
 
-    @cute.jit
-    def gid(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32) -> Int32:
+    def gid(self, w: Uint32, hbits: Uint32, i, q: Int32) -> Int32:
         """The global position of word i of segment q."""
         return self.gpos(self.lidx_of(w, hbits, i), q)
 
-    # Global positions (docs/DESIGN.md §4, layout.global_position): with I = 1 g = l W + q; a
-    # KV cache interleaved in chunks of I tokens puts chunk c of rank q at positions
-    # (c W + q) I ..  Power-of-two sizes take shifts and masks, others a division by a constant.
+    # Global positions (layout.global_position): chunk c of I tokens of rank q at (c W + q) I ..;
+    # a power-of-two I takes shifts and masks.
 
-    @cute.jit
     def gpos(self, lidx: Int32, q: Int32) -> Int32:
         """The global position of local index lidx of rank q."""
         W, I = self.world, self.interleave
-        g = Int32(0)
-        if cutlass.const_expr(I == 1):
-            g = lidx * Int32(W) + q
-        elif cutlass.const_expr(I & (I - 1) == 0):
+        if I == 1:
+            return lidx * Int32(W) + q
+        if I & (I - 1) == 0:
             s = I.bit_length() - 1
-            g = ((lidx >> Int32(s)) * Int32(W) + q) * Int32(I) + (lidx & Int32(I - 1))
-        else:
-            g = ((lidx // Int32(I)) * Int32(W) + q) * Int32(I) + lidx % Int32(I)
-        return g
+            return ((lidx >> Int32(s)) * Int32(W) + q) * Int32(I) + (lidx & Int32(I - 1))
+        return ((lidx // Int32(I)) * Int32(W) + q) * Int32(I) + lidx % Int32(I)
 
-    @cute.jit
     def owner_of(self, g: Int32) -> Int32:
         """The rank that holds global position g."""
         W, I = self.world, self.interleave
-        q = Int32(0)
-        if cutlass.const_expr(I == 1):
-            q = g % Int32(W)
-        elif cutlass.const_expr(I & (I - 1) == 0):
-            q = (g >> Int32(I.bit_length() - 1)) % Int32(W)
-        else:
-            q = (g // Int32(I)) % Int32(W)
-        return q
+        if I == 1:
+            return g % Int32(W)
+        if I & (I - 1) == 0:
+            return (g >> Int32(I.bit_length() - 1)) % Int32(W)
+        return (g // Int32(I)) % Int32(W)
 
-    @cute.jit
     def local_of(self, g: Int32) -> Int32:
         """Its local index on that rank."""
         W, I = self.world, self.interleave
-        lidx = Int32(0)
-        if cutlass.const_expr(I == 1):
-            lidx = g // Int32(W)
-        elif cutlass.const_expr(I & (I - 1) == 0):
+        if I == 1:
+            return g // Int32(W)
+        if I & (I - 1) == 0:
             s = I.bit_length() - 1
-            lidx = ((g >> Int32(s)) // Int32(W) << Int32(s)) + (g & Int32(I - 1))
-        else:
-            lidx = (g // Int32(I * W)) * Int32(I) + g % Int32(I)
-        return lidx
+            return ((g >> Int32(s)) // Int32(W) << Int32(s)) + (g & Int32(I - 1))
+        return (g // Int32(I * W)) * Int32(I) + g % Int32(I)
 
-    @cute.jit
-    def pair_addr(self, i: cutlass.Constexpr, v: Int32, ctx: Launch, row: Row) -> Int64:
-        """Address of the LL record of round-1 pair group i of this thread (position v).  Where
-        a warp's (or with runs a thread's) positions lie in one list it is a base plus a
-        constant offset: no address registers per pair."""
+    def pair_addr(self, i: int, v: Int32, ctx: Launch, row: Row) -> Int64:
+        """Address of the LL record of this thread's round-1 pair group i (position v): a base and
+        a constant offset where a warp's (runs: a thread's) positions lie in one list."""
         kp = self.kp1
-        a = Int64(0)
-        if cutlass.const_expr(self.runs):
-            v0 = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp)
-            if cutlass.const_expr(self.clus > 1):
-                v0 = v0 + ctx.cbase
-            q0 = v0 // Int32(self.n)
-            j0 = v0 - q0 * Int32(self.n)
-            a = row.ll0 + Int64(q0) * ctx.ll_stride + Int64(j0 >> Int32(1)) * Int64(16) + Int64(i * 16)
-        elif cutlass.const_expr(self.n % (32 * kp) == 0):
-            v0 = ctx.warp * Int32(32 * kp)
-            if cutlass.const_expr(self.clus > 1):
-                v0 = v0 + ctx.cbase
-            q0 = v0 // Int32(self.n)
-            j0 = v0 - q0 * Int32(self.n)
-            a = row.ll0 + Int64(q0) * ctx.ll_stride + Int64((j0 >> Int32(1)) + ctx.lane) * Int64(16) + Int64(i * 512)
-        else:
+        if not self.runs and self.n % (32 * kp) != 0:
             q, j = self.owner(v, False, None)
-            a = C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, j)
-        return a
+            return C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, j)
+        v0 = (ctx.warp * Int32(32) + ctx.lane) * Int32(kp) if self.runs else ctx.warp * Int32(32 * kp)
+        if self.clus > 1:
+            v0 = v0 + ctx.cbase
+        q0 = v0 // Int32(self.n)
+        j0 = v0 - q0 * Int32(self.n)
+        if self.runs:
+            return row.ll0 + Int64(q0) * ctx.ll_stride + Int64(j0 >> Int32(1)) * Int64(16) + Int64(i * 16)
+        return row.ll0 + Int64(q0) * ctx.ll_stride + Int64((j0 >> Int32(1)) + ctx.lane) * Int64(16) + Int64(i * 512)
 
-    @cute.jit
     def mask_addr(self, v: Int32, ctx: Launch, row: Row) -> Int64:
-        """Address of the LL half of the mask word that holds bit 16 of l for position v."""
+        """Address of the LL half of the mask word of position v."""
         q, j = self.owner(v, False, None)
         return C.ll_word_addr(row.ll0 + Int64(q) * ctx.ll_stride, Int32(self.n) + (j >> Int32(5)))
 
-    @cute.jit
     def stale(self, half: Uint64, ep: Int32):
         """Whether an LL half (word | tag << 32) is not yet the row's (tag ep)."""
         return Int32(Uint32(half >> Uint64(32))) != ep
 
+    def add_hbits(self, hbits: Uint32, m: Uint32, j: Int32, i: int) -> Uint32:
+        """hbits with bits 2i, 2i + 1 from the mask word m's bits of list indices j, j + 1."""
+        sh = Uint32(j & Int32(31))
+        return hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
+            ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
+
     @cute.jit
     def load_r1(self, words: cute.Tensor, hb: cute.Tensor, ctx: Launch, row: Row):
-        """Round 1's words into registers.  Every 16-byte LL record (a pair of words) of a batch,
-        and the mask halves, are loaded before any tag is checked (loads in flight together);
-        stale halves are then polled together (poll_batch).  Mask words: the 32 positions of a
-        half-warp in a pair group share one, so lane k < kp loads the one of (group k >> 1,
-        half k & 1) and the warp shuffles it to the lanes that need it (with runs each thread
-        loads its own)."""
+        """Round 1's words into registers: a batch's LL records and mask halves all loaded before
+        any tag is checked.  A half-warp's group shares a mask word: lane k < kp loads that of
+        (group k >> 1, half k & 1) and shuffles it (runs: each thread loads its own)."""
         kp = self.kp1
         npairs = kp // 2
         batch = min(npairs, LOAD_BATCH)
@@ -786,17 +657,13 @@ class Merge:
                 mhalf = P.ld_volatile_u64(self.mask_addr(mpos, ctx, row))
         elif ctx.lane < Int32(kp) and mpos < Int32(self.nk1):
             mhalf = P.ld_volatile_u64(self.mask_addr(mpos, ctx, row))
-        hbits = Uint32(0)
-        mword = Uint32(0)
+        hbits, mword = Uint32(0), Uint32(0)
         for b0 in cutlass.range_constexpr(0, npairs, batch):
             for k in cutlass.range_constexpr(min(batch, npairs - b0)):
                 v = self.pos1(b0 + k, kp, ctx)
-                half0[k] = good
-                half1[k] = good
+                half0[k] = half1[k] = good
                 if v < Int32(self.nk1):
-                    a, c = P.ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ctx, row))
-                    half0[k] = a
-                    half1[k] = c
+                    half0[k], half1[k] = P.ld_volatile_v2_u64(self.pair_addr(b0 + k, v, ctx, row))
             mhalf = self.settle_batch(half0, half1, mhalf, mpos, b0, batch, ctx, row)
             if cutlass.const_expr(b0 == 0):
                 mword = Uint32(mhalf & Uint64(0xFFFFFFFF))
@@ -808,21 +675,15 @@ class Merge:
                 m = mword
                 if cutlass.const_expr(not self.runs):
                     m = cute.arch.shuffle_sync(mword, Int32(2 * i) + (ctx.lane >> Int32(4)))
-                words[2 * i] = w0
-                words[2 * i + 1] = w1
-                sh = Uint32(j & Int32(31))
-                hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
-                    ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
+                words[2 * i], words[2 * i + 1] = w0, w1
+                hbits = self.add_hbits(hbits, m, j, i)
         hb[0] = hbits
 
     @cute.jit
     def settle_batch(self, half0: cute.Tensor, half1: cute.Tensor, mhalf: Uint64, mpos: Int32,
                      b0: cutlass.Constexpr, batch: cutlass.Constexpr, ctx: Launch, row: Row) -> Uint64:
-        """Every half of a loaded batch (and in batch 0 the mask half) with the row's tag;
-        returns the mask half.  One test of every tag, and the polls behind one rarely taken
-        branch, keep the hot path short and straight (cold instruction fetch was a measured
-        stall).  After a timeout or a failure elsewhere each remaining half is waited for in
-        turn, each wait giving up at once."""
+        """Every half of a loaded batch (batch 0: and the mask half) with the row's tag; returns
+        the mask half.  The polls sit behind one rarely taken branch (cold fetch stalled)."""
         ep = row.ep
         npairs = self.kp1 // 2
         bad = Int32(0)
@@ -844,25 +705,20 @@ class Merge:
                 if self.stale(half0[k], ep):
                     half0[k] = Uint64(self.ll_half(self.pair_addr(i, v, ctx, row), True, q, ctx, row))
                 if self.stale(half1[k], ep):
-                    half1[k] = Uint64(self.ll_half(self.pair_addr(i, v, ctx, row) + Int64(layout.LL_HALF_BYTES),
-                                                   True, q, ctx, row))  # fmt: skip
+                    a1 = self.pair_addr(i, v, ctx, row) + Int64(layout.LL_HALF_BYTES)
+                    half1[k] = Uint64(self.ll_half(a1, True, q, ctx, row))
         return mhalf
 
     @cute.jit
     def poll_batch(self, half0: cute.Tensor, half1: cute.Tensor, mhalf: Uint64, mpos: Int32,
                    b0: cutlass.Constexpr, batch: cutlass.Constexpr, ctx: Launch, row: Row):
-        """Re-load every stale half of a round-1 batch (and in batch 0 the mask half) together,
-        predicated, until none is stale; returns (mhalf, bad).  A merge that starts under PDL
-        while its producer runs finds all of its own list stale: waiting for the halves one at
-        a time cost a round trip per half once the data had landed.  The timeout (from the first
-        poll) is recorded here for the owner of a half still stale; once the status is set it
-        returns with bad != 0."""
-        ep = row.ep
-        kp = self.kp1
+        """Re-load every stale half of a batch together, predicated, until none is stale (a merge
+        under PDL finds its own list stale: one wait per half cost a round trip each); returns
+        (mhalf, bad), bad != 0 after a timeout (recorded here) or a failure elsewhere."""
+        ep, kp = row.ep, self.kp1
         npairs = kp // 2
         start = P.globaltimer()
-        bad = Int32(1)
-        go = Int32(1)
+        bad, go = Int32(1), Int32(1)
         while go != Int32(0):
             status_word = P.ld_volatile_u32(ctx.status)
             qbad = Int32(-1)
@@ -874,8 +730,7 @@ class Merge:
             for k in cutlass.range_constexpr(min(batch, npairs - b0)):
                 v = self.pos1(b0 + k, kp, ctx)
                 a0 = self.pair_addr(b0 + k, v, ctx, row)
-                s0 = Int32(self.stale(half0[k], ep))
-                s1 = Int32(self.stale(half1[k], ep))
+                s0, s1 = Int32(self.stale(half0[k], ep)), Int32(self.stale(half1[k], ep))
                 n0 = P.ld_volatile_u64_if(a0, s0)
                 n1 = P.ld_volatile_u64_if(a0 + Int64(layout.LL_HALF_BYTES), s1)
                 if s0 != Int32(0):
@@ -904,10 +759,8 @@ class Merge:
 
     @cute.jit
     def load_r2(self, words: cute.Tensor, hb: cute.Tensor, seg: cute.Tensor, qj: cute.Tensor, ctx: Launch, row: Row):
-        """Round 2's words into registers: segment q is rank q's K-list (rescue slot
-        seg[17 + q] >= 0, plain words) or its round-1 LL list (tags checked in round 1);
-        qj[i] = q << 16 | j of pair group i (owner_p).  No branch per pair: both sources'
-        loads predicated, so every pair's loads are in flight together."""
+        """Round 2's words into registers from each segment's K-list or LL list (tags checked in
+        round 1); qj[i] = q << 16 | j.  Both sources' loads predicated: all in flight together."""
         kp = self.kp2
         nk = seg[self.world]
         hbits = Uint32(0)
@@ -917,8 +770,7 @@ class Merge:
             q, j = self.owner(v, True, seg)
             qj[i] = ((q << Int32(16)) | j) & (Int32(0) - inr)
             s = seg[17 + q]
-            pr = inr & Int32(s >= Int32(0))
-            pl = inr & Int32(s < Int32(0))
+            pr, pl = inr & Int32(s >= Int32(0)), inr & Int32(s < Int32(0))
             rbase = row.resc0 + Int64(cutlass.max(s, Int32(0))) * Int64(self.rescue_row_bytes)
             lbase = row.ll0 + Int64(q) * ctx.ll_stride
             d = P.ld_volatile_u64_if(rbase + Int64(j) * Int64(4), pr)
@@ -929,18 +781,13 @@ class Merge:
             # (a predicated-off load leaves 0, so the two sources can be or-ed)
             w0 = Uint32(d & Uint64(0xFFFFFFFF)) | Uint32(a & Uint64(0xFFFFFFFF))
             w1 = Uint32(d >> Uint64(32)) | Uint32(c & Uint64(0xFFFFFFFF))
-            m = mr | ml
-            sh = Uint32(j & Int32(31))
-            hbits = hbits | (((m >> sh) & Uint32(1)) << Uint32(2 * i)) | (
-                ((m >> (sh + Uint32(1))) & Uint32(1)) << Uint32(2 * i + 1))
-            words[2 * i] = w0
-            words[2 * i + 1] = w1
+            hbits = self.add_hbits(hbits, mr | ml, j, i)
+            words[2 * i], words[2 * i + 1] = w0, w1
         hb[0] = hbits
 
     @cute.jit
     def prefetch_bt(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, ctx: Launch, row: Row):
-        """Block-table entries of this rank's round-1 keys (their l is known once the words are
-        in), loaded now, in flight during the select, by predicated loads (no branch)."""
+        """Block-table entries of this rank's round-1 keys, in flight during the select."""
         kp = self.kp1
         hbits = hb[0]
         for ip in cutlass.range_constexpr(kp // 2):
@@ -953,8 +800,7 @@ class Merge:
 
     @cute.jit
     def prefetch_bt_smem(self, words: cute.Tensor, hb: cute.Tensor, buf: cute.Tensor, ctx: Launch, row: Row):
-        """prefetch_bt for many words per thread: the entries go to buf[j] (j: index in this
-        rank's list; buf is free until a rescue), loads first, then the stores."""
+        """prefetch_bt into buf[j] (j: list index; buf is free until a rescue), loads first."""
         kp = self.kp1
         hbits = hb[0]
         entries = cute.make_rmem_tensor((kp,), Int32)
@@ -975,19 +821,14 @@ class Merge:
                 buf[j + Int32(1)] = entries[2 * ip + 1]
 
     # ------------------------------------------------------------------ the score select
-    # The boundary score from a histogram of (s - lo) >> shift (lo, the range and the count from
-    # warp reductions), a second one over the low shift bits where the range is wide, then the
-    # tie-break on g among the keys of that score only.  Every sum is the CTA's, or for a
-    # clustered round 1 the cluster's (each CTA's read through DSMEM after a cluster barrier).
-    # The words are in registers or, for a rolled round 2, in shared memory (Words).
+    # The boundary score from a histogram of (s - lo) >> shift, a second over the low shift bits,
+    # then a tie-break on g among that score's keys; sums are the CTA's or the cluster's.
 
     @cute.jit
     def warp_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, lane,
                       found: cute.Tensor, slot: cutlass.Constexpr):
-        """One warp: the bin holding the need-th element from the top (need <= total) ->
-        found[slot] = bin, found[slot + 1] = elements above it, found[slot + 2] = its count.
-        Lane k sums the nb / 32 bins ranked k * per .. from the top; a warp scan finds the lane,
-        whose bins the warp then scans (one per lane)."""
+        """One warp: the bin of the need-th element from the top -> found[slot ..] = bin, elements
+        above it, its count (a scan of per-lane sums finds the lane, then one of its bins)."""
         per = nb // 32
         assert per * 32 == nb and per & (per - 1) == 0, nb
         s = Int32(0)
@@ -1010,56 +851,33 @@ class Merge:
             found[slot + 2] = x
 
     @cute.jit
-    def cta_find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, found: cute.Tensor,
-                     slot: cutlass.Constexpr, ctx: Launch):
-        """warp_find_bin by warp 0 between two block barriers (the histogram complete before,
-        found[slot ..] visible to every thread after)."""
-        cute.arch.sync_threads()
-        if ctx.warp == Int32(0):
-            self.warp_find_bin(hist, nb, need, ctx.lane, found, slot)
-        cute.arch.sync_threads()
-
-    @cute.jit
     def find_bin(self, hist: cute.Tensor, nb: cutlass.Constexpr, need: Int32, slot: cutlass.Constexpr,
                  cl: cutlass.Constexpr, sm: MergeSmem, ctx: Launch):
-        """cta_find_bin into sm.found; ``cl``: over the cluster's sum of ``hist`` (a cluster
-        barrier publishes every CTA's, thread k < nb / 4 sums bins 4k .. 4k + 3 over the CTAs by
-        16-byte DSMEM loads, all in flight, into cluster_hist, where warp 0 finds the bin)."""
+        """warp_find_bin by warp 0 between two block barriers, into sm.found; ``cl``: over the
+        cluster's sum of ``hist`` (thread k sums bins 4k .. 4k + 3 of every CTA through DSMEM)."""
         tid = ctx.tid
         if cutlass.const_expr(cl):
             summed = sm.cluster_hist
             P.cluster_sync_local()
             h_a = P.smem_addr(hist) + tid * Int32(16)
             if tid < Int32(nb // 4):
-                g0 = Int32(0)
-                g1 = Int32(0)
-                g2 = Int32(0)
-                g3 = Int32(0)
+                sums = [Int32(0)] * 4
                 for r in cutlass.range_constexpr(self.clus):
-                    a, b, c, d = P.ld_dsmem_v4(P.mapa(h_a, Int32(r)))
-                    g0 = g0 + a
-                    g1 = g1 + b
-                    g2 = g2 + c
-                    g3 = g3 + d
-                summed[Int32(4) * tid] = g0
-                summed[Int32(4) * tid + Int32(1)] = g1
-                summed[Int32(4) * tid + Int32(2)] = g2
-                summed[Int32(4) * tid + Int32(3)] = g3
-            cute.arch.sync_threads()
-            if ctx.warp == Int32(0):
-                self.warp_find_bin(summed, nb, need, ctx.lane, sm.found, slot)
-            cute.arch.sync_threads()
-        else:
-            self.cta_find_bin(hist, nb, need, sm.found, slot, ctx)
+                    part = P.ld_dsmem_v4(P.mapa(h_a, Int32(r)))
+                    sums = [sums[u] + part[u] for u in range(4)]
+                summed[Int32(4) * tid] = sums[0]
+                for u in cutlass.range_constexpr(1, 4):
+                    summed[Int32(4) * tid + Int32(u)] = sums[u]
+            hist = summed
+        cute.arch.sync_threads()
+        if ctx.warp == Int32(0):
+            self.warp_find_bin(hist, nb, need, ctx.lane, sm.found, slot)
+        cute.arch.sync_threads()
 
     @cute.jit
     def word_stats(self, words: cute.Tensor, kp: cutlass.Constexpr):
-        """(count, max, min) of this thread's nonzero word scores.  Branch-free up to
-        BRANCH_FREE_KP words (a per-word `if` is a branch and a convergence barrier): an empty
-        word leaves the max alone and counts as 0xFFFF for the min."""
-        cnt = Int32(0)
-        mx = Int32(0)
-        mn = Int32(0xFFFF)
+        """(count, max, min) of this thread's nonzero scores; branch-free up to BRANCH_FREE_KP."""
+        cnt, mx, mn = Int32(0), Int32(0), Int32(0xFFFF)
         for i in cutlass.range_constexpr(kp):
             sv = Int32(words[i] >> Uint32(16))
             if cutlass.const_expr(kp > BRANCH_FREE_KP):
@@ -1077,9 +895,8 @@ class Merge:
     @cute.jit
     def publish_stats(self, cnt: Int32, mx: Int32, mn: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
                       cl: cutlass.Constexpr = False):
-        """This thread's count / max / min -> the CTA's (warp reductions, one atomic each per
-        warp into stats slot ``slot``), the histograms cleared, one barrier; returns (count,
-        min, max - min).  ``cl``: a cluster barrier, and the cluster's stats."""
+        """This thread's count / max / min -> the CTA's (``cl``: the cluster's) in stats slot
+        ``slot``, the histograms cleared; returns (count, min, max - min)."""
         tid = ctx.tid
         stats, score_hist, score_hist2 = sm.stats, sm.score_hist, sm.score_hist2
         g_hist, g_hist2, g_hist3 = sm.g_hist, sm.g_hist2, sm.g_hist3
@@ -1098,13 +915,10 @@ class Merge:
             score_hist2[tid] = Int32(0)
             g_hist2[tid] = Int32(0)
             g_hist3[tid] = Int32(0)
-        tot = Int32(0)
-        lo = Int32(0)
-        hi = Int32(0)
         if cutlass.const_expr(cl):
             P.cluster_sync_local()
             stats_a = P.smem_addr(stats) + slot * Int32(16)
-            lo = Int32(0xFFFF)
+            tot, hi, lo = Int32(0), Int32(0), Int32(0xFFFF)
             for r in cutlass.range_constexpr(self.clus):
                 a, b, c, _ = P.ld_dsmem_v4(P.mapa(stats_a, Int32(r)))
                 tot = tot + a
@@ -1128,12 +942,10 @@ class Merge:
             shift = shift + Int32(1)
         self.fill_score_hist(src, lo, shift, P.smem_addr(sm.score_hist))
         self.find_bin(sm.score_hist, SCORE_BINS, Int32(K), 0, cl, sm, ctx)
-        b = found[0]
-        above = found[1]
-        m = found[2]
+        b, above, m = found[0], found[1], found[2]
         vth = lo + (b << shift)
         if shift > Int32(0):
-            self.fill_score_hist2(src, lo, shift, b, (Int32(1) << shift) - Int32(1), sm.score_hist2)
+            self.fill_score_hist(src, lo, shift, sm.score_hist2, b, (Int32(1) << shift) - Int32(1))
             self.find_bin(sm.score_hist2, SCORE_BINS2, Int32(K) - above, 3, cl, sm, ctx)
             vth = vth + found[3]
             above = above + found[4]
@@ -1141,53 +953,38 @@ class Merge:
         return vth, above, m
 
     @cute.jit
-    def add_score(self, sv: Int32, lo: Int32, shift: Int32, hist_a: Int32):
-        """Count score sv in the score histogram (an empty word in EMPTY_BIN: no branch)."""
-        b_ = Int32(EMPTY_BIN)
-        if sv != Int32(0):
-            b_ = (sv - lo) >> shift
-        P.red_smem_add(hist_a + b_ * Int32(4), Int32(1))
-
-    @cute.jit
-    def add_score2(self, sv: Int32, lo: Int32, shift: Int32, b: Int32, low: Int32, hist2: cute.Tensor):
-        """Count score sv in the second histogram if it lies in bin b of the first."""
-        if sv != Int32(0) and ((sv - lo) >> shift) == b:
-            cute.arch.atomic_add(hist2.iterator + ((sv - lo) & low), Int32(1), sem="relaxed", scope="cta")
-
-    @cute.jit
-    def fill_score_hist(self, src: Words, lo: Int32, shift: Int32, hist_a: Int32):
+    def fill_score_hist(self, src: Words, lo: Int32, shift: Int32, hist, b: Int32 = None, low: Int32 = None):
+        """Count the words' scores in the first histogram (hist: its shared address) or, given the
+        first's bin b, those in b in the second (hist: the tensor; low: the mask of the low bits)."""
         if cutlass.const_expr(src.grp is None):
             for i in cutlass.range_constexpr(src.kp):
-                sv = Int32(src.regs[i] >> Uint32(16))
-                if cutlass.const_expr(src.kp > BRANCH_FREE_KP):
-                    if sv != Int32(0):
-                        P.red_smem_add(hist_a + ((sv - lo) >> shift) * Int32(4), Int32(1))
-                else:
-                    self.add_score(sv, lo, shift, hist_a)
+                self.add_score(Int32(src.regs[i] >> Uint32(16)), lo, shift, hist, b, low, src.kp > BRANCH_FREE_KP)
         else:
             for p in cutlass.range(src.kp // 2, unroll=1):
                 w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
                 for h in cutlass.range_constexpr(2):
-                    self.add_score(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, hist_a)
+                    self.add_score(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, hist, b, low, False)
 
     @cute.jit
-    def fill_score_hist2(self, src: Words, lo: Int32, shift: Int32, b: Int32, low: Int32, hist2: cute.Tensor):
-        if cutlass.const_expr(src.grp is None):
-            for i in cutlass.range_constexpr(src.kp):
-                self.add_score2(Int32(src.regs[i] >> Uint32(16)), lo, shift, b, low, hist2)
+    def add_score(self, sv: Int32, lo: Int32, shift: Int32, hist, b: Int32, low: Int32, branchy: cutlass.Constexpr):
+        """fill_score_hist of score sv (the first histogram: an empty word in EMPTY_BIN, no branch)."""
+        if cutlass.const_expr(b is not None):
+            if sv != Int32(0) and ((sv - lo) >> shift) == b:
+                cute.arch.atomic_add(hist.iterator + ((sv - lo) & low), Int32(1), sem="relaxed", scope="cta")
+        elif cutlass.const_expr(branchy):
+            if sv != Int32(0):
+                P.red_smem_add(hist + ((sv - lo) >> shift) * Int32(4), Int32(1))
         else:
-            for p in cutlass.range(src.kp // 2, unroll=1):
-                w0, w1 = P.ld_smem_v2(self.r2_addr(p, src.grp))
-                for h in cutlass.range_constexpr(2):
-                    self.add_score2(Int32(Uint32((w0, w1)[h]) >> Uint32(16)), lo, shift, b, low, hist2)
+            b_ = Int32(EMPTY_BIN)
+            if sv != Int32(0):
+                b_ = (sv - lo) >> shift
+            P.red_smem_add(hist + b_ * Int32(4), Int32(1))
 
     @cute.jit
     def tie_break(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
                   cl: cutlass.Constexpr = False) -> Int32:
-        """The need-th smallest g among the m keys of score vth (the selection takes smaller g
-        first).  In a rolled round 2, where every key at vth is selected (a rescued K-list's
-        lowest score is often the boundary), none is needed (W = 8, N = 512: forced rescue
-        40.8 -> 34.0 us)."""
+        """The need-th smallest g among the m keys of score vth; a rolled round 2 skips it where
+        all of them are selected (W = 8, N = 512: forced rescue 40.8 -> 34.0 us)."""
         g_last = Int32(-1)
         if cutlass.const_expr(src.grp is None):
             g_last = self.tie_search(src, vth, m, need, slot, sm, ctx, cl)
@@ -1202,12 +999,10 @@ class Merge:
     @cute.jit
     def tie_search(self, src: Words, vth: Int32, m: Int32, need: Int32, slot: Int32, sm: MergeSmem, ctx: Launch,
                    cl: cutlass.Constexpr) -> Int32:
-        """tie_break: up to EQ_MAX keys ranked one per thread, more by three histograms of g.
-        ``cl``: m and need are the cluster's, and so are the tied keys (or their histograms)."""
+        """tie_break: up to EQ_MAX keys ranked one per thread, more by histograms of g."""
         g_last = Int32(-1)
         if m <= Int32(EQ_MAX):
-            # the g of every key at score vth into sm.tied, at places taken from the stats
-            # slot's tied count, then each one's rank
+            # the g of every key at score vth into sm.tied (places from the slot's tied count)
             c = self.count_tied(src, vth)
             if c != Int32(0):
                 pos = cute.arch.atomic_add(sm.stats.iterator + slot * Int32(4) + Int32(3), c, sem="relaxed",
@@ -1258,8 +1053,7 @@ class Merge:
 
     @cute.jit
     def rank_tied(self, tied: cute.Tensor, m: Int32, need: Int32, found: cute.Tensor, ctx: Launch) -> Int32:
-        """The need-th smallest of the m distinct values tied[0..m) (stored, barrier passed):
-        thread tid < m ranks tied[tid], the winner writes found[6], one barrier."""
+        """The need-th smallest of the m distinct values tied[0..m): thread tid ranks tied[tid]."""
         if ctx.tid < m:
             my = tied[ctx.tid]
             r = Int32(0)
@@ -1274,15 +1068,12 @@ class Merge:
     @cute.jit
     def tie_by_histograms(self, src: Words, vth: Int32, need: Int32, sm: MergeSmem, ctx: Launch,
                           cl: cutlass.Constexpr) -> Int32:
-        """tie_break of many keys: three histograms of u = 2^G - 1 - g (a larger u is a smaller
-        g) over its top 10 bits, the next 6 and the last G - 16 (G >= 17)."""
+        """tie_break of many keys: histograms of u = 2^G - 1 - g, top 10 bits, next 6, the rest."""
         G = self.gbits
         gmax = Int32((1 << G) - 1)
-        u_last = Int32(0)
-        nd = need
+        u_last, nd = Int32(0), need
         for d in cutlass.range_constexpr(3):
-            hi_ = (G, G - 10, G - 16)[d]
-            lo_ = (G - 10, G - 16, 0)[d]
+            hi_, lo_ = (G, G - 10, G - 16)[d], (G - 10, G - 16, 0)[d]
             hist = (sm.g_hist, sm.g_hist2, sm.g_hist3)[d]
             self.fill_g_hist(src, vth, gmax, u_last, hi_, lo_, hist, sm, ctx)
             self.find_bin(hist, (SCORE_BINS, SCORE_BINS2, SCORE_BINS2)[d], nd, 8, cl, sm, ctx)
@@ -1321,17 +1112,14 @@ class Merge:
 
     @cute.jit
     def gather_cluster_tied(self, m: Int32, slot: Int32, sm: MergeSmem, ctx: Launch) -> cute.Tensor:
-        """The cluster's m keys at the boundary score (each CTA's in its tied, counted in its
-        stats slot word 3) into this CTA's cluster_tied after a cluster barrier (which replaces
-        the block barrier after the local gather); returns cluster_tied."""
+        """The cluster's m tied keys (each CTA's tied, counted in stats word 3) -> cluster_tied."""
         tid = ctx.tid
         gathered = sm.cluster_tied
         P.cluster_sync_local()
         stats_a = P.smem_addr(sm.stats) + slot * Int32(16) + Int32(12)
         tied_a = P.smem_addr(sm.tied)
         if tid < m:
-            off = Int32(0)
-            val = Int32(0)
+            off, val = Int32(0), Int32(0)
             for r in cutlass.range_constexpr(self.clus):
                 c = P.ld_dsmem_u32(P.mapa(stats_a, Int32(r)))
                 if tid >= off and tid < off + c:
@@ -1343,11 +1131,8 @@ class Merge:
 
     @cute.jit
     def cluster_counts(self, tot: Int32, failed_here: Int32, sm: MergeSmem, ctx: Launch):
-        """A clustered row's selected counts: this CTA's total, its ranks' counts (their warps'
-        totals: a warp's positions lie in one list) and its failure flag into cluster_totals, a
-        cluster barrier, then from every CTA's (DSMEM): the selected keys (own << 16 | all) of
-        the CTAs before this one, of the row, of this rank; rank_counts[q] (the saturation test);
-        found[7] = 1 when any CTA saw a failure recorded after its waits."""
+        """A clustered row's selected keys (published, then read through DSMEM): of the CTAs
+        before this one, of the row, of this rank; rank_counts; found[7]: any CTA's failure."""
         tid = ctx.tid
         totals, rank_counts, found, warp_sel = sm.cluster_totals, sm.rank_counts, sm.found, sm.warp_sel
         npc = self.world // self.clus  # ranks per CTA
@@ -1362,8 +1147,7 @@ class Merge:
             totals[15] = failed_here
         P.cluster_sync_local()
         xa = P.smem_addr(totals)
-        base = Int32(0)
-        allr = Int32(0)
+        base, allr = Int32(0), Int32(0)
         for r in cutlass.range_constexpr(self.clus):
             x = P.ld_dsmem_u32(P.mapa(xa, Int32(r)))
             allr = allr + x
@@ -1386,16 +1170,11 @@ class Merge:
                    sm: MergeSmem, ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr,
                    qj: cute.Tensor) -> Uint64:
         """Exact top-K of the words in registers and the row's outputs; returns the K-th key (0
-        if fewer than K).  Round 1 also leaves list_start[q] = the selected keys before rank
-        q's list.  ``pre_bt``: 1: btp[i] holds the block-table entry of own key i
-        (prefetch_bt), 2: sm.buf[j] that of own list index j (prefetch_bt_smem), 0: loaded
-        here.  Stats slot ``slot`` was reset before."""
+        if fewer).  ``pre_bt``: the block-table entries in btp (1), in sm.buf (2), or loaded here."""
         cl = self.clus > 1 and not round2  # a clustered round 1 (a round 2 runs on CTA 0 alone)
         src = Words(self.kp2 if round2 else self.kp1, round2, hb[0], regs=words, qj=qj)
-        vth, g_last, kth, failed_here = self.fast_select(src, slot, sm, ctx)
-        # Round 1: the status word, read once every wait of the row is over (barriers above), in
-        # flight during the outputs: found[7] = 1 when a timeout was recorded (the row is then
-        # voided, row_epilogue).
+        vth, g_last, kth, failed_here = self.select(src, self.word_stats(src.regs, src.kp), slot, sm, ctx)
+        # round 1: the status word after the row's last wait, in flight during the outputs
         status_word = Uint32(0)
         if cutlass.const_expr(not round2 and not cl):
             if ctx.tid == Int32(0):
@@ -1424,22 +1203,18 @@ class Merge:
         return kth
 
     @cute.jit
-    def fast_select(self, src: Words, slot: Int32, sm: MergeSmem, ctx: Launch):
-        """(boundary score vth, the largest selected g at vth, the K-th key, this CTA's failure
-        flag): the selection is s > vth, or s == vth and g <= that g."""
+    def select(self, src: Words, stats, slot: Int32, sm: MergeSmem, ctx: Launch):
+        """(boundary score vth, the largest selected g at vth, the K-th key, the failure flag) from
+        this thread's (count, max, min) ``stats``; vth = 0 selects every key of fewer than K."""
         cl = self.clus > 1 and not src.round2
-        K = self.topk
-        G = self.gbits
+        K, G = self.topk, self.gbits
         gmax = Int32((1 << G) - 1)
         failed_here = Int32(0)  # (cl) a failure recorded once this CTA's waits were over
-        vth = Int32(0)
-        g_last = Int32(-1)
-        kth = Uint64(0)
-        cnt, mx, mn = self.word_stats(src.regs, src.kp)
+        vth, g_last, kth = Int32(0), Int32(-1), Uint64(0)
+        cnt, mx, mn = stats
         total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx, cl)
         if cutlass.const_expr(cl):
-            # every wait of this CTA is over (the barrier above): its status word, in flight
-            # during the select, published with the counts (cluster_counts)
+            # the status word after this CTA's waits, published with the counts (cluster_counts)
             if ctx.tid == Int32(0):
                 sw0 = P.ld_volatile_u32(ctx.status)
                 if sw0 == Uint32(layout.STATUS_TIMEOUT_ROUND1) or sw0 == Uint32(layout.STATUS_TIMEOUT_RESCUE):
@@ -1475,8 +1250,7 @@ class Merge:
 
     @cute.jit
     def ballot_counts(self, s0, s1, own, lt: Uint32):
-        """(selected keys of the lanes below this one, of the whole warp), own << 16 | all, of a
-        pair group whose two keys' selection bits are s0, s1 (own: this rank's), by four ballots."""
+        """(selected keys of the lanes below, of the warp), own << 16 | all, of a pair group."""
         b0 = Uint32(cute.arch.vote_ballot_sync(s0))
         b1 = Uint32(cute.arch.vote_ballot_sync(s1))
         o0 = Uint32(cute.arch.vote_ballot_sync(s0 and own))
@@ -1507,10 +1281,8 @@ class Merge:
 
     @cute.jit
     def warp_prefix(self, warp_sel: cute.Tensor, warp):
-        """(the selected keys of the warps before this one, of all), own << 16 | all, from the
-        warp totals (stored, barrier passed)."""
-        before = Int32(0)
-        tot = Int32(0)
+        """(selected keys of the warps before this one, of all), own << 16 | all."""
+        before, tot = Int32(0), Int32(0)
         for w in cutlass.range_constexpr(C.NWARPS):
             x = warp_sel[w]
             if Int32(w) < warp:
@@ -1521,15 +1293,13 @@ class Merge:
     @cute.jit
     def fast_outputs(self, src: Words, sel_bits: Uint32, failed_here: Int32, sm: MergeSmem, ctx: Launch, row: Row,
                      btp: cute.Tensor, pre_bt: cutlass.Constexpr):
-        """The selected keys' output places (an order-preserving compaction: each warp's total,
-        then each key's place in its warp) and the stores; returns the row's (all, own)
-        selected counts."""
+        """The order-preserving compaction's places and stores; returns the row's (all, own)."""
         tid, lane, warp, kp = ctx.tid, ctx.lane, ctx.warp, src.kp
         roll = cutlass.const_expr(not src.round2 and self.roll1)
         warp_sel = sm.warp_sel
         lt = cute.arch.lanemask_lt()
-        run = Int32(0)  # warp-uniform: own << 16 | all (the ballots are recomputed by the stores)
-        run_before = Int32(0)  # (runs) the lanes' before this one
+        # warp-uniform own << 16 | all (the stores recompute the ballots); (runs) the lanes' before this one
+        run, run_before = Int32(0), Int32(0)
         if cutlass.const_expr(roll):
             stage = sm.stage
             for i in cutlass.range_constexpr(kp):  # read back by this thread only
@@ -1538,8 +1308,7 @@ class Merge:
                 _, c2 = self.pair_counts_dyn(sel_bits, ip, kp, lt, ctx)
                 run = run + c2
         elif cutlass.const_expr(self.runs and not src.round2):
-            # this thread's selected keys, the lanes' before it by one warp scan, the warp's
-            # total in every lane
+            # this thread's selected keys, the lanes' before it and the warp's by one warp scan
             q0, _ = self.owner_p(0, src, sm.seg, ctx)
             xa = Int32(cute.arch.popc(sel_bits))
             xr = xa + ((xa * Int32(q0 == ctx.rank)) << Int32(16))
@@ -1554,11 +1323,9 @@ class Merge:
             warp_sel[warp] = run
         cute.arch.sync_threads()
         before, tot = self.warp_prefix(warp_sel, warp)
-        all_run = tot & Int32(0xFFFF)
-        own_run = tot >> Int32(16)
+        all_run, own_run = tot & Int32(0xFFFF), tot >> Int32(16)
         if cutlass.const_expr(self.clus > 1 and not src.round2):
-            # the row's places of this CTA's selected keys start after the CTAs' before it (its
-            # own rank's, if any, are all here: their kv_rows prefix is local)
+            # places after the CTAs' before this one (this rank's keys are all in one CTA)
             cb, all_run, own_run = self.cluster_counts(tot, failed_here, sm, ctx)
             before = before + cb
         if cutlass.const_expr(roll):
@@ -1570,9 +1337,7 @@ class Merge:
     @cute.jit
     def store_rolled(self, hbits: Uint32, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem,
                      ctx: Launch, row: Row):
-        """The stores of a row of more than ROLL_KP words per thread: one pair group per
-        iteration over the words' shared-memory copy, stores predicated; the block-table entry
-        of list index j was prefetched into buf[j]."""
+        """The stores of more than ROLL_KP words per thread: a pair group per iteration."""
         tid, kp = ctx.tid, self.kp1
         trow = Int64(row.t) * Int64(self.topk)
         ids_on = Int32(ctx.ids != Int64(0))
@@ -1584,8 +1349,7 @@ class Merge:
             c1, c2 = self.pair_counts_dyn(sel_bits, ip, kp, lt, ctx)
             e = before + c1
             before = before + c2
-            pos = e & Int32(0xFFFF)
-            kpos = e >> Int32(16)
+            pos, kpos = e & Int32(0xFFFF), e >> Int32(16)
             if j == Int32(0) and v < Int32(self.nk1):
                 list_start[q] = pos
             for h in cutlass.range_constexpr(2):
@@ -1607,8 +1371,7 @@ class Merge:
     @cute.jit
     def bt_entries(self, entries: cute.Tensor, b0: cutlass.Constexpr, src: Words, sel_bits: Uint32, sm: MergeSmem,
                    ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr):
-        """The block-table entries of pair groups b0 .. b0 + 3 (fast_round's pre_bt), before
-        their stores (loads in flight together)."""
+        """The block-table entries of pair groups b0 .. b0 + 3, loads in flight together."""
         kp = src.kp
         for k in cutlass.range_constexpr(8):
             i = b0 * 2 + k
@@ -1635,8 +1398,7 @@ class Merge:
     @cute.jit
     def store_unrolled(self, src: Words, sel_bits: Uint32, before: Int32, run_before: Int32, lt: Uint32,
                        sm: MergeSmem, ctx: Launch, row: Row, btp: cute.Tensor, pre_bt: cutlass.Constexpr):
-        """The stores, four pair groups at a time: ids at the key's place among all selected,
-        kv_rows (this rank's keys) at its place among this rank's; round 1 also list_start."""
+        """The stores, four pair groups at a time; round 1 also list_start."""
         kp = src.kp
         runs = cutlass.const_expr(self.runs and not src.round2)
         trow = Int64(row.t) * Int64(self.topk)
@@ -1645,24 +1407,20 @@ class Merge:
         ids_on = Int32(ctx.ids != Int64(0))
         list_start = sm.list_start
         entries = cute.make_rmem_tensor((8,), Int32)
-        tpos = Int32(0)  # (runs) the next output places of this thread's run
-        tkpos = Int32(0)
+        tpos, tkpos = Int32(0), Int32(0)  # (runs) the next output places of this thread's run
         if cutlass.const_expr(runs):
-            tpos = (before + run_before) & Int32(0xFFFF)
-            tkpos = (before + run_before) >> Int32(16)
+            tpos, tkpos = (before + run_before) & Int32(0xFFFF), (before + run_before) >> Int32(16)
         for b0 in cutlass.range_constexpr(0, kp // 2, 4):
             self.bt_entries(entries, b0, src, sel_bits, sm, ctx, row, btp, pre_bt)
             for ip in cutlass.range_constexpr(b0, min(b0 + 4, kp // 2)):
                 v = self.pos1(ip, kp, ctx)
                 q, j = self.owner_p(ip, src, sm.seg, ctx)
-                pos = tpos
-                kpos = tkpos
+                pos, kpos = tpos, tkpos
                 if cutlass.const_expr(not runs):
                     c1, c2 = self.pair_counts(sel_bits, ip, src, lt, sm.seg, ctx)
                     e = before + c1
                     before = before + c2
-                    pos = e & Int32(0xFFFF)
-                    kpos = e >> Int32(16)
+                    pos, kpos = e & Int32(0xFFFF), e >> Int32(16)
                 if cutlass.const_expr(not src.round2):
                     if j == Int32(0) and v < Int32(self.nk1):
                         list_start[q] = pos
@@ -1675,8 +1433,7 @@ class Merge:
                         pos, kpos = self.store_key(src.regs[i], src.hbits, i, q, sel_bits, pos, kpos, entry, ids_row,
                                                    kv_row, ids_on, ctx, row)  # fmt: skip
                 if cutlass.const_expr(runs):
-                    tpos = pos
-                    tkpos = kpos
+                    tpos, tkpos = pos, kpos
 
     @cute.jit
     def store_key(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32, sel_bits: Uint32, pos: Int32,
@@ -1695,8 +1452,7 @@ class Merge:
     @cute.jit
     def store_key_branchy(self, w: Uint32, hbits: Uint32, i: cutlass.Constexpr, q: Int32, sel_bits: Uint32,
                           pos: Int32, kpos: Int32, entry: Int32, trow: Int64, ctx: Launch, row: Row):
-        """store_key behind a branch per key (many words per thread, where branch-free code
-        made ptxas spill the words)."""
+        """store_key behind a branch (many words per thread: branch-free code spilled)."""
         if ((sel_bits >> Uint32(i)) & Uint32(1)) != Uint32(0):
             lidx = self.lidx_of(w, hbits, i)
             g = self.gpos(lidx, q)
@@ -1723,48 +1479,35 @@ class Merge:
                 P.st_u32(ctx.ids + (trow + Int64(i)) * Int64(4), Int32(-1))
 
     # ------------------------------------------------------------------ round 2 rolled
-    # fast_round's selection and outputs, bit for bit, in loops rolled over a shared-memory copy
-    # of the words (roll2): the register path unrolls every pass over its words (W = 8, N = 512:
-    # 18 a thread, ~66 KB of SASS fetched cold once per rescue); here each pass is one loop body.
+    # fast_round's selection and outputs, bit for bit, in loops over a shared-memory copy: the
+    # unrolled passes (W = 8, N = 512: ~66 KB of SASS) were fetched cold once per rescue.
 
-    @cute.jit
     def r2_addr(self, p: Int32, grp: Round2Smem) -> Int32:
         """Shared address of this thread's round-2 pair group p (8 bytes: its two words)."""
         return (p * Int32(8 * C.TB) + grp.base + (grp.to_mask & (Int32(0) - Int32(p < Int32(R2_H + R2_M))))
                 + (grp.to_hist & (Int32(0) - Int32(p < Int32(R2_H)))))  # fmt: skip
 
-    @cute.jit
     def r2_q(self, p: Int32, qb0: Uint32, qb1: Uint32) -> Int32:
-        """Segment (source rank) of this thread's round-2 pair group p: 4 bits per group,
-        groups 0-7 in qb0, 8-15 in qb1."""
+        """Segment of this thread's round-2 pair group p (4 bits each, groups 8-15 in qb1)."""
         qw = qb0 ^ ((qb0 ^ qb1) & (Uint32(0) - Uint32(p >= Int32(8))))
         return Int32((qw >> (Uint32(p & Int32(7)) * Uint32(4))) & Uint32(15))
 
-    @cute.jit
     def r2_owner(self, v: Int32, segr: cute.Tensor) -> Int32:
         """Segment of position v (< nk) from the segment starts in registers."""
         q = Int32(0)
-        for r in cutlass.range_constexpr(1, self.world):
+        for r in range(1, self.world):
             q = q + Int32(segr[r] <= v)
         return q
 
-    @cute.jit
     def r2_pos(self, p: Int32, ctx: Launch) -> Int32:
         return ctx.warp * Int32(32 * self.kp2) + p * Int32(64) + Int32(2) * ctx.lane
 
     @cute.jit
     def round2_rolled(self, slot: Int32, sm: MergeSmem, ctx: Launch, row: Row):
-        """Round 2 of a rescue over shared memory.  The words come in by cp.async (no register
-        waits, so a rolled loop keeps every copy in flight): pair group p of this thread
-        (positions v, v + 1, v = warp * 32 kp + 64 p + 2 lane, as fast_round) to its 8-byte
-        slot, groups [0, R2_H) in the rescue select's hist1, [R2_H, R2_H + R2_M) in its mask
-        (both free once the K-list is pushed), the rest in stage2, each [group][thread]; the
-        mask words of every segment (word u: positions 32 u .. 32 u + 31, segments start at
-        multiples of 32) to r2m; the block-table entries of this rank's keys to buf[j] (as
-        prefetch_bt_smem), in flight during the select."""
-        tid, TB = ctx.tid, C.TB
-        W = self.world
-        K = self.topk
+        """Round 2 over shared memory: pair groups copied by cp.async (a rolled loop keeps every
+        copy in flight) into hist1, mask, then stage2, the mask words into r2m, this rank's
+        block-table entries into buf[j], in flight during the select."""
+        tid, TB, W = ctx.tid, C.TB, self.world
         seg = sm.seg
         nk = seg[W]
         ah = P.smem_addr(sm.sel.hist1) + tid * Int32(8)
@@ -1777,25 +1520,19 @@ class Merge:
         qb0, qb1 = self.r2_copy(nk, segr, grp, sm, ctx, row)
         hbits, cnt, mx, mn = self.r2_stats(nk, qb0, qb1, grp, sm, ctx, row)
         src = Words(self.kp2, True, hbits, grp=grp, qb0=qb0, qb1=qb1)
-        total, lo, rng = self.publish_stats(cnt, mx, mn, slot, sm, ctx)
-        vth = Int32(0)  # boundary score (0: fewer than K keys, every one selected)
-        g_last = Int32(-1)  # largest selected g at score vth
-        if total >= Int32(K):
-            vth, above, m = self.score_boundary(src, lo, rng, sm, ctx)
-            g_last = self.tie_break(src, vth, m, Int32(K) - above, slot, sm, ctx)
+        vth, g_last, _, _ = self.select(src, (cnt, mx, mn), slot, sm, ctx)
         lt = cute.arch.lanemask_lt()
         sel_bits, run = self.r2_selection(src, vth, g_last, lt, ctx)
+        warp_sel = sm.warp_sel
         if ctx.lane == Int32(0):
-            warp_sel = sm.warp_sel
             warp_sel[ctx.warp] = run
         P.cp_async_wait_all()  # (this thread's block-table entries: read by it alone, below)
         cute.arch.sync_threads()
-        before, tot = self.warp_prefix(sm.warp_sel, ctx.warp)
-        all_run = tot & Int32(0xFFFF)
-        own_run = tot >> Int32(16)
+        before, tot = self.warp_prefix(warp_sel, ctx.warp)
+        all_run, own_run = tot & Int32(0xFFFF), tot >> Int32(16)
         self.r2_store(src, sel_bits, before, lt, sm, ctx, row)
+        list_start = sm.list_start
         if tid == Int32(0):
-            list_start = sm.list_start
             list_start[W] = all_run
             P.st_u32(ctx.counts + Int64(row.t) * Int64(4), own_run)
         self.pad_row(all_run, own_run, tid, C.TB, ctx, row)
@@ -1803,8 +1540,7 @@ class Merge:
 
     @cute.jit
     def r2_copy(self, nk: Int32, segr: cute.Tensor, grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
-        """The mask words, then the words, copied in (cp.async, waited for); returns the
-        segments of this thread's pair groups, 4 bits each (r2_q)."""
+        """The mask words and words copied in; returns the segments of the pair groups (r2_q)."""
         seg = sm.seg
         for u in cutlass.range(ctx.tid, (nk + Int32(31)) >> Int32(5), C.TB, unroll=1):
             q = self.r2_owner(u << Int32(5), segr)
@@ -1814,8 +1550,7 @@ class Merge:
             if s >= Int32(0):
                 src = row.resc0 + Int64(s) * Int64(self.rescue_row_bytes) + Int64(Int32(self.topk) + jm) * Int64(4)
             P.cp_async(grp.masks + u * Int32(4), src, 4)
-        qb0 = Uint32(0)
-        qb1 = Uint32(0)
+        qb0, qb1 = Uint32(0), Uint32(0)
         for p in cutlass.range(self.kp2 // 2, unroll=1):
             v = self.r2_pos(p, ctx)
             dst = self.r2_addr(p, grp)
@@ -1843,13 +1578,9 @@ class Merge:
 
     @cute.jit
     def r2_stats(self, nk: Int32, qb0: Uint32, qb1: Uint32, grp: Round2Smem, sm: MergeSmem, ctx: Launch, row: Row):
-        """(hbits, count, max, min) of this thread's words (word_stats), and the copies of this
-        rank's block-table entries started."""
+        """(hbits, count, max, min) of this thread's words; the block-table copies started."""
         seg = sm.seg
-        hbits = Uint32(0)
-        cnt = Int32(0)
-        mx = Int32(0)
-        mn = Int32(0xFFFF)
+        hbits, cnt, mx, mn = Uint32(0), Int32(0), Int32(0), Int32(0xFFFF)
         nmw = (nk + Int32(31)) >> Int32(5)
         for p in cutlass.range(self.kp2 // 2, unroll=1):
             v = self.r2_pos(p, ctx)
@@ -1877,8 +1608,7 @@ class Merge:
     def r2_selection(self, src: Words, vth: Int32, g_last: Int32, lt: Uint32, ctx: Launch):
         """(selection bits, the warp's selected keys own << 16 | all), as fast_round's."""
         grp, hbits = src.grp, src.hbits
-        sel_bits = Uint32(0)
-        run = Int32(0)
+        sel_bits, run = Uint32(0), Int32(0)
         for p in cutlass.range(self.kp2 // 2, unroll=1):
             w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
             q = self.r2_q(p, src.qb0, src.qb1)
@@ -1896,8 +1626,7 @@ class Merge:
 
     @cute.jit
     def r2_store(self, src: Words, sel_bits: Uint32, before: Int32, lt: Uint32, sm: MergeSmem, ctx: Launch, row: Row):
-        """The outputs, an order-preserving compaction (places ascend with warp, group, lane,
-        h), stores predicated."""
+        """The outputs (places ascend with warp, group, lane, h), stores predicated."""
         seg, grp, hbits = sm.seg, src.grp, src.hbits
         trow = Int64(row.t) * Int64(self.topk)
         ids_on = Int32(ctx.ids != Int64(0))
@@ -1911,8 +1640,7 @@ class Merge:
             c1, c2 = self.ballot_counts((sp & Uint32(1)) != Uint32(0), (sp & Uint32(2)) != Uint32(0), q == ctx.rank, lt)
             e = before + c1
             before = before + c2
-            pos = e & Int32(0xFFFF)
-            kpos = e >> Int32(16)
+            pos, kpos = e & Int32(0xFFFF), e >> Int32(16)
             w0, w1 = P.ld_smem_v2(self.r2_addr(p, grp))
             bt0, bt1 = P.ld_smem_v2(grp.buf + j * Int32(4))
             for h in cutlass.range_constexpr(2):
@@ -1930,17 +1658,13 @@ class Merge:
 
     @cute.jit
     def saturated_ranks(self, kth: Uint64, sm: MergeSmem, ctx: Launch) -> Int32:
-        """The mask of the ranks all of whose N keys were selected and whose key is not the
-        K-th: their lists may hide keys above it (CTA-uniform: from shared counts).  Lane q < W
-        of every warp tests rank q, one ballot gives the mask (a loop over the ranks in every
-        thread was ~2.5% of the normal path's instructions at W = 8)."""
-        W = self.world
-        lane = ctx.lane
+        """The mask of ranks whose N keys were all selected and whose key is not the K-th (lane q
+        tests rank q, one ballot: a loop over the ranks was ~2.5% of the instructions at W = 8)."""
+        W, lane = self.world, ctx.lane
         t_owner = Int32(-1)
         if kth != Uint64(0):
             t_owner = self.owner_of(Int32(Uint64((1 << self.gbits) - 1) - (kth & Uint64((1 << self.gbits) - 1))))
         q = cutlass.min(lane, Int32(W - 1))
-        selected = Int32(0)
         if cutlass.const_expr(self.fast1 and self.clus == 1):
             selected = sm.list_start[q + Int32(1)] - sm.list_start[q]
         else:
@@ -1954,9 +1678,8 @@ class Merge:
 
     @cute.jit
     def rescue(self, mask: Int32, words: cute.Tensor, hb: cute.Tensor, sm: MergeSmem, ctx: Launch, row: Row):
-        """A rescue of the row: the saturated ranks push their K-lists, every rank waits for
-        their flags and selects round 2 over (the other lists) + (the K-lists), rewriting the
-        outputs; the row's rescue count goes up (the next rescue's flags carry seq + 2)."""
+        """The saturated ranks push their K-lists, every rank waits for their flags and rewrites
+        the outputs from round 2; the row's rescue count goes up."""
         tid = ctx.tid
         flag_val = row.seq + Int32(1)
         if ((mask >> ctx.rank) & Int32(1)) != Int32(0):
@@ -1968,8 +1691,7 @@ class Merge:
                 self.wait_tag(addr, flag_val, True, layout.STATUS_TIMEOUT_RESCUE, tid, ctx, row)
         if tid == Int32(0):
             seg = sm.seg
-            off = Int32(0)
-            s = Int32(0)
+            off, s = Int32(0), Int32(0)
             for q in cutlass.range_constexpr(self.world):
                 seg[q] = off
                 if ((mask >> Int32(q)) & Int32(1)) != Int32(0):
@@ -1996,12 +1718,10 @@ class Merge:
 
     @cute.jit
     def push_klist(self, mask: Int32, flag_val: Int32, sm: MergeSmem, ctx: Launch, row: Row):
-        """This saturated rank's local top-K (the producer's K-list, or selected here from its
-        logits, which the kernel before the producer wrote: the grid chain is waited for) into
+        """This rank's local top-K (the producer's K-list, or selected here from its logits) into
         its slot of every rank's rescue row, then its flag released to every rank."""
         tid, t, W = ctx.tid, row.t, self.world
         P.pdl_wait()
-        klist = Int64(0)
         if cutlass.const_expr(self.klist):
             klist = C.state_klist(ctx.state, ctx.max_rows, t, self.rw_k)
         else:
@@ -2026,9 +1746,8 @@ class Merge:
                     P.st_v4(dst + Int64(i) * Int64(16), buf[4 * i], buf[4 * i + 1], buf[4 * i + 2], buf[4 * i + 3])
         cute.arch.sync_threads()
         foff = ctx.flags_off + C.flag_offset(ctx.rank, t, ctx.max_rows)
-        # Lane p of warp 0: fence.acq_rel.sys then a relaxed.sys store of rank p's flag, a
-        # release pattern (PTX memory model); the barrier above orders the CTA's stores before
-        # each lane's fence (cumulativity).  One MEMBAR for the warp, the W stores at once.
+        # lane p: fence.acq_rel.sys, relaxed.sys store of rank p's flag (a release; the barrier
+        # orders the CTA's stores before each fence by cumulativity)
         if tid < Int32(W):
             pa = P.ld_u64(ctx.peers + Int64(tid) * Int64(8))
             P.fence_sys()
@@ -2049,12 +1768,8 @@ class Merge:
         lane = cute.arch.lane_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         sm = MergeSmem(self)
-        # CTA b does rows b, b + G, ...; a clustered row t runs on cluster t, its CTAs in the
-        # order of their rank crank in it
-        nstep = nblk
-        t = Int32(bid)
-        crank = None
-        cbase = None
+        # CTA b does rows b, b + G, ...; a clustered row t runs on cluster t
+        nstep, t, crank, cbase = nblk, Int32(bid), None, None
         if cutlass.const_expr(self.clus > 1):
             if cute.arch.cluster_size() != Int32(self.clus):
                 P.trap()  # launched without its cluster: DSMEM would address CTAs that do not exist
@@ -2074,29 +1789,22 @@ class Merge:
             if (tid & Int32(3)) == Int32(2):
                 stats[tid] = Int32(0xFFFF)
         cute.arch.sync_threads()
-        rowi = Int32(0)
-        last_f = Int32(0)
-        finished = Int32(0)  # the launch's end done (after a last row without a rescue)
-        refused = Int32(0)
-        # The first row's epoch, loaded with the status word (a plain load of this rank's own
-        # state: harmless even when the call is refused); later rows' are loaded a row ahead.
-        # Only this CTA touches its rows' epochs.
+        # (finished: the launch's end done, after a last row without a rescue)
+        rowi, last_f, finished, refused = Int32(0), Int32(0), Int32(0), Int32(0)
+        # the first row's epoch, loaded with the status word; later rows' a row ahead
         epn = Int32(0)
         if t < rows:
             epn = P.ld_u32(C.state_epoch(state, max_rows, t))
-        # A failed or closed exchange (status set before this launch) does no exchange work:
-        # empty outputs, no wait, no store to a peer, no epoch bump (layout.py).
+        # a failed or closed exchange does no exchange work: empty outputs, no epoch bump
         stw0 = P.ld_volatile_u32(status)
         if cutlass.const_expr(self.clus > 1):
-            # CTA 0's word for the whole cluster (its CTAs must pass the same cluster barriers);
-            # this barrier also has every CTA of the cluster running before any DSMEM access
+            # CTA 0's word for the cluster (all pass the same barriers); every CTA runs before DSMEM
             totals = sm.cluster_totals
             if tid == Int32(0):
                 totals[14] = Int32(stw0)
             P.cluster_sync_local()
             stw0 = Uint32(P.ld_dsmem_u32(P.mapa(P.smem_addr(totals) + Int32(56), Int32(0))))
-        # page_of's multiplier: one 64-bit division per launch, while the loads above are in
-        # flight (block_size < 1 never reaches a lookup: req_ok is 0 then)
+        # page_of's multiplier, while the loads above are in flight (block_size < 1: req_ok is 0)
         page_div = (Uint64(1) << Uint64(PAGE_SHIFT)) // Uint64(cutlass.max(block_size, Int32(1))) + Uint64(1)
         ctx = Launch(tid, lane, warp, peers, local, state, logits, row_ends, kv_rows, counts, ids, saturated,
                      rows, cols, bt_cols, block_size, rank, max_rows, rescue_off, flags_off, host_status,
@@ -2142,13 +1850,11 @@ class Merge:
         # rescue row [t, 0] (layout.rescue_row_offset with slot 0)
         resc0 = ctx.local + ctx.rescue_off + Int64(t) * Int64(self.slots * self.rescue_row_bytes)
         req = P.ld_u32(req_id + Int64(t) * Int64(4))
-        req_ok = Int32(0)
-        bt_row = block_table
+        req_ok, bt_row = Int32(0), block_table
         if req >= Int32(0) and req < bt_rows and ctx.block_size > Int32(0):
             req_ok = Int32(1)
             bt_row = block_table + Int64(req) * Int64(ctx.bt_cols) * Int64(4)
-        # stats slots of this row: 2 * (rowi & 1) + round; the other row parity's reset (last
-        # read before the previous row's final barrier)
+        # stats slots 2 * (rowi & 1) + round; the other parity's reset (read before the last barrier)
         slot = Int32(2) * (rowi & Int32(1))
         if ctx.tid < Int32(8):
             stats = sm.stats
@@ -2162,7 +1868,6 @@ class Merge:
     def round1(self, words: cute.Tensor, hb: cute.Tensor, btp: cute.Tensor, sm: MergeSmem, ctx: Launch,
                row: Row) -> Uint64:
         """Round 1: wait for the W lists, select, write the outputs; returns the K-th key."""
-        kth = Uint64(0)
         if cutlass.const_expr(self.fast1):
             self.load_r1(words, hb, ctx, row)
             if cutlass.const_expr(self.pre_bt):
@@ -2181,14 +1886,11 @@ class Merge:
     @cute.jit
     def end_row(self, mask: Int32, epn: Int32, last_f: Int32, finished: Int32, refused: Int32, rowi: Int32,
                 words: cute.Tensor, hb: cute.Tensor, sm: MergeSmem, ctx: Launch, row: Row):
-        """The row's rescue, if any, and its end; returns (the next row's epoch, the failure
-        flag, whether the launch's end is done)."""
+        """The row's rescue, if any, and its end; returns (next epoch, failure flag, finished)."""
         t, nstep = row.t, ctx.nstep
         if cutlass.const_expr(self.clus > 1):
-            # A clustered row ends on CTA 0 (mask and found[7] are the cluster's).  Where CTA 0
-            # then rewrites the outputs (a rescue's round 2, or the empty row of a failed call),
-            # a cluster barrier that releases global memory first orders the other CTAs'
-            # round-1 stores before its stores; the others go on to their next row.
+            # a clustered row ends on CTA 0; where it rewrites the outputs, a cluster barrier
+            # first orders the other CTAs' round-1 stores before its own
             if mask != Int32(0) or sm.found[7] != Int32(0):
                 P.cluster_sync()
             if ctx.crank == Int32(0):
@@ -2204,9 +1906,7 @@ class Merge:
                 self.rescue(mask, words, hb, sm, ctx, row)
             epn, last_f = self.row_epilogue(mask, None, epn, sm, ctx, row)
         else:
-            # The end of a row without a rescue sits before the rescue's code (a one-CTA select
-            # and a second round, ~100 KB of SASS): after it, the normal path fetched its end
-            # cold on every launch (most of its extra no-instruction stalls, ncu).
+            # a row without a rescue ends before the rescue's ~100 KB of code (else fetched cold)
             if mask == Int32(0):
                 epn, last_f, finished = self.end_plain_row(mask, epn, finished, refused, rowi, sm, ctx, row)
             else:
@@ -2228,11 +1928,9 @@ class Merge:
 
     @cute.jit
     def row_epilogue(self, mask: Int32, plain: cutlass.Constexpr, epn: Int32, sm: MergeSmem, ctx: Launch, row: Row):
-        """The row's end: its saturated mask, the next row's epoch loaded, the producer grid
-        waited for, the row voided on a failure, the epoch bumped.  ``plain``: True for a row
-        without a rescue, False for one with, None: decided by ``mask`` (a register-path row
-        without a rescue reuses the status word read after its last wait: found[7], published by
-        the outputs' final barrier).  Returns (the next row's epoch, the failure flag)."""
+        """The row's end: the next epoch loaded, the producer grid waited for, the row voided on a
+        failure, the epoch bumped.  ``plain`` (None: by ``mask``): no rescue, so found[7] holds
+        the status read after the row's last wait.  Returns (next epoch, failure flag)."""
         tid, t, nstep = ctx.tid, row.t, ctx.nstep
         if ctx.saturated != Int64(0):
             if tid == Int32(0):
@@ -2241,9 +1939,7 @@ class Merge:
             epn = P.ld_u32(C.state_epoch(ctx.state, ctx.max_rows, t + Int32(nstep)))
         # every word of the row was read; the producer grid is done
         P.pdl_wait()
-        # A failure anywhere in the grid (status set) voids this row: waits that gave up read
-        # stale words, so the row gets empty outputs, never a guess.  (failed() starts with a
-        # barrier: every thread is done reading the row.)
+        # a failure anywhere voids the row: waits that gave up read stale words
         f = Int32(0)
         if cutlass.const_expr(self.fast1 and plain is None):
             if mask == Int32(0):
@@ -2265,11 +1961,8 @@ class Merge:
         """The launch's end for this CTA: withdraw on a failure, the host's status copy."""
         report = refused
         if refused == Int32(0):
-            # This call failed here or elsewhere in the grid: withdraw this rank's pushed rows
-            # from every peer (both parities), so that a peer arriving late times out too
-            # instead of pairing its call with this one's words (the producer grid is complete).
-            # A CTA that merged rows reuses its last row's check: a status never clears within
-            # a launch, and the CTA whose wait failed sees it (withdraw is idempotent).
+            # a failed call withdraws this rank's rows, so that a late peer times out too instead
+            # of pairing with this call's words (a CTA that merged rows reuses its last check)
             P.pdl_wait()
             fe = last_f
             if cutlass.const_expr(self.clus > 1):
@@ -2281,10 +1974,7 @@ class Merge:
             if fe != Int32(0):
                 self.withdraw(ctx)
             report = fe
-        # The host's copy of a set status (pinned words that op.jit's poll and the launcher's
-        # handlers read without a sync): written by a refused launch or a CTA that saw this
-        # launch fail; a healthy launch writes nothing (the copy starts at 0, a status never
-        # clears).
+        # the host's pinned copy of a set status; a healthy launch writes nothing
         if ctx.host_status != Int64(0):
             if report != Int32(0):
                 if ctx.tid == Int32(0):
@@ -2292,8 +1982,7 @@ class Merge:
 
     @cute.jit
     def report(self, ctx: Launch):
-        """Copy the status words [code, row, epoch, rank] to the host, the code last (a reader
-        that sees the code sees the rest)."""
+        """Copy the status words to the host, the code last (whoever sees it sees the rest)."""
         for i in cutlass.range_constexpr(layout.STATUS_REPORT_WORDS):
             if cutlass.const_expr(i != layout.STATUS_CODE):
                 P.st_volatile_u32(ctx.host_status + Int64(4 * i), Int32(P.ld_volatile_u32(C.status_word(ctx.status, i))))
@@ -2316,9 +2005,8 @@ class Merge:
 
     @cute.jit
     def withdraw(self, ctx: Launch):
-        """Overwrite the first LL record of each of this rank's rows, both parities, in every
-        rank's buffer, with a tag 2^31 away from the row's epoch: no reader within 2^31 calls
-        accepts it (idempotent: every failed CTA may do it)."""
+        """Tag the first LL record of this rank's rows (both parities) on every rank 2^31 away
+        from the row's epoch: no reader accepts it (idempotent)."""
         max_rows = ctx.max_rows
         for p in cutlass.range(self.world, unroll=1):
             base = P.ld_u64(ctx.peers + Int64(p) * Int64(8))
@@ -2356,8 +2044,7 @@ class Merge:
             grid=(rows, 1, 1), block=(C.TB, 1, 1), smem=self.smem)
 
     def compile(self, arch: str | None = None, dump_dir: str = "."):
-        """The compiled kernel for the configuration's target (``arch``: None or that one; cached
-        on this object; the DSL writes its PTX and cubin into ``dump_dir``)."""
+        """The compiled kernel for the configuration's target (cached; PTX, cubin in dump_dir)."""
         arch = arch or self.config.arch
         if arch != self.config.arch:
             raise ValueError(f"a merge configured for {self.config.arch} cannot compile for {arch}")
